@@ -1,0 +1,279 @@
+"""Reading checkpoints into `model.Transformer`: HuggingFace directories, GGUF files, and the
+engine's converted directories (which are HuggingFace directories: config.json + safetensors +
+tokenizer files, so transformers can load them too).
+
+All routes produce a HuggingFace-named state dict in rotate-half q/k layout, which
+`engine_state_dict` renames and fuses (q|k|v, gate|up) for `model.py`.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model import ModelArgs, Transformer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, truncated, or not something this engine can run."""
+
+
+# --------------------------------------------------------------------------- safetensors
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of one .safetensors file, memory-mapped (copy-on-write) instead of read."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            header_len = int.from_bytes(f.read(8), "little")
+            if size < 8 or 8 + header_len > size:
+                raise CheckpointError(f"{path}: truncated safetensors file (header says {header_len} bytes)")
+            header = json.loads(f.read(header_len))
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + header_len else b""
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+    base = 8 + header_len
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        if base + end > size:
+            raise CheckpointError(f"{path}: truncated (tensor {name} ends past the end of the file)")
+        dtype = _ST_DTYPES[info["dtype"]]
+        count = (end - start) // dtype.itemsize
+        t = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0, dtype=dtype)
+        tensors[name] = t.reshape(info["shape"])
+    return tensors
+
+
+def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """ModelArgs and HF-named tensors of a HuggingFace (or converted) model directory."""
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{path}: no config.json (expected a HuggingFace model directory)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path}: invalid JSON ({e})") from e
+    try:
+        args = ModelArgs.from_hf_config(config)
+    except ValueError as e:
+        raise CheckpointError(f"{config_path}: {e}") from e
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights (PyTorch .bin files are not supported)")
+    tensors = {}
+    for name in files:
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path}: weight file {name} listed in the index is missing")
+        tensors.update(read_safetensors(path / name))
+    return args, tensors
+
+
+# --------------------------------------------------------------------------- GGUF
+
+# GGUF tensor name -> HF name (per layer names use {i})
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+}
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.")
+
+
+def gguf_metadata(reader) -> dict:
+    """All GGUF key/value fields as Python values (large token arrays included)."""
+    meta = {}
+    for name, fld in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        meta[name] = fld.contents()
+    return meta
+
+
+def args_from_gguf(meta: dict, tensor_names: set[str]) -> ModelArgs:
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "mistral"):
+        raise CheckpointError(f"unsupported GGUF architecture {arch!r}; supported: llama, mistral")
+
+    def get(key, default=None, required=True):
+        full = f"{arch}.{key}"
+        if full not in meta:
+            if required:
+                raise CheckpointError(f"GGUF metadata is missing required field {full}")
+            return default
+        return meta[full]
+
+    n_heads = int(get("attention.head_count"))
+    dim = int(get("embedding_length"))
+    vocab = get("vocab_size", None, required=False)
+    if vocab is None:
+        vocab = len(meta.get("tokenizer.ggml.tokens") or [])
+    head_dim = get("attention.key_length", None, required=False) or get("rope.dimension_count", dim // n_heads, required=False)
+    scaling = None
+    if get("rope.scaling.type", "none", required=False) == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    return ModelArgs(
+        vocab_size=int(vocab), dim=dim, n_layers=int(get("block_count")), n_heads=n_heads,
+        n_kv_heads=int(get("attention.head_count_kv", n_heads, required=False)),
+        intermediate_size=int(get("feed_forward_length")), head_dim=int(head_dim),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0, required=False)), rope_scaling=scaling,
+        max_position_embeddings=int(get("context_length", 4096, required=False)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        sliding_window=get("attention.sliding_window", None, required=False),
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+    )
+
+
+def _unpermute_gguf(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """GGUF stores q/k rows in interleaved-pair RoPE order; back to HF's rotate-half order."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize_gguf_tensor(t) -> np.ndarray:
+    """A GGUF tensor as float32 numpy in (rows, cols) order; clear error for unknown types."""
+    import gguf
+
+    kind = t.tensor_type
+    try:
+        return gguf.quants.dequantize(t.data, kind).astype(np.float32, copy=False)
+    except (NotImplementedError, KeyError) as e:
+        raise CheckpointError(f"tensor {t.name}: GGUF type {kind.name} cannot be dequantized "
+                              f"by this engine") from e
+
+
+def read_gguf(path: Path):
+    """(ModelArgs, HF-named float32 tensors, metadata dict) of a .gguf file."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on truncated/corrupt files
+        raise CheckpointError(f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from e
+    meta = gguf_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    args = args_from_gguf(meta, names)
+    if "rope_freqs.weight" in names:  # Llama 3.1 GGUFs carry the rope scaling as a tensor
+        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        args.rope_scaling = {"rope_type": "freq_factors", "factors": np.asarray(factors.data, np.float32).tolist()}
+    tensors = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        m = _GGUF_LAYER.match(t.name)
+        key = t.name.replace(m.group(0), "blk.{i}.") if m else t.name
+        if key not in _GGUF_NAMES:
+            raise CheckpointError(f"{path}: unexpected tensor {t.name} for a llama model")
+        w = dequantize_gguf_tensor(t)
+        if key.startswith("blk.{i}.attn_q."):
+            w = _unpermute_gguf(w, args.n_heads)
+        elif key.startswith("blk.{i}.attn_k."):
+            w = _unpermute_gguf(w, args.n_kv_heads)
+        hf_name = _GGUF_NAMES[key].format(i=m.group(1) if m else "")
+        tensors[hf_name] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
+    return args, tensors, meta
+
+
+# --------------------------------------------------------------------------- to model.py
+
+def engine_state_dict(args: ModelArgs, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to model.py's names, fusing q|k|v and gate|up."""
+    def take(name):
+        if name not in hf:
+            raise CheckpointError(f"checkpoint is missing tensor {name}")
+        return hf[name]
+
+    sd = {"tok_embeddings.weight": take("model.embed_tokens.weight"),
+          "norm.weight": take("model.norm.weight")}
+    if not args.tie_word_embeddings:
+        sd["output.weight"] = take("lm_head.weight")
+    for i in range(args.n_layers):
+        p, a = f"model.layers.{i}.", f"layers.{i}."
+        attn = [take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+        sd[a + "attention.wqkv.weight"] = torch.cat(attn)
+        if args.attention_bias:
+            sd[a + "attention.wqkv.bias"] = torch.cat([take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
+        sd[a + "attention.wo.weight"] = take(f"{p}self_attn.o_proj.weight")
+        sd[a + "feed_forward.w13.weight"] = torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")])
+        sd[a + "feed_forward.w2.weight"] = take(f"{p}mlp.down_proj.weight")
+        sd[a + "attention_norm.weight"] = take(f"{p}input_layernorm.weight")
+        sd[a + "ffn_norm.weight"] = take(f"{p}post_attention_layernorm.weight")
+    return sd
+
+
+def build_model(args: ModelArgs, hf_tensors: dict, device, dtype: torch.dtype) -> Transformer:
+    """Construct on the meta device, then assign the (cast) checkpoint tensors."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in engine_state_dict(args, hf_tensors).items()}
+    if args.tie_word_embeddings:
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+    try:
+        model.load_state_dict(sd, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint does not fit the config: {e}") from e
+    if args.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.eval()
+
+
+def read_checkpoint(path) -> tuple[ModelArgs, dict, str]:
+    """(args, HF-named tensors, kind) for a .gguf file or a model directory."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_dir():
+        args, tensors = read_hf_dir(path)
+        return args, tensors, "dir"
+    if path.suffix == ".gguf":
+        args, tensors, _ = read_gguf(path)
+        return args, tensors, "gguf"
+    raise CheckpointError(f"{path}: expected a model directory or a .gguf file")
+
+
+def write_converted_dir(out: Path, args: ModelArgs, hf_tensors: dict, tokenizer) -> None:
+    """Write a HuggingFace-format directory (config.json, model.safetensors, tokenizer files)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = args.to_hf_config()
+    config["torch_dtype"] = "float32"
+    if tokenizer.bos_id is not None:
+        config["bos_token_id"] = tokenizer.bos_id
+    config["eos_token_id"] = tokenizer.eos_ids[0] if len(tokenizer.eos_ids) == 1 else tokenizer.eos_ids
+    tensors = {k: v.contiguous() for k, v in hf_tensors.items()}
+    if args.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.write_hf_files(out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,0 +1,333 @@
+"""Generate text with a Llama-family model and a pluggable KV-cache policy.
+
+    python engine.py --checkpoint checkpoints/SmolLM2-135M-Instruct --chat --prompt "Hi"
+
+Run as a script, this sets OMP_WAIT_POLICY=ACTIVE unless you set it: PyTorch's OpenMP
+threads otherwise sleep between ops, which costs milliseconds per op on small CPUs.
+"""
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+
+import argparse
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from cache import PolicyError, make_policy, policy_names
+from checkpoint import CheckpointError, build_model, read_checkpoint
+from model import Transformer
+from tokenizer import Tokenizer, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UsageError(ValueError):
+    """Bad input from the user: reported as a one-line message, never a traceback."""
+
+
+# --------------------------------------------------------------------------- loading
+
+def resolve_device(device: Optional[str]) -> torch.device:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda requested but no CUDA GPU is available")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"unsupported device {device}; use cpu or cuda")
+    return device
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise UsageError(f"unsupported dtype {dtype}; use one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise UsageError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(checkpoint, device="cpu", dtype=None) -> tuple[Transformer, Tokenizer]:
+    """Load a HuggingFace/converted directory or a .gguf file -> (model, tokenizer)."""
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    args, tensors, _ = read_checkpoint(checkpoint)
+    tokenizer = load_tokenizer(checkpoint)
+    model = build_model(args, tensors, device, dtype)
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------- sampling
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
+           top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V] without host syncs (greedy when temperature == 0)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) >= top_p      # always keeps the top token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    # Gumbel-style sampling: argmax(p / Exp(1)) ~ Categorical(p), no torch.multinomial sync
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(-1)
+
+
+# --------------------------------------------------------------------------- generation
+
+@dataclass
+class GenerationResult:
+    texts: list[str]
+    tokens: list[list[int]]            # generated ids per sequence, up to (excluding) EOS
+    prompt_lengths: list[int]
+    stats: dict = field(default_factory=dict)
+
+
+def decode_step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, n_filled: int) -> torch.Tensor:
+    """One decode forward: token [B, 1] at input_pos [B, 1] -> logits [B, V].
+
+    `n_filled` (the cache's live length) comes in as an argument so `torch.compile` treats it
+    as a dynamic int: one compiled graph serves every step."""
+    model.cache.n_filled = n_filled
+    return model(token, input_pos)[:, -1]
+
+
+def prefill_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, n_filled: int) -> torch.Tensor:
+    """One prefill chunk: tokens [B, T] -> last-position logits [B, V]."""
+    model.cache.n_filled = n_filled
+    return model(tokens, input_pos, last_only=True)[:, -1]
+
+
+_compiled: dict = {}
+
+
+def compiled_steps(device: torch.device):
+    """(prefill, decode) compiled once per process: Inductor on CPU, CUDA graphs on GPU."""
+    if device.type not in _compiled:
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        _compiled[device.type] = (torch.compile(prefill_step, dynamic=True),
+                                  torch.compile(decode_step, dynamic=True, mode=mode))
+    return _compiled[device.type]
+
+
+def encode_prompts(tokenizer: Tokenizer, prompts: Sequence, chat: bool) -> list[list[int]]:
+    encoded = []
+    for p in prompts:
+        if isinstance(p, str):
+            if not p.strip():
+                raise UsageError("empty prompt")
+            if chat:
+                text = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                ids = tokenizer.encode(text, add_special_tokens=False)
+            else:
+                ids = tokenizer.encode(p)
+        else:
+            ids = list(p)
+        if not ids:
+            raise UsageError("empty prompt")
+        encoded.append(ids)
+    return encoded
+
+
+def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_new_tokens: int = 64,
+             temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+             seed: Optional[int] = None, policy=None, max_seq_length: Optional[int] = None,
+             chat: bool = False, compile: bool = False, prefill_chunk: int = 1024,
+             stop_check_every: int = 8) -> GenerationResult:
+    """Generate for a batch of prompts (str or token-id lists, any lengths).
+
+    Prompts are left-padded to a common length; every sequence keeps its own positions
+    (0 at its first real token) and padding is never attended.  Each sequence stops at its
+    own EOS; the loop ends when all have (checked every `stop_check_every` steps, the only
+    host sync of the decode loop).  `policy` is a cache policy object (DenseCache if None).
+    """
+    if max_new_tokens < 1:
+        raise UsageError("max_new_tokens must be at least 1")
+    device = model.output.weight.device
+    ids = encode_prompts(tokenizer, prompts, chat)
+    lengths = [len(x) for x in ids]
+    B, T = len(ids), max(lengths)
+    needed = T + max_new_tokens
+    context = model.args.max_position_embeddings
+    if max_seq_length is not None and needed > max_seq_length:
+        raise UsageError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {needed} "
+                         f"exceeds --max-seq-length {max_seq_length}")
+    max_seq_length = max_seq_length or needed
+    if max_seq_length > context:
+        raise UsageError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {needed} "
+                         f"exceeds the model's context length {context}" if needed > context else
+                         f"--max-seq-length {max_seq_length} exceeds the model's context length {context}")
+
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_ids[0]
+    tokens = torch.full((B, T), pad, dtype=torch.long)
+    input_pos = torch.full((B, T), -1, dtype=torch.long)
+    for b, x in enumerate(ids):
+        tokens[b, T - len(x):] = torch.tensor(x)
+        input_pos[b, T - len(x):] = torch.arange(len(x))
+    tokens, input_pos = tokens.to(device), input_pos.to(device)
+    model.setup_caches(B, max_seq_length, policy)
+    cache = model.cache
+    prefill, decode = compiled_steps(device) if compile else (prefill_step, decode_step)
+    generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
+    eos = torch.tensor(tokenizer.eos_ids, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    with torch.inference_mode():
+        sync()
+        t0 = time.perf_counter()
+        for s in range(0, T, prefill_chunk):
+            logits = prefill(model, tokens[:, s:s + prefill_chunk], input_pos[:, s:s + prefill_chunk], s)
+        cache.end_prefill()
+        token = sample(logits, temperature, top_k, top_p, generator)
+        sync()
+        t1 = time.perf_counter()
+
+        out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
+        out[:, 0] = token
+        done = torch.isin(token, eos)
+        pos = input_pos[:, -1:] + 1
+        steps = 0
+        for i in range(1, max_new_tokens):
+            logits = decode(model, token[:, None], pos, cache.n_filled)
+            token = torch.where(done, pad, sample(logits, temperature, top_k, top_p, generator))
+            out[:, i] = token
+            done |= torch.isin(token, eos)
+            pos = pos + 1
+            steps += 1
+            if i % stop_check_every == 0 and bool(done.all()):
+                break
+        sync()
+        t2 = time.perf_counter()
+
+    generated = []
+    eos_set = set(tokenizer.eos_ids)
+    for row in out[:, :steps + 1].tolist():
+        cut = next((j for j, t in enumerate(row) if t in eos_set), len(row))
+        generated.append(row[:cut])
+    texts = [tokenizer.decode(g) for g in generated]
+    prefill_s, decode_s = t1 - t0, t2 - t1
+    kv = cache.kv_bytes()
+    stats = {
+        "batch_size": B,
+        "prompt_tokens": lengths,
+        "prefill_seconds": prefill_s,
+        "prefill_tokens_per_s": sum(lengths) / prefill_s,
+        "decode_steps": steps,
+        "decode_seconds": decode_s,
+        "decode_tokens_per_s_per_seq": steps / decode_s if steps else float("nan"),
+        "decode_tokens_per_s": B * steps / decode_s if steps else float("nan"),
+        "kv_bytes_allocated": kv["allocated"],
+        "kv_bytes_live": kv["live"],
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "policy": cache.describe(),
+    }
+    return GenerationResult(texts, generated, lengths, stats)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak CUDA allocation, or the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+
+
+def format_stats(s: dict) -> str:
+    return (f"prompt tokens {s['prompt_tokens']} | prefill {s['prefill_tokens_per_s']:.1f} tok/s | "
+            f"decode {s['decode_tokens_per_s_per_seq']:.2f} tok/s/seq, {s['decode_tokens_per_s']:.2f} tok/s "
+            f"aggregate ({s['decode_steps']} steps) | KV cache {format_bytes(s['kv_bytes_allocated'])} allocated, "
+            f"{format_bytes(s['kv_bytes_live'])} live | peak memory {format_bytes(s['peak_memory_bytes'])}")
+
+
+# --------------------------------------------------------------------------- CLI
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="HF/converted model directory or .gguf file")
+    p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch of different prompts)")
+    p.add_argument("--prompt-file", action="append", help="file whose whole text is one prompt (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, help="default: the number of prompts; a single prompt is repeated")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--compile", action="store_true", help="torch.compile prefill and decode steps")
+    p.add_argument("--max-seq-length", type=int, help="cache length (prompt + new tokens); default: just enough")
+    p.add_argument("--policy", default="full", help=f"KV-cache policy: {', '.join(policy_names())}")
+    p.add_argument("--policy-args", default="", help="policy parameters, k=v,k=v")
+    p.add_argument("--kv-bits", type=int, default=16, choices=[16, 4, 2], help="KV storage bits (16 = compute dtype)")
+    return p
+
+
+def collect_prompts(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    for f in args.prompt_file or []:
+        try:
+            prompts.append(Path(f).read_text())
+        except OSError as e:
+            raise UsageError(f"cannot read --prompt-file {f}: {e.strerror}") from e
+    if not prompts:
+        raise UsageError("give a prompt with --prompt or --prompt-file")
+    if args.batch_size is not None:
+        if args.batch_size < 1:
+            raise UsageError("--batch-size must be at least 1")
+        if len(prompts) == 1:
+            prompts = prompts * args.batch_size
+        elif len(prompts) != args.batch_size:
+            raise UsageError(f"--batch-size {args.batch_size} does not match the {len(prompts)} prompts given")
+    return prompts
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        prompts = collect_prompts(args)
+        if args.kv_bits != 16:
+            raise UsageError(f"--kv-bits {args.kv_bits}: KIVI quantized storage is not implemented yet; use 16")
+        if args.max_new_tokens < 1:
+            raise UsageError("--max-new-tokens must be at least 1")
+        policy = make_policy(args.policy, args.policy_args)
+        device = resolve_device(args.device)
+        model, tokenizer = load_model(args.checkpoint, device, args.dtype)
+        result = generate(model, tokenizer, prompts, args.max_new_tokens, args.temperature, args.top_k,
+                          args.top_p, args.seed, policy, args.max_seq_length, args.chat, args.compile)
+    except (UsageError, CheckpointError, PolicyError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for i, text in enumerate(result.texts):
+        if len(result.texts) > 1:
+            print(f"--- [{i}]")
+        print(text)
+    print(format_stats(result.stats), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
