@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from model import ModelArgs, Transformer
+from tokenizer import Tokenizer
 
 
 class CheckpointError(ValueError):
@@ -173,7 +174,7 @@ def dequantize_gguf_tensor(t) -> np.ndarray:
 
 
 def read_gguf(path: Path):
-    """(ModelArgs, HF-named float32 tensors, metadata dict) of a .gguf file."""
+    """(ModelArgs, HF-named float32 tensors, open GGUFReader) of a .gguf file."""
     import gguf
 
     try:
@@ -201,7 +202,7 @@ def read_gguf(path: Path):
             w = _unpermute_gguf(w, args.n_kv_heads)
         hf_name = _GGUF_NAMES[key].format(i=m.group(1) if m else "")
         tensors[hf_name] = torch.from_numpy(np.require(w, requirements=["C", "W"]))
-    return args, tensors, meta
+    return args, tensors, reader
 
 
 # --------------------------------------------------------------------------- to model.py
@@ -247,17 +248,22 @@ def build_model(args: ModelArgs, hf_tensors: dict, device, dtype: torch.dtype) -
     return model.eval()
 
 
-def read_checkpoint(path) -> tuple[ModelArgs, dict, str]:
-    """(args, HF-named tensors, kind) for a .gguf file or a model directory."""
+def read_checkpoint(path) -> tuple[ModelArgs, dict, Tokenizer]:
+    """(args, HF-named tensors, tokenizer) for a .gguf file or a model directory."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if path.is_dir():
-        args, tensors = read_hf_dir(path)
-        return args, tensors, "dir"
-    if path.suffix == ".gguf":
-        args, tensors, _ = read_gguf(path)
-        return args, tensors, "gguf"
+    try:
+        if path.is_dir():
+            args, tensors = read_hf_dir(path)
+            return args, tensors, Tokenizer.from_dir(path)
+        if path.suffix == ".gguf":
+            args, tensors, reader = read_gguf(path)
+            return args, tensors, Tokenizer.from_gguf(reader)
+    except (ValueError, FileNotFoundError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(str(e)) from e  # tokenizer problems are checkpoint problems
     raise CheckpointError(f"{path}: expected a model directory or a .gguf file")
 
 

@@ -25,7 +25,7 @@ import torch
 from cache import PolicyError, make_policy, policy_names
 from checkpoint import CheckpointError, build_model, read_checkpoint
 from model import Transformer
-from tokenizer import Tokenizer, load_tokenizer
+from tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,8 +61,7 @@ def load_model(checkpoint, device="cpu", dtype=None) -> tuple[Transformer, Token
     """Load a HuggingFace/converted directory or a .gguf file -> (model, tokenizer)."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    args, tensors, _ = read_checkpoint(checkpoint)
-    tokenizer = load_tokenizer(checkpoint)
+    args, tensors, tokenizer = read_checkpoint(checkpoint)
     model = build_model(args, tensors, device, dtype)
     return model, tokenizer
 

@@ -74,12 +74,13 @@ GGUF_PRE_TOKENIZERS = {
     "qwen2": _QWEN2_PRE, "deepseek-r1-qwen": _QWEN2_PRE,
 }
 
+# Llama 3.1+ special tokens (Meta's tokenizer.py), numbered after the base vocab.  Llama 3.0 named
+# ids +4/+5/+8/+10 reserved_special_token_2..5 and numbers the later reserved tokens from 5.
 LLAMA3_SPECIAL_TOKENS = [
-    "<|begin_of_text|>", "<|end_of_text|>",
-    "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-    "<|reserved_special_token_2|>", "<|reserved_special_token_3|>",
-    "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
-] + [f"<|reserved_special_token_{i}|>" for i in range(5, 256 - 5)]
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+    "<|eot_id|>", "<|python_tag|>",
+] + [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - 11)]
 
 GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNKNOWN, GGUF_NORMAL = 3, 4, 2, 1
 
@@ -266,7 +267,7 @@ class Tokenizer:
                 run = []
                 if not (skip_special_tokens and i in self.skip_ids):
                     out.append(self.special_ids[i])
-            elif not (skip_special_tokens and i in self.skip_ids):
+            else:
                 run.append(i)
         out.append(self.backend.decode(run))
         return "".join(out)
@@ -311,8 +312,13 @@ class Tokenizer:
         for k, v in (cfg.get("added_tokens_decoder") or {}).items():
             added[int(k)] = (v["content"], v.get("special", True))
         defaults: dict = {}
+        if tj is not None and not isinstance(tj, dict):
+            raise ValueError(f"{tj_path}: tokenizer.json is not a JSON object")
         if tj is not None and _is_byte_level_bpe(tj):
-            backend, tj_added, defaults = _bpe_from_tokenizer_json(tj, tj_path)
+            try:
+                backend, tj_added, defaults = _bpe_from_tokenizer_json(tj, tj_path)
+            except (KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{tj_path}: malformed tokenizer.json ({type(e).__name__}: {e})") from e
             added.update(tj_added)
             vocab_size = max([*backend.id_to_bytes, *added], default=-1) + 1
         elif tm_path.exists():
@@ -371,7 +377,8 @@ class Tokenizer:
             except Exception as e:
                 raise ValueError(f"{p}: cannot read GGUF file: {e}") from e
         else:
-            reader, p = reader_or_path, Path(getattr(reader_or_path, "path", "<GGUFReader>"))
+            reader = reader_or_path
+            p = Path(getattr(reader.data, "filename", None) or "<GGUFReader>")
         fields = reader.fields
 
         def field(name, default=None):
@@ -391,11 +398,10 @@ class Tokenizer:
             raise ValueError(f"{p}: unknown GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; "
                              f"known: {sorted(GGUF_PRE_TOKENIZERS)}")
         pattern, hf_pre = GGUF_PRE_TOKENIZERS[pre]
-        tokens = field("tokenizer.ggml.tokens")
-        types = field("tokenizer.ggml.token_type") or [GGUF_NORMAL] * len(tokens)
-        merges = field("tokenizer.ggml.merges")
+        tokens, merges = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.merges")
         if not tokens or merges is None:
             raise ValueError(f"{p}: GGUF gpt2 vocab needs tokenizer.ggml.tokens and tokenizer.ggml.merges")
+        types = field("tokenizer.ggml.token_type") or [GGUF_NORMAL] * len(tokens)
         id_to_bytes, specials, skip = {}, {}, []
         for i, (t, ty) in enumerate(zip(tokens, types)):
             if ty in (GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNKNOWN):  # stored as raw text
@@ -409,7 +415,7 @@ class Tokenizer:
                 if ty == GGUF_NORMAL:
                     raise ValueError(f"{p}: token {i} {t!r} is not byte-level encoded") from None
                 id_to_bytes[i] = t.encode("utf-8")  # UNUSED etc.
-        pairs = [tuple(m.split(" ")) for m in merges]
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
         # llama.cpp looks whole pre-tokens up in the vocab first (HF ignore_merges) for Llama 3 only
         backend = _BPE(id_to_bytes, pairs, pattern, hf_pre, str(p), ignore_merges=pattern == LLAMA3_PATTERN)
         eos = [field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -434,6 +440,8 @@ class Tokenizer:
         text = self.id_to_text
         if isinstance(self.backend, _BPE):
             tj = self.backend.hf_json or self._build_tokenizer_json()
+            if _bos_from_post_processor(tj.get("post_processor")) != (self.bos_id if self.add_bos else None):
+                tj = {**tj, "post_processor": self._post_processor()}
             written.append(_write_json(out / "tokenizer.json", tj))
             tokenizer_class = "PreTrainedTokenizerFast"
         else:
@@ -468,11 +476,6 @@ class Tokenizer:
         for t, i in self.special_tokens.items():
             vocab.setdefault(t, i)
         merges = b.merges if b.merges is not None else _merges_from_ranks(b.id_to_bytes)
-        seq = [{"Sequence": {"id": "A", "type_id": 0}}]
-        bos = [{"SpecialToken": {"id": self.id_to_text(self.bos_id), "type_id": 0}}] if self.add_bos else []
-        pair = bos + seq + bos + [{"Sequence": {"id": "B", "type_id": 1}}]
-        special = {self.id_to_text(self.bos_id): {"id": self.id_to_text(self.bos_id), "ids": [self.bos_id],
-                                                  "tokens": [self.id_to_text(self.bos_id)]}} if self.add_bos else {}
         return {
             "version": "1.0", "truncation": None, "padding": None,
             "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
@@ -480,13 +483,23 @@ class Tokenizer:
                              for i, t in sorted(self.special_ids.items())],
             "normalizer": {"type": "NFC"} if b.nfc else None,
             "pre_tokenizer": b.hf_pre_tokenizer,
-            "post_processor": {"type": "TemplateProcessing", "single": bos + seq, "pair": pair,
-                               "special_tokens": special},
+            "post_processor": self._post_processor(),
             "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                       "ignore_merges": b.ignore_merges, "vocab": vocab, "merges": [list(m) for m in merges]},
         }
+
+
+    def _post_processor(self) -> dict:
+        """HF TemplateProcessing that adds BOS iff `add_bos`."""
+        a, b = [{"Sequence": {"id": "A", "type_id": 0}}], [{"Sequence": {"id": "B", "type_id": 1}}]
+        if not self.add_bos:
+            return {"type": "TemplateProcessing", "single": a, "pair": a + b, "special_tokens": {}}
+        t = self.id_to_text(self.bos_id)
+        bos = [{"SpecialToken": {"id": t, "type_id": 0}}]
+        return {"type": "TemplateProcessing", "single": bos + a, "pair": bos + a + bos + b,
+                "special_tokens": {t: {"id": t, "ids": [self.bos_id], "tokens": [t]}}}
 
 
 def load_tokenizer(path) -> Tokenizer:
@@ -560,8 +573,9 @@ def _pattern_from_pre_tokenizer(tj: dict, where: Path) -> tuple[str, bool]:
             if s.get("behavior") != "Isolated" or s.get("invert"):
                 raise ValueError(f"{where}: unsupported Split pre-tokenizer (behavior {s.get('behavior')!r}, "
                                  f"invert {s.get('invert')!r}); only Isolated is supported")
-            pat = s.get("pattern") or {}
-            pattern = pat["Regex"] if "Regex" in pat else re.escape(pat.get("String", ""))
+            pattern = (s.get("pattern") or {}).get("Regex")
+            if pattern is None:
+                raise ValueError(f"{where}: Split pre-tokenizer without a Regex pattern is not supported")
         elif kind == "Digits" and pattern is None and s.get("individual_digits"):
             digits = True
         elif kind == "ByteLevel":
@@ -668,7 +682,7 @@ def _llama3_from_ranks(ranks: dict[bytes, int], path: Path, has_config_specials:
         added = {n + k: (t, True) for k, t in enumerate(LLAMA3_SPECIAL_TOKENS)}
     by_name = {t: i for i, (t, _) in added.items()}
     defaults = {"bos": by_name.get("<|begin_of_text|>"), "add_bos": True,
-                "eos": [by_name[t] for t in ("<|end_of_text|>", "<|eot_id|>") if t in by_name]}
+                "eos": [by_name[t] for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>") if t in by_name]}
     return backend, added, defaults
 
 

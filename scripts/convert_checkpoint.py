@@ -13,12 +13,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from checkpoint import CheckpointError, read_checkpoint, write_converted_dir  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
 
 
 def convert(source: Path, out: Path) -> None:
-    args, tensors, _ = read_checkpoint(source)
-    tokenizer = load_tokenizer(source)
+    args, tensors, tokenizer = read_checkpoint(source)
     write_converted_dir(out, args, {k: v.float() for k, v in tensors.items()}, tokenizer)
 
 

@@ -11,7 +11,6 @@ import glob
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -373,10 +372,10 @@ def _llama3_reference(ranks):
     import tiktoken
 
     n = len(ranks)
-    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-             "<|reserved_special_token_1|>", "<|reserved_special_token_2|>", "<|reserved_special_token_3|>",
-             "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>"]
-    names += [f"<|reserved_special_token_{i}|>" for i in range(5, 251)]
+    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",  # Llama 3.1 list
+             "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>",
+             "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+    names += [f"<|reserved_special_token_{2 + i}|>" for i in range(245)]
     specials = {t: n + k for k, t in enumerate(names)}
     return tiktoken.Encoding("llama3-ref", pat_str=LLAMA3_REGEX, mergeable_ranks=ranks,
                              special_tokens=specials), specials
@@ -384,7 +383,7 @@ def _llama3_reference(ranks):
 
 LLAMA3_TEXTS = {
     "chat": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi 12345<|eot_id|>",
-    "reserved": "a<|reserved_special_token_7|>b<|end_of_text|>",
+    "reserved": "a<|reserved_special_token_7|>b<|end_of_text|><|python_tag|><|eom_id|>",
     "numbers": "1234567 and 3.14159\n\n\n  x",
 }
 
@@ -396,7 +395,8 @@ def test_tiktoken_model_file(tiktoken_dir):
     n = len(ranks)
     assert tok.vocab_size == n + 256
     assert tok.bos_id == n == specials["<|begin_of_text|>"]
-    assert tok.eos_ids == [n + 1, n + 9] and tok.special_tokens["<|eot_id|>"] == n + 9
+    assert tok.eos_ids == [n + 1, n + 8, n + 9] and tok.special_tokens["<|eot_id|>"] == n + 9
+    assert tok.special_tokens["<|reserved_special_token_246|>"] == n + 255
     assert tok.add_bos
     texts = list(TEXTS.values()) + list(LLAMA3_TEXTS.values()) + ESSAYS[:8]
     for text in texts:
@@ -490,6 +490,15 @@ def test_sentencepiece_model(sp_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------------
+
+
+def test_module_does_not_import_hf_libraries():
+    import ast
+
+    tree = ast.parse((ROOT / "tokenizer.py").read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not names & {"transformers", "tokenizers", "huggingface_hub"}, names
 
 
 def test_missing_dir(tmp_path):

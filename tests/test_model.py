@@ -1,0 +1,189 @@
+"""model.py against HuggingFace transformers: tiny random Llama 3.1 / Mistral configs and the real
+default model through both loading routes (GGUF file and converted HF directory)."""
+import json
+
+import pytest
+import torch
+
+import engine
+import model as model_module
+from checkpoint import build_model, read_hf_dir
+from model import ModelArgs
+
+transformers = pytest.importorskip("transformers")
+
+
+# --------------------------------------------------------------------------- tiny random models
+
+def tiny_hf_model(kind: str, tmp_path):
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-5)
+    if kind == "llama31":
+        cfg = transformers.LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    elif kind == "mistral":  # sliding window much shorter than the test sequence; head_dim != hidden/heads
+        cfg = transformers.MistralConfig(**common, head_dim=32, sliding_window=8, rope_theta=10000.0)
+    else:  # GQA 3:1, tied embeddings, like SmolLM2
+        cfg = transformers.LlamaConfig(**{**common, "num_attention_heads": 6, "hidden_size": 96}, tie_word_embeddings=True)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # random norms so a wrong norm layout cannot pass
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    args, tensors = read_hf_dir(tmp_path)
+    return hf, build_model(args, tensors, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["llama31", "mistral", "tied_gqa3"])
+def test_tiny_prefill_chunks_and_decode_match_hf(kind, tmp_path):
+    hf, ours = tiny_hf_model(kind, tmp_path)
+    ids = torch.randint(0, 128, (1, 40))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        ours.setup_caches(1, 64)
+        got = [ours(ids[:, :13], torch.arange(13)), ours(ids[:, 13:24], torch.arange(13, 24))]
+        got += [ours(ids[:, t:t + 1], torch.tensor([t])) for t in range(24, 40)]
+    got = torch.cat(got, dim=1)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_tiny_llama31_args_parsed(tmp_path):
+    hf, ours = tiny_hf_model("llama31", tmp_path)
+    assert ours.args.rope_scaling["rope_type"] == "llama3"
+    _, mistral = tiny_hf_model("mistral", tmp_path / "m")
+    assert mistral.args.sliding_window == 8 and mistral.args.head_dim == 32
+
+
+@pytest.mark.parametrize("kind", ["llama31", "mistral"])
+def test_left_padded_batch_equals_single_sequences(kind, tmp_path):
+    """Different prompt lengths in one batch: padding never attended, own positions per row."""
+    _, ours = tiny_hf_model(kind, tmp_path)
+    prompts = [torch.randint(0, 128, (n,)) for n in (5, 17, 11)]
+    T, steps = 17, 6
+    tokens = torch.zeros(3, T, dtype=torch.long)
+    pos = torch.full((3, T), -1)
+    for b, p in enumerate(prompts):
+        tokens[b, T - len(p):], pos[b, T - len(p):] = p, torch.arange(len(p))
+    follow = torch.randint(0, 128, (3, steps))
+    with torch.no_grad():
+        ours.setup_caches(3, 32)
+        batch = [ours(tokens, pos)[:, -1:]]
+        for s in range(steps):
+            batch.append(ours(follow[:, s:s + 1], pos[:, -1:] + 1 + s))
+        batch = torch.cat(batch, dim=1)
+        for b, p in enumerate(prompts):
+            ours.setup_caches(1, 32)
+            alone = [ours(p[None], torch.arange(len(p)))[:, -1:]]
+            for s in range(steps):
+                alone.append(ours(follow[b:b + 1, s:s + 1], torch.tensor([len(p) + s])))
+            torch.testing.assert_close(batch[b], torch.cat(alone, dim=1)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attends_live_length_only(tmp_path, monkeypatch):
+    """Decode cost follows the tokens in the cache, not max_seq_length."""
+    _, ours = tiny_hf_model("llama31", tmp_path)
+    seen = []
+    real = model_module.grouped_attention
+    monkeypatch.setattr(model_module, "grouped_attention", lambda q, k, v, m: seen.append(k.shape[2]) or real(q, k, v, m))
+    with torch.no_grad():
+        ours.setup_caches(1, 256)
+        ours(torch.randint(0, 128, (1, 10)), torch.arange(10))
+        ours(torch.randint(0, 128, (1, 1)), torch.tensor([10]))
+    assert set(seen[:2]) == {10} and set(seen[2:]) == {11}
+    assert ours.cache.kv_bytes()["live"] * 256 == ours.cache.kv_bytes()["allocated"] * 11
+
+
+def test_compiled_decode_matches_eager_without_recompiles(tmp_path):
+    from torch._dynamo.utils import counters
+
+    _, ours = tiny_hf_model("tied_gqa3", tmp_path)
+    torch._dynamo.reset()
+    counters.clear()
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.inference_mode():
+        ours.setup_caches(2, 64)
+        ours(ids, torch.arange(12))
+        eager, compiled = [], []
+        prefix_state = [t.clone() for t in ours.cache.k + ours.cache.v], ours.cache.pos.clone()
+        step = torch.compile(engine.decode_step, dynamic=True)
+        for s in range(8):
+            tok, pos = ids[:, s:s + 1], torch.full((2, 1), 12 + s)
+            compiled.append(step(ours, tok, pos, ours.cache.n_filled))
+            if s == 2:
+                graphs = counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs, "decode recompiled after warm-up"
+        ours.cache.n_filled = 12
+        for s in range(8):
+            eager.append(engine.decode_step(ours, ids[:, s:s + 1], torch.full((2, 1), 12 + s), ours.cache.n_filled))
+    torch.testing.assert_close(torch.stack(compiled), torch.stack(eager), atol=1e-4, rtol=1e-4)
+
+
+def test_modelargs_errors():
+    with pytest.raises(ValueError, match="missing required field.*hidden_size"):
+        ModelArgs.from_hf_config({"vocab_size": 10, "num_hidden_layers": 1, "num_attention_heads": 1,
+                                  "intermediate_size": 4})
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        ModelArgs.from_hf_config({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10, "hidden_size": 8,
+                                  "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 4})
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
+        args = ModelArgs(vocab_size=8, dim=8, n_layers=1, n_heads=1, n_kv_heads=1, intermediate_size=8,
+                         rope_scaling={"rope_type": "yarn", "factor": 2.0})
+        model_module.rope_inv_freq(args)
+
+
+# --------------------------------------------------------------------------- the real default model
+
+@pytest.fixture(scope="module")
+def essay_ids(engine_gguf, essay_text):
+    _, tok = engine_gguf
+    return tok.encode(essay_text)[:512]
+
+
+def last_logits(model, ids):
+    with torch.inference_mode():
+        model.setup_caches(1, len(ids))
+        return model(torch.tensor([ids]), torch.arange(len(ids)), last_only=True)[0, -1]
+
+
+def test_real_model_gguf_logits_match_hf(engine_gguf, hf_gguf, essay_ids):
+    ours = last_logits(engine_gguf[0], essay_ids)
+    with torch.no_grad():
+        ref = hf_gguf(torch.tensor([essay_ids])).logits[0, -1]
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+def test_real_model_dir_route_matches_hf_and_gguf(engine_dir, engine_gguf, default_dir, essay_ids):
+    hf = transformers.LlamaForCausalLM.from_pretrained(default_dir, dtype=torch.float32).eval()
+    ours = last_logits(engine_dir[0], essay_ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([essay_ids])).logits[0, -1]
+    assert (ours - ref).abs().max().item() < 1e-3
+    # same weights bit for bit; logits agree up to BLAS summation order (mmap alignment differs)
+    gguf_sd, dir_sd = engine_gguf[0].state_dict(), engine_dir[0].state_dict()
+    assert all(torch.equal(gguf_sd[k], dir_sd[k]) for k in gguf_sd)
+    torch.testing.assert_close(ours, last_logits(engine_gguf[0], essay_ids), atol=2e-5, rtol=0)
+    config = json.loads((default_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+
+
+def test_real_model_64_greedy_tokens_match_hf(engine_gguf, hf_gguf, essay_ids):
+    model, tok = engine_gguf
+    ours = engine.generate(model, tok, [essay_ids], max_new_tokens=64).tokens[0]
+    with torch.no_grad():
+        ref = hf_gguf.generate(torch.tensor([essay_ids]), max_new_tokens=64, do_sample=False,
+                               eos_token_id=tok.eos_ids, pad_token_id=tok.eos_ids[0])[0, len(essay_ids):].tolist()
+    ref = [t for t in ref if t not in tok.eos_ids]
+    assert len(ours) == 64 and ours == ref
+
+
+def test_real_model_chat_answers_paris_and_batch_equals_alone(engine_dir):
+    model, tok = engine_dir
+    prompts = ["What is the capital of France?", "Name three primary colors.", "Write one sentence about the sea."]
+    batch = engine.generate(model, tok, prompts, max_new_tokens=24, chat=True)
+    assert "Paris" in batch.texts[0]
+    for p, text in zip(prompts, batch.texts):
+        assert engine.generate(model, tok, [p], max_new_tokens=24, chat=True).texts[0] == text
