@@ -66,7 +66,7 @@ def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         raise CheckpointError(f"{path}: no config.json (expected a HuggingFace model directory)")
     try:
         config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{config_path}: invalid JSON ({e})") from e
     try:
         args = ModelArgs.from_hf_config(config)
@@ -74,7 +74,10 @@ def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         raise CheckpointError(f"{config_path}: {e}") from e
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # ValueError: bad JSON/UTF-8
+            raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from e
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:

@@ -37,7 +37,10 @@ class UsageError(ValueError):
 # --------------------------------------------------------------------------- loading
 
 def resolve_device(device: Optional[str]) -> torch.device:
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise UsageError(f"unsupported device {device!r}; use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA GPU is available")
     if device.type not in ("cpu", "cuda"):
@@ -294,6 +297,8 @@ def collect_prompts(args) -> list[str]:
             raise UsageError(f"cannot read --prompt-file {f}: {e.strerror}") from e
     if not prompts:
         raise UsageError("give a prompt with --prompt or --prompt-file")
+    if any(not p.strip() for p in prompts):
+        raise UsageError("empty prompt")
     if args.batch_size is not None:
         if args.batch_size < 1:
             raise UsageError("--batch-size must be at least 1")

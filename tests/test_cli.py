@@ -1,0 +1,87 @@
+"""engine.py's command line: the real model end to end, and a clear message plus a non-zero
+exit (never a traceback) for every kind of bad input."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import engine
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_main(capsys, *argv):
+    """engine.main in-process -> (exit code, stdout, stderr)."""
+    try:
+        code = engine.main([str(a) for a in argv])
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_chat_answers_paris(default_dir):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the test process's own OpenMP threads may spin
+    p = subprocess.run([sys.executable, str(ROOT / "engine.py"), "--checkpoint", str(default_dir), "--chat",
+                        "--prompt", "What is the capital of France?", "--max-new-tokens", "24"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout
+    assert "decode" in p.stderr and "tok/s" in p.stderr and "KV cache" in p.stderr
+
+
+def test_cli_bad_input_is_one_line_not_a_traceback(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "engine.py"), "--checkpoint", str(tmp_path / "nope"),
+                        "--prompt", "hi"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr and "does not exist" in p.stderr
+
+
+def test_batch_of_prompts_and_stats(capsys, default_dir):
+    code, out, err = run_main(capsys, "--checkpoint", default_dir, "--prompt", "Hello", "--prompt", "The sky is",
+                              "--max-new-tokens", "4")
+    assert code == 0 and out.count("--- [") == 2
+    assert "prompt tokens [1, 3]" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint", "{tmp}/missing", "--prompt", "hi"], "does not exist"),
+    (["--checkpoint", "{tmp}/truncated.gguf", "--prompt", "hi"], "truncated or corrupt"),
+    (["--checkpoint", "{tmp}/noconfig", "--prompt", "hi"], "no config.json"),
+    (["--checkpoint", "{tmp}/badconfig", "--prompt", "hi"], "missing required field.*hidden_size"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--policy", "magic"], "unknown policy 'magic'; available: full"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--policy-args", "budget"], "malformed --policy-args item 'budget'"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--policy-args", "budget=64"], "has no parameter.*budget"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--max-new-tokens", "9000"], "exceeds the model's context length 8192"),
+    (["--checkpoint", "{dir}", "--prompt", "hello there", "--max-new-tokens", "16", "--max-seq-length", "10"],
+     "exceeds --max-seq-length 10"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--max-seq-length", "10000"], "exceeds the model's context length"),
+    (["--checkpoint", "{dir}", "--prompt", "   "], "empty prompt"),
+    (["--checkpoint", "{dir}", "--prompt-file", "{tmp}/empty.txt"], "empty prompt"),
+    (["--checkpoint", "{dir}", "--prompt-file", "{tmp}/missing.txt"], "cannot read --prompt-file"),
+    (["--checkpoint", "{dir}"], "give a prompt"),
+    (["--checkpoint", "{dir}", "--prompt", "a", "--prompt", "b", "--batch-size", "3"], "does not match the 2 prompts"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--device", "cuda"], "no CUDA GPU"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--device", "tpu"], "unsupported device"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--dtype", "float64"], "invalid choice: 'float64'"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--kv-bits", "4"], "not implemented yet"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--max-new-tokens", "0"], "at least 1"),
+])
+def test_bad_input_clear_message(capsys, tmp_path, default_dir, default_gguf, argv, message):
+    import re
+    if "--device" in argv and "cuda" in argv:
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present")
+    (tmp_path / "truncated.gguf").write_bytes(default_gguf.read_bytes()[:1_000_000])
+    (tmp_path / "noconfig").mkdir()
+    (tmp_path / "badconfig").mkdir()
+    (tmp_path / "badconfig" / "config.json").write_text('{"vocab_size": 10, "num_hidden_layers": 1}')
+    (tmp_path / "empty.txt").write_text("\n")
+    argv = [a.format(tmp=tmp_path, dir=default_dir) for a in argv]
+    code, out, err = run_main(capsys, *argv)
+    assert code == 2
+    assert re.search(message, err), err
+    assert "Traceback" not in err
