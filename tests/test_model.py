@@ -187,3 +187,15 @@ def test_real_model_chat_answers_paris_and_batch_equals_alone(engine_dir):
     assert "Paris" in batch.texts[0]
     for p, text in zip(prompts, batch.texts):
         assert engine.generate(model, tok, [p], max_new_tokens=24, chat=True).texts[0] == text
+
+
+def test_gguf_rope_freq_factors_equal_llama3_scaling():
+    """Llama 3.1 GGUFs carry the scaling as per-frequency divisors (`rope_freqs.weight`)."""
+    base = dict(vocab_size=8, dim=512, n_layers=1, n_heads=4, n_kv_heads=4, intermediate_size=8, rope_theta=500000.0)
+    llama3 = ModelArgs(**base, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    plain = model_module.rope_inv_freq(ModelArgs(**base))
+    scaled = model_module.rope_inv_freq(llama3)
+    assert not torch.allclose(plain, scaled)
+    factors = ModelArgs(**base, rope_scaling={"rope_type": "freq_factors", "factors": (plain / scaled).tolist()})
+    torch.testing.assert_close(model_module.rope_inv_freq(factors), scaled)
