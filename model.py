@@ -193,7 +193,8 @@ class DenseCache:
       decode(layer, q, k, v)       the same with T == 1, once the cache holds the prompt
       end_prefill()                the prompt is complete (compressing policies act here)
       kept_positions(layer)        LongTensor [B, H_kv, n]: absolute positions held
-      kv_bytes()                   {"allocated": bytes, "live": bytes} from the buffers
+      kv_bytes()                   {"allocated", "live", "read_per_step"}: bytes from the buffers;
+                                   read_per_step = K/V bytes one decode step reads (all layers)
       describe()                   resolved hyper-parameters
 
     Slots fill left to right with a host-side counter `n_filled` (an int, never a tensor:
@@ -252,7 +253,8 @@ class DenseCache:
 
     def kv_bytes(self) -> dict:
         per_slot = sum(t[:, :, 0].numel() * t.element_size() for t in self.k + self.v)
-        return {"allocated": per_slot * self.capacity, "live": per_slot * self.n_filled}
+        live = per_slot * self.n_filled
+        return {"allocated": per_slot * self.capacity, "live": live, "read_per_step": live}
 
     def describe(self) -> dict:
         return {"policy": self.name, "capacity": self.capacity}
