@@ -129,6 +129,19 @@ def compiled_steps(device: torch.device):
     return _compiled[device.type]
 
 
+def warm_up(model: Transformer, prefill, decode, tokens: torch.Tensor, policy=None, steps: int = 3) -> None:
+    """Run the compiled steps once on a short prompt (tokens [B, T>=2]) so compilation happens
+    before timing; the graphs are dynamic in lengths, so the real request reuses them."""
+    B, T = tokens.shape
+    model.setup_caches(B, T + steps + 16, policy)  # never full: a full cache is a special shape
+    pos = torch.arange(T, device=tokens.device).repeat(B, 1)  # made like generate()'s inputs
+    with torch.inference_mode():
+        prefill(model, tokens, pos, 0)
+        token, next_pos = tokens[:, -1:].clone(), pos[:, -1:] + 1  # inference tensors, as in the loop
+        for i in range(steps):
+            decode(model, token, next_pos + i, model.cache.n_filled)
+
+
 def encode_prompts(tokenizer: Tokenizer, prompts: Sequence, chat: bool) -> list[list[int]]:
     encoded = []
     for p in prompts:
@@ -184,9 +197,13 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
         tokens[b, T - len(x):] = torch.tensor(x)
         input_pos[b, T - len(x):] = torch.arange(len(x))
     tokens, input_pos = tokens.to(device), input_pos.to(device)
+    if compile:
+        prefill, decode = compiled_steps(device)
+        warm_up(model, prefill, decode, tokens.new_full((B, 4), pad), policy)  # compile before timing
+    else:
+        prefill, decode = prefill_step, decode_step
     model.setup_caches(B, max_seq_length, policy)
     cache = model.cache
-    prefill, decode = compiled_steps(device) if compile else (prefill_step, decode_step)
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
     eos = torch.tensor(tokenizer.eos_ids, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -212,8 +212,12 @@ class DenseCache:
         self.pos = torch.full((max_batch_size, max_seq_length), -1, dtype=torch.long, device=device)
         self.group = args.n_heads // args.n_kv_heads
         self.sliding_window = args.sliding_window
-        self.capacity = max_seq_length
         self.reset()
+
+    @property
+    def capacity(self) -> int:
+        """Slots per layer; read from a tensor shape so compiled code treats it as dynamic."""
+        return self.pos.shape[1]
 
     def reset(self) -> None:
         self.pos.fill_(-1)
@@ -271,8 +275,9 @@ class Linear(nn.Linear):
 
     - Eager on CPU: oneDNN's inner product (`mkldnn._linear_pointwise`, the kernel Inductor
       itself uses), about 3x the BLAS GEMV rate for decode-sized inputs on our 2-core EPYC.
-    - Under torch.compile on CPU with at most 16 rows (decode): `(x * W).sum(-1)`, which
-      Inductor turns into one vectorized reduction streaming W at memory bandwidth.
+    - Under torch.compile on CPU for one-token steps of at most 16 rows (decode):
+      `(x * W).sum(-1)`, which Inductor turns into one vectorized reduction streaming W at
+      memory bandwidth.  (Testing T == 1 first keeps prefill graphs free of row-count guards.)
     - Anything else (CUDA, no oneDNN): F.linear.
     """
 
@@ -281,7 +286,7 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type == "cpu":
             if torch.compiler.is_compiling():
-                if x.numel() <= 16 * x.shape[-1]:
+                if x.shape[-2] == 1 and x.numel() <= 16 * x.shape[-1]:
                     out = (x.unsqueeze(-2) * self.weight).sum(-1)
                     return out if self.bias is None else out + self.bias
             elif self.use_onednn and x.dtype == self.weight.dtype == torch.float32:

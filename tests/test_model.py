@@ -199,3 +199,30 @@ def test_gguf_rope_freq_factors_equal_llama3_scaling():
     assert not torch.allclose(plain, scaled)
     factors = ModelArgs(**base, rope_scaling={"rope_type": "freq_factors", "factors": (plain / scaled).tolist()})
     torch.testing.assert_close(model_module.rope_inv_freq(factors), scaled)
+
+
+def test_generate_compiled_warms_up_and_never_recompiles(tmp_path):
+    """engine.generate(compile=True): compilation happens in the warm-up; a second request
+    with another prompt length decodes with the same graphs and the same tokens as eager."""
+    from torch._dynamo.utils import counters
+
+    _, ours = tiny_hf_model("tied_gqa3", tmp_path)
+
+    class Ids:  # the smallest tokenizer generate() needs: prompts given as ids
+        eos_ids, pad_id = [127], 0
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    torch._dynamo.reset()
+    counters.clear()
+    engine._compiled.clear()
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 120, (n,)).tolist() for n in (9, 14)]
+    first = engine.generate(ours, Ids(), prompts, max_new_tokens=6, compile=True)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2, "prefill and decode should each compile once, in the warm-up"
+    second = engine.generate(ours, Ids(), [p + [5, 6, 7] for p in prompts], max_new_tokens=10, compile=True)
+    assert counters["stats"]["unique_graphs"] == graphs, "a new request recompiled"
+    eager = engine.generate(ours, Ids(), [p + [5, 6, 7] for p in prompts], max_new_tokens=10)
+    assert second.tokens == eager.tokens and len(first.tokens) == 2
