@@ -211,6 +211,8 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
     with torch.inference_mode():
         sync()
         t0 = time.perf_counter()
+        if getattr(cache, "prefill_in_one_pass", False):  # compressing policies see the whole prompt
+            prefill_chunk = T
         for s in range(0, T, prefill_chunk):
             logits = prefill(model, tokens[:, s:s + prefill_chunk], input_pos[:, s:s + prefill_chunk], s)
         cache.end_prefill()

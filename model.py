@@ -153,16 +153,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- attention
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
-    """Causal-free GQA attention without repeating the cache.
+    """GQA attention with an explicit mask, without repeating the cache.
 
-    q [B, H_q, T, D]; k, v [B, H_kv, L, D]; mask [B, G*T, L] bool (True = attend) or None,
-    already expanded over the G = H_q / H_kv query heads of a group.  Returns [B, H_q, T, D].
+    q [B, H_q, T, D]; k, v [B, H_kv, L, D]; mask bool (True = attend) or None, already expanded
+    over the G = H_q / H_kv query heads of a group: [B, G*T, L] (same for every KV head) or
+    [B, H_kv, G*T, L] (per KV head).  Returns [B, H_q, T, D].
     Query head h reads KV head h // G (HuggingFace's `repeat_kv` order).
     """
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     qg = q.reshape(B, Hkv, (Hq // Hkv) * T, D)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=None if mask is None else mask[:, None])
+    if mask is not None and mask.dim() == 3:
+        mask = mask[:, None]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     return out.reshape(B, Hq, T, D)
 
 

@@ -6,13 +6,14 @@ declares its hyper-parameters in a `params` dict: name -> (type, default, help).
 from __future__ import annotations
 
 from model import DenseCache
+from cache.streaming import StreamingPolicy
 
 
 class PolicyError(ValueError):
     """Unknown policy or malformed/unknown policy arguments."""
 
 
-POLICIES: dict[str, type] = {"full": DenseCache}
+POLICIES: dict[str, type] = {"full": DenseCache, "streaming": StreamingPolicy}
 
 
 def policy_names() -> list[str]:
@@ -55,4 +56,7 @@ def make_policy(name: str, args: str | dict | None = None):
         valid = ", ".join(f"{k} ({t.__name__}, default {d})" for k, (t, d, _) in declared.items()) or "none"
         raise PolicyError(f"policy {name!r} has no parameter(s) {', '.join(unknown)}; valid: {valid}")
     kwargs = {k: _convert(k, v, declared[k][0]) if isinstance(v, str) else v for k, v in given.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise PolicyError(f"policy {name!r}: {e}") from None

@@ -302,11 +302,10 @@ def measure_bandwidth(device: torch.device) -> float:
             times.append(time.perf_counter() - t)
         return x.numel() * 4 / statistics.median(times) / 1e9
     from compare_hf import read_bandwidth_gbs
-    bw = read_bandwidth_gbs()
-    release_bw = max(bw.values())
+    best = max(read_bandwidth_gbs().values())
     gc.collect()
     _malloc_trim()
-    return release_bw
+    return best
 
 
 def unique_weight_bytes(model) -> int:
@@ -528,6 +527,8 @@ def add_ratios(rows: list[dict], speedup_vs: Optional[str]) -> None:
         return None
 
     for r in rows:
+        if r["mode"] not in ("attention", "e2e", "sweep"):
+            continue
         key = (r["mode"], r["batch_size"], r["context_length"])
         if r["mode"] == "attention":
             refs = ["dense_sdpa"] + ([speedup_vs] if speedup_vs else [])
@@ -536,8 +537,6 @@ def add_ratios(rows: list[dict], speedup_vs: Optional[str]) -> None:
                 ok_pair = ref is not None and r.get("status") == "ok"
                 r[f"speedup_vs_{name}"] = (ref["attention_us_per_layer"] / r["attention_us_per_layer"]
                                            if ok_pair else None)
-            continue
-        if r["mode"] not in ("e2e", "sweep"):
             continue
         if speedup_vs:
             ref = find(key[0], speedup_vs, key[1], key[2], r["kv_bits"], r["compile"])
@@ -726,7 +725,6 @@ class Bench:
                       kv_read: float, policy_config) -> dict:
         row = self.base_row("attention", cfg, batch, context)
         step = statistics.median(step_times)
-        row.pop("warmup_steps")
         row.update({
             "policy_config": policy_config, "n_layers": n_layers, "iterations": self.opts.op_iters,
             "attention_us_per_layer": 1e6 * step / n_layers, "attention_ms_per_step": 1e3 * step,
@@ -854,16 +852,22 @@ class Bench:
                     "kv_bytes_allocated_per_seq", "workspace_bytes_fixed", "workspace_bytes_per_seq", "verified",
                     "verified_batch_size", "verified_peak_bytes", "verified_within_limit"]
 
+    def probe_batch(self, context: int) -> int:
+        """The second batch size measured: large enough that per-sequence workspace stands out of
+        the allocator's noise (at least 2048 prompt tokens in all), at most 64."""
+        return max(2, min(64, math.ceil(2048 / context)))
+
     def memory_profile(self, cfg: Config, context: int) -> dict:
-        """State and workspace bytes at B=1 and B=2, the resident base, and the run time at B=2."""
+        """State and workspace bytes at B=1 and B=P (probe_batch), the resident base, run times."""
         model, o = self.model, self.opts
         prefill, decode = engine.compiled_steps(self.device) if cfg.compile else (engine.prefill_step,
                                                                                   engine.decode_step)
         cap = context + o.decode_steps + CAPACITY_MARGIN
+        P = self.probe_batch(context)
+        # weights paged in, kernels and graphs initialised: none of that is per-request workspace
+        warm_up(model, cfg, self.prompt(1, context), o.decode_steps, 0, o.prefill_chunk, self.meter)
         prof = {}
-        if cfg.compile:
-            warm_up(model, cfg, self.prompt(1, context), o.decode_steps, 0, o.prefill_chunk, self.meter)
-        for B in (1, 2):
+        for B in (1, P):
             release(model)
             if B == 1:
                 prof["base"] = self.meter.current()
@@ -876,18 +880,31 @@ class Bench:
                 before = self.meter.current()
                 t0 = time.perf_counter()
                 logits = run_prefill(model, prefill, tokens, o.prefill_chunk)
+                sync(self.device)
+                t1 = time.perf_counter()
                 pos = torch.full((B, 1), context, dtype=torch.long, device=self.device)
                 run_decode(model, decode, logits.argmax(-1, keepdim=True), pos, o.decode_steps)
                 sync(self.device)
-                seconds = time.perf_counter() - t0
+                t2 = time.perf_counter()
                 peak = self.meter.peak()
-            prof[B] = {"state": state, "kv": kv, "workspace": max(0, peak - before), "seconds": seconds}
+            prof[B] = {"state": state, "kv": kv, "workspace": max(0, peak - before), "prefill_s": t1 - t0,
+                       "decode_s": t2 - t1}
+            del tokens
         release(model)
-        per_seq = max(1, prof[2]["state"] - prof[1]["state"])
-        ws_per_seq = max(0, prof[2]["workspace"] - prof[1]["workspace"])
-        return {"base": prof["base"], "state_per_seq": per_seq, "state_fixed": max(0, prof[1]["state"] - per_seq),
-                "kv_per_seq": prof[2]["kv"] - prof[1]["kv"], "ws_per_seq": ws_per_seq,
-                "ws_fixed": max(0, prof[1]["workspace"] - ws_per_seq), "seconds_b2": prof[2]["seconds"]}
+        per_seq = max(1, math.ceil((prof[P]["state"] - prof[1]["state"]) / (P - 1)))
+        ws_per_seq = max(0, math.ceil((prof[P]["workspace"] - prof[1]["workspace"]) / (P - 1)))
+        return {"base": prof["base"], "probe_batch": P, "state_per_seq": per_seq,
+                "state_fixed": max(0, prof[1]["state"] - per_seq),
+                "kv_per_seq": (prof[P]["kv"] - prof[1]["kv"]) // (P - 1), "ws_per_seq": ws_per_seq,
+                "ws_fixed": max(0, prof[1]["workspace"] - ws_per_seq),
+                "prefill_s": (prof[1]["prefill_s"], prof[P]["prefill_s"]),
+                "decode_s": (prof[1]["decode_s"], prof[P]["decode_s"])}
+
+    @staticmethod
+    def estimate_seconds(prof: dict, batch: int) -> float:
+        """Run time at `batch`, extrapolated linearly from B=1 and B=P (prefill and decode apart)."""
+        P = prof["probe_batch"]
+        return sum(t1 + max(0.0, (tp - t1) / (P - 1)) * (batch - 1) for t1, tp in (prof["prefill_s"], prof["decode_s"]))
 
     def verify_batch(self, cfg: Config, batch: int, context: int) -> int:
         """Actually run `batch` sequences of prompt + generation; the peak memory of that run."""
@@ -912,11 +929,8 @@ class Bench:
         o = self.opts
         print(f"{'policy':28s} {'ctx':>5s} {'gen':>4s} {'limit':>10s} {'max batch':>9s} {'predicted':>10s} "
               f"{'per seq':>10s} {'verified peak':>13s}")
-        compiles = {"off": [False], "on": [True], "both": [False, True]}[o.compile]
         for context in o.context_list:
             for cfg in self.configs():
-                if cfg.compile not in compiles:
-                    continue
                 rows = [self.base_row("memory", cfg, None, context) | {"memory_limit_bytes": lim}
                         for lim in o.memory_limits]
                 reason = skip_reason(cfg)
@@ -947,11 +961,12 @@ class Bench:
                         "max_batch_size": bmax, "predicted_bytes": predicted, "base_bytes": prof["base"],
                         "state_bytes_fixed": prof["state_fixed"], "state_bytes_per_seq": prof["state_per_seq"],
                         "kv_bytes_allocated_per_seq": prof["kv_per_seq"], "workspace_bytes_fixed": prof["ws_fixed"],
-                        "workspace_bytes_per_seq": prof["ws_per_seq"], "verified": None,
+                        "workspace_bytes_per_seq": prof["ws_per_seq"], "probe_batch_size": prof["probe_batch"],
+                        "verified": None, "prediction_error": None,
                         "verified_batch_size": None, "verified_peak_bytes": None, "verified_within_limit": None,
                         "verify_note": None, "status": "ok", "error": None,
                     })
-                    est_seconds = prof["seconds_b2"] * bmax / 2
+                    est_seconds = self.estimate_seconds(prof, bmax)
                     room = self.meter.available() + self.meter.current() - prof["base"]
                     if bmax < 1:
                         row["verify_note"] = "not even one sequence fits"
@@ -965,7 +980,8 @@ class Bench:
                             if bmax not in verified:
                                 verified[bmax] = self.verify_batch(cfg, bmax, context)
                             row.update(verified=True, verified_batch_size=bmax, verified_peak_bytes=verified[bmax],
-                                       verified_within_limit=verified[bmax] <= limit)
+                                       verified_within_limit=verified[bmax] <= limit,
+                                       prediction_error=verified[bmax] / predicted - 1)
                         except (KeyboardInterrupt, SystemExit):
                             raise
                         except Exception as e:
@@ -1029,6 +1045,7 @@ def plot(rows: list[dict], path: Path, mode: str) -> None:
         for label, pts in series.items():
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("memory limit (GiB)")
         ax.set_ylabel("max batch size")
         ax.set_title("largest batch under a memory limit")
@@ -1053,6 +1070,9 @@ def plot(rows: list[dict], path: Path, mode: str) -> None:
                     ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color=line.get_color(),
                             label=f"{label} bandwidth bound")
             ax.set_xscale("log", base=2)
+            xs = sorted({r["context_length"] for r in ok if r["batch_size"] == b})
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_ylim(bottom=0)
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel(ylabel)
             ax.set_title(f"batch {b}")
@@ -1191,11 +1211,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # every (policy, batch specialisation) may need its own graph: never fall back to eager silently
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(o.policy_list) + 8)
     meter = MemoryMeter(device)
-    bandwidth = o.bandwidth_gbs if o.bandwidth_gbs is not None else measure_bandwidth(device)
-    header(o, model, device, bandwidth, meter)
     writer = RowWriter(o.json, o.csv, lambda rows: add_ratios(rows, o.speedup_vs))
-    bench = Bench(model, o, writer, meter, bandwidth or None, file_ids)
     try:
+        bandwidth = o.bandwidth_gbs if o.bandwidth_gbs is not None else measure_bandwidth(device)
+        header(o, model, device, bandwidth, meter)
+        bench = Bench(model, o, writer, meter, bandwidth or None, file_ids)
         if mode == "memory":
             bench.run_memory()
         elif mode == "attention":

@@ -7,36 +7,13 @@ import torch
 
 import engine
 import model as model_module
-from checkpoint import build_model, read_hf_dir
 from model import ModelArgs
+from tests.helpers import tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
 
 
 # --------------------------------------------------------------------------- tiny random models
-
-def tiny_hf_model(kind: str, tmp_path):
-    torch.manual_seed(0)
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-5)
-    if kind == "llama31":
-        cfg = transformers.LlamaConfig(**common, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
-    elif kind == "mistral":  # sliding window much shorter than the test sequence; head_dim != hidden/heads
-        cfg = transformers.MistralConfig(**common, head_dim=32, sliding_window=8, rope_theta=10000.0)
-    else:  # GQA 3:1, tied embeddings, like SmolLM2
-        cfg = transformers.LlamaConfig(**{**common, "num_attention_heads": 6, "hidden_size": 96}, tie_word_embeddings=True)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # random norms so a wrong norm layout cannot pass
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-    hf.save_pretrained(tmp_path)
-    args, tensors = read_hf_dir(tmp_path)
-    return hf, build_model(args, tensors, "cpu", torch.float32)
-
 
 @pytest.mark.parametrize("kind", ["llama31", "mistral", "tied_gqa3"])
 def test_tiny_prefill_chunks_and_decode_match_hf(kind, tmp_path):
