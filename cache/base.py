@@ -9,7 +9,7 @@ Prefill: the whole prompt comes in one pass (`prefill_in_one_pass`), attention o
 and causal, then each layer keeps the top-C_l tokens of the policy's `prefill_scores` (so the
 first generated token equals the full cache's).  Decode: the new token overwrites the slot the
 policy's `decode_victim` names (empty slots first), per sequence and head, without host syncs;
-attention reads only the slots used so far, so its cost follows the budget.
+attention reads the layer's C_l slots (empty ones masked), so its cost follows the budget.
 """
 from __future__ import annotations
 
@@ -24,12 +24,15 @@ NEVER = float("-inf")
 def select_top(scores: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
     """The `capacity` best columns of scores [B, H, T], returned in column order.
 
-    Returns (idx [B, H, C], valid [B, H, C]); valid is False where the score was -inf
-    (fewer keepable tokens than slots).  C = min(capacity, T)."""
-    c = min(capacity, scores.shape[-1])
-    top, idx = scores.topk(c, dim=-1)
+    Returns (idx [B, H, capacity], valid [B, H, capacity]); valid is False where no keepable
+    column was left (score -inf, or T < capacity), and such idx point at a real column.  The
+    output shape never depends on T, so compiled prefill graphs need no T-vs-capacity guard."""
+    B, H, T = scores.shape
+    padded = torch.cat([scores, scores.new_full((B, H, capacity), NEVER)], dim=-1)
+    top, idx = padded.topk(capacity, dim=-1)
     order = idx.argsort(dim=-1)
-    return idx.gather(-1, order), top.gather(-1, order) > NEVER
+    idx, top = idx.gather(-1, order), top.gather(-1, order)
+    return idx.clamp(max=T - 1), top > NEVER
 
 
 class EvictionPolicy:
@@ -100,12 +103,11 @@ class EvictionPolicy:
         out = grouped_attention(q, k, v, self.mask)
         scores = self.prefill_scores(layer, q, k, v, self.q_pos)
         idx, valid = select_top(scores, self.capacities[layer])
-        c = idx.shape[-1]
         gather = idx[..., None].expand(-1, -1, -1, k.shape[-1])
-        self.k[layer][:, :, :c] = k.gather(2, gather)
-        self.v[layer][:, :, :c] = v.gather(2, gather)
+        self.k[layer].copy_(k.gather(2, gather))
+        self.v[layer].copy_(v.gather(2, gather))
         pos = self.q_pos[:, None, :].expand(-1, k.shape[1], -1).gather(2, idx)
-        self.pos[layer][:, :, :c] = torch.where(valid, pos, -1)
+        self.pos[layer].copy_(torch.where(valid, pos, -1))
         return out
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -115,12 +117,13 @@ class EvictionPolicy:
         kc.scatter_(2, at, k)
         vc.scatter_(2, at, v)
         pc.scatter_(2, slot[:, :, None], self.q_pos[:, None, :].expand(-1, pc.shape[1], 1))
-        n = self.used_slots(layer)
-        visible = pc[:, :, :n] >= 0                                        # [B, H, n]
+        # all C_l slots, empty ones masked: the cost is bounded by the budget, and the shape does
+        # not change when the cache fills up (a compiled step would otherwise specialize on it)
+        visible = pc >= 0                                                  # [B, H, C]
         if self.sliding_window:
-            visible &= self.q_pos[:, None, :] - pc[:, :, :n] < self.sliding_window
+            visible &= self.q_pos[:, None, :] - pc < self.sliding_window
         mask = visible[:, :, None, :].expand(-1, -1, self.group, -1)       # one query per group head
-        return grouped_attention(q, kc[:, :, :n], vc[:, :, :n], mask)
+        return grouped_attention(q, kc, vc, mask)
 
     def end_prefill(self) -> None:
         pass
@@ -133,7 +136,7 @@ class EvictionPolicy:
             return t[:, :, 0].numel() * t.element_size()
         allocated = sum(per_slot(k) * c * 2 for k, c in zip(self.k, self.capacities))
         live = sum(per_slot(k) * self.used_slots(i) * 2 for i, k in enumerate(self.k))
-        return {"allocated": allocated, "live": live, "read_per_step": live}
+        return {"allocated": allocated, "live": live, "read_per_step": allocated}
 
     def describe(self) -> dict:
         d = {"policy": self.name, **{k: getattr(self, k) for k in self.params}}

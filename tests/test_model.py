@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import engine
+from cache import make_policy
 import model as model_module
 from model import ModelArgs
 from tests.helpers import tiny_hf_model
@@ -178,7 +179,8 @@ def test_gguf_rope_freq_factors_equal_llama3_scaling():
     torch.testing.assert_close(model_module.rope_inv_freq(factors), scaled)
 
 
-def test_generate_compiled_warms_up_and_never_recompiles(tmp_path):
+@pytest.mark.parametrize("policy", ["full", "streaming"])
+def test_generate_compiled_warms_up_and_never_recompiles(policy, tmp_path):
     """engine.generate(compile=True): compilation happens in the warm-up; a second request
     with another prompt length decodes with the same graphs and the same tokens as eager."""
     from torch._dynamo.utils import counters
@@ -196,10 +198,13 @@ def test_generate_compiled_warms_up_and_never_recompiles(tmp_path):
     engine._compiled.clear()
     torch.manual_seed(1)
     prompts = [torch.randint(0, 120, (n,)).tolist() for n in (9, 14)]
-    first = engine.generate(ours, Ids(), prompts, max_new_tokens=6, compile=True)
+    # streaming: budget 16 -> the second request's cache fills up and evicts mid-decode
+    make = (lambda: make_policy("streaming", "budget=16,n_sink=2")) if policy == "streaming" else (lambda: None)
+    first = engine.generate(ours, Ids(), prompts, max_new_tokens=6, compile=True, policy=make())
     graphs = counters["stats"]["unique_graphs"]
     assert graphs == 2, "prefill and decode should each compile once, in the warm-up"
-    second = engine.generate(ours, Ids(), [p + [5, 6, 7] for p in prompts], max_new_tokens=10, compile=True)
+    second = engine.generate(ours, Ids(), [p + [5, 6, 7] for p in prompts], max_new_tokens=10, compile=True,
+                             policy=make())
     assert counters["stats"]["unique_graphs"] == graphs, "a new request recompiled"
-    eager = engine.generate(ours, Ids(), [p + [5, 6, 7] for p in prompts], max_new_tokens=10)
+    eager = engine.generate(ours, Ids(), [p + [5, 6, 7] for p in prompts], max_new_tokens=10, policy=make())
     assert second.tokens == eager.tokens and len(first.tokens) == 2
