@@ -20,6 +20,8 @@ Modes (one per run):
                        prompt of each --context-lengths plus --decode-steps generated tokens.
 
 Measurement:
+  * Prefill runs in --prefill-chunk chunks, or in one pass for policies that compress the prompt
+    (`prefill_in_one_pass`), as engine.generate does.
   * Synthetic prompts are random token ids (seeded, identical for every policy), or --prompt-file
     (tokenized, repeated if short, cut to the exact length; sequence b starts at a different offset).
   * Each configuration gets one untimed warm-up run first (the full-size run when compiled, so
@@ -38,7 +40,11 @@ Measurement:
   * --compile: prefill and decode steps from engine.compiled_steps (Inductor on CPU; on CUDA
     mode="reduce-overhead", i.e. CUDA graphs).  `--compile both` runs eager and compiled rows side by
     side and adds compile_speedup.  decode_recompiles counts graphs compiled during timed decode
-    loops (torch._dynamo counters); it must be 0.
+    loops (torch._dynamo counters); it must be 0.  On CUDA, cuda_graphs_recorded counts CUDA
+    graphs recorded inside the timed loops (cudagraph trees record a graph per new set of input
+    shapes and replay it afterwards): 0 means every step replayed a graph captured during warm-up.
+    A cache whose attention length is the live length (the dense `full` cache) changes shape every
+    step, so there it counts one recording per step; fixed-shape policies should show 0.
   * Memory-limit model: total(B) = base + state_fixed + B * state_per_seq + workspace_fixed +
     B * workspace_per_seq, where base = process RSS (CUDA: allocated bytes) with the model loaded and
     warmed up and no cache; state = bytes of every tensor the policy object holds after
@@ -289,9 +295,10 @@ def release(model) -> None:
         _malloc_trim()
 
 
-def measure_bandwidth(device: torch.device) -> float:
+def measure_bandwidth(device: torch.device, rounds: int = 3) -> float:
     """Read bandwidth in GB/s: CPU = scripts/compare_hf.read_bandwidth_gbs (the better of its two
-    medians, as compare_hf reports); CUDA = median of full reads of a 1 GiB tensor."""
+    medians, as compare_hf reports), median of `rounds` calls (single calls on the shared VM ranged
+    from 44 to 60 GB/s); CUDA = median of full reads of a 1 GiB tensor."""
     if device.type == "cuda":
         x = torch.empty(1 << 28, device=device)
         x.sum()
@@ -304,10 +311,13 @@ def measure_bandwidth(device: torch.device) -> float:
             times.append(time.perf_counter() - t)
         return x.numel() * 4 / statistics.median(times) / 1e9
     from compare_hf import read_bandwidth_gbs
-    best = max(read_bandwidth_gbs().values())
-    gc.collect()
-    _malloc_trim()
-    return best
+    samples = []
+    for _ in range(rounds):
+        samples.append(max(read_bandwidth_gbs().values()))
+        gc.collect()
+        _malloc_trim()
+    print(f"# read bandwidth samples (GB/s): {', '.join(f'{x:.1f}' for x in samples)}", file=sys.stderr)
+    return statistics.median(samples)
 
 
 def unique_weight_bytes(model) -> int:
@@ -341,6 +351,19 @@ def tensor_bytes(obj, _seen=None, _depth=0) -> int:
 def unique_graphs() -> int:
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
+
+
+def cuda_graphs_recorded(device: torch.device) -> Optional[int]:
+    """CUDA graphs recorded so far by torch.compile(mode="reduce-overhead") on `device` (the id of
+    cudagraph_trees' next graph), or None off CUDA.  Read, never patched: a diagnostic only."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch._inductor.cudagraph_trees import get_container
+        manager = get_container(device.index or 0).tree_manager
+        return 0 if manager is None else int(re.search(r"\d+", repr(manager.graph_counter)).group())
+    except Exception:  # private API: absent or changed in this torch version
+        return None
 
 
 def cpu_name() -> str:
@@ -404,7 +427,11 @@ def make_prompt(vocab_size: int, batch: int, length: int, seed: int, device, fil
 # --------------------------------------------------------------------------- one run
 
 def run_prefill(model, prefill, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Prefill in chunks of `chunk` tokens (as engine.generate: one pass for the policies that
+    compress the prompt, `prefill_in_one_pass`), then `end_prefill`; the last logits [B, V]."""
     B, T = tokens.shape
+    if getattr(model.cache, "prefill_in_one_pass", False):
+        chunk = T
     pos = torch.arange(T, device=tokens.device).repeat(B, 1)
     logits = None
     for s in range(0, T, chunk):
@@ -443,17 +470,19 @@ def measure_e2e(model, cfg: Config, tokens: torch.Tensor, steps: int, warmup_ste
         pos = torch.full((B, 1), T, dtype=torch.long, device=device)
         token, pos = run_decode(model, decode, token, pos, warmup_steps)
         kv0 = cache.kv_bytes()
-        graphs = unique_graphs()
+        graphs, cuda_graphs = unique_graphs(), cuda_graphs_recorded(device)
         sync(device)
         t2 = time.perf_counter()
         run_decode(model, decode, token, pos, steps)
         sync(device)
         t3 = time.perf_counter()
         recompiles = unique_graphs() - graphs
+        cuda_graphs = None if cuda_graphs is None else cuda_graphs_recorded(device) - cuda_graphs
         kv1 = cache.kv_bytes()
     return {"prefill_s": t1 - t0, "decode_s": t3 - t2, "kv_allocated": kv1["allocated"], "kv_live": kv1["live"],
             "kv_read": (kv0["read_per_step"] + kv1["read_per_step"]) / 2, "peak": meter.peak(),
-            "decode_recompiles": recompiles, "policy_config": cache.describe()}
+            "decode_recompiles": recompiles, "cuda_graphs_recorded": cuda_graphs,
+            "policy_config": cache.describe()}
 
 
 def warm_up(model, cfg: Config, tokens: torch.Tensor, steps: int, warmup_steps: int, chunk: int,
@@ -614,7 +643,7 @@ class Bench:
                     "decode_step_ms", "decode_tokens_per_s_samples", "kv_bytes_allocated", "kv_bytes_live",
                     "kv_bytes_read_per_step", "weight_bytes", "bytes_per_step", "read_bandwidth_gbs",
                     "bandwidth_bound_tokens_per_s", "fraction_of_bound", "peak_memory_bytes", "peak_memory_kind",
-                    "decode_recompiles"]
+                    "decode_recompiles", "cuda_graphs_recorded"]
 
     def e2e_row(self, mode: str, cfg: Config, batch: int, context: int, samples: list[dict]) -> dict:
         o = self.opts
@@ -639,26 +668,36 @@ class Bench:
             "bandwidth_bound_tokens_per_s": bound, "fraction_of_bound": tps / bound if bound else None,
             "peak_memory_bytes": max(s["peak"] for s in samples), "peak_memory_kind": self.meter.kind,
             "decode_recompiles": sum(s["decode_recompiles"] for s in samples),
+            "cuda_graphs_recorded": (None if samples[0]["cuda_graphs_recorded"] is None
+                                     else sum(s["cuda_graphs_recorded"] for s in samples)),
             "status": "ok", "error": None,
         })
         if o.compile == "both":
             row["compile_speedup"] = None
         if row["decode_recompiles"]:
             print(f"  WARNING: {row['decode_recompiles']} graph(s) compiled inside timed decode loops", file=sys.stderr)
+        if row["cuda_graphs_recorded"]:
+            print(f"  WARNING: {row['cuda_graphs_recorded']} CUDA graph(s) recorded inside timed decode loops "
+                  f"(graphs are re-recorded for every new live length, not replayed)", file=sys.stderr)
         return row
 
     def print_e2e_header(self) -> None:
         ref = self.opts.speedup_vs
         print(f"{'policy':28s} {'B':>3s} {'ctx':>5s} {'bits':>4s} {'prefill t/s':>11s} {'decode t/s':>10s} "
               f"{'t/s/seq':>8s} {'step ms':>8s} {'KV alloc':>10s} {'KV live':>10s} {'peak mem':>10s} "
-              f"{'bound t/s':>9s} {'of bound':>8s}" + (f" {'vs ' + ref:>9s}" if ref else ""))
+              f"{'bound t/s':>9s} {'of bound':>8s}" + (f" {'vs ' + ref:>9s}" if ref else "")
+              + (f" {'vs eager':>9s}" if self.opts.compile == "both" else ""))
 
     def print_e2e(self, r: dict) -> None:
+        label = Config(r["policy"], r["policy_args"], r["kv_bits"], r["compile"]).label
         if r["status"] != "ok":
+            print(f"{label[:28]:28s} {r['batch_size']:3d} {r['context_length']:5d} {r['kv_bits']:4d} "
+                  f"{r['status']}: {r['error']}", flush=True)
             return
         ref = self.opts.speedup_vs
-        label = Config(r["policy"], r["policy_args"], r["kv_bits"], r["compile"]).label
         extra = f" {fmt(r.get(f'speedup_vs_{ref}'), '.2f') + 'x':>9s}" if ref else ""
+        if self.opts.compile == "both":
+            extra += f" {fmt(r.get('compile_speedup'), '.2f') + 'x' if r['compile'] else '':>9s}"
         print(f"{label[:28]:28s} {r['batch_size']:3d} {r['context_length']:5d} {r['kv_bits']:4d} "
               f"{r['prefill_tokens_per_s']:11.1f} {r['decode_tokens_per_s']:10.2f} "
               f"{r['decode_tokens_per_s_per_seq']:8.2f} {r['decode_step_ms']:8.1f} "
@@ -681,8 +720,10 @@ class Bench:
                     if reason is None and (reason := self.fits_context(context, o.warmup_steps + o.decode_steps)):
                         status = "error"
                     if reason:
-                        self.writer.add(self.fail_row(self.base_row(mode, cfg, batch, context), status, reason,
-                                                      self.E2E_MEASURES))
+                        row = self.fail_row(self.base_row(mode, cfg, batch, context), status, reason,
+                                            self.E2E_MEASURES)
+                        self.writer.add(row)
+                        self.print_e2e(row)
                     else:
                         runnable.append(cfg)
                 if not runnable:
@@ -705,8 +746,10 @@ class Bench:
                         except Exception as e:  # a failing policy never ends the run
                             failed.add(cfg)
                             release(self.model)
-                            self.writer.add(self.fail_row(self.base_row(mode, cfg, batch, context), "error",
-                                                          f"{type(e).__name__}: {e}", self.E2E_MEASURES))
+                            row = self.fail_row(self.base_row(mode, cfg, batch, context), "error",
+                                                f"{type(e).__name__}: {e}", self.E2E_MEASURES)
+                            self.writer.add(row)
+                            self.print_e2e(row)
                             continue
                         samples[cfg].append(s)
                         print(f"  [{r + 1}/{o.repeats}] {cfg.label} B={batch} ctx={context}: decode "

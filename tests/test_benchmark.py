@@ -1,0 +1,324 @@
+"""scripts/benchmark.py: JSON/CSV schema, atomic writes and Ctrl-C, ratios, the attention-operator,
+context-sweep and memory-limit modes, CLI errors, and no recompilation inside compiled decode loops.
+
+Real-model runs use tiny contexts (32-64 tokens), 4 decode steps and a fixed --bandwidth-gbs."""
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import cache
+from model import DenseCache, ModelArgs, Transformer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import benchmark  # noqa: E402
+
+FAST = ["--bandwidth-gbs", "40", "--decode-steps", "4", "--warmup-steps", "1", "--repeats", "1"]
+SCHEMA = {"policy": str, "policy_args": str, "batch_size": int, "context_length": int, "kv_bits": int,
+          "decode_steps": int, "prefill_tokens_per_s": float, "decode_tokens_per_s": float,
+          "decode_tokens_per_s_per_seq": float, "kv_bytes_allocated": int, "kv_bytes_live": int,
+          "peak_memory_bytes": int, "bandwidth_bound_tokens_per_s": float, "device": str, "dtype": str,
+          "torch_version": str, "compile": bool}
+
+
+class ProbeCache(DenseCache):
+    """A second registered policy (the dense cache under another name, with one parameter), so the
+    tests exercise the registry path, per-policy arguments and pairwise ratios."""
+    name = "probe"
+    params = {"window": (int, 8, "a dummy parameter")}
+
+    def __init__(self, window: int = 8):
+        self.window = window
+
+    def describe(self) -> dict:
+        return {**super().describe(), "window": self.window}
+
+
+@pytest.fixture
+def probe_policy(monkeypatch):
+    monkeypatch.setitem(cache.POLICIES, "probe", ProbeCache)
+
+
+def run(capsys, default_dir, *argv):
+    rc = benchmark.main(["--checkpoint", str(default_dir), *FAST, *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def per_slot_bytes(args) -> int:
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * 4  # K and V, float32, per token, per sequence
+
+
+# --------------------------------------------------------------------------- end to end
+
+def test_e2e_rows_schema_csv_ratios_and_skipped_kv_bits(capsys, default_dir, probe_policy, tmp_path):
+    out_json, out_csv, out_png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
+    rc, out, err = run(capsys, default_dir, "--policies", "probe,full", "--policy-args", "probe:window=16",
+                       "--batch-sizes", "1,2", "--context-lengths", "32,48", "--kv-bits", "16,4",
+                       "--speedup-vs", "full", "--json", str(out_json), "--csv", str(out_csv), "--plot", str(out_png))
+    assert rc == 0, err
+    assert "OMP_WAIT_POLICY=" in out and "bound t/s" in out and "vs full" in out
+    rows = json.loads(out_json.read_text())
+    ok = [r for r in rows if r["status"] == "ok"]
+    skipped = [r for r in rows if r["status"] == "skipped"]
+    assert len(ok) == 8 and len(skipped) == 8 and len(rows) == 16
+    assert all(r["kv_bits"] == 4 and "not implemented" in r["error"] for r in skipped)
+    assert all(r["decode_tokens_per_s"] is None for r in skipped)
+    args = json.loads((default_dir / "config.json").read_text())
+    slot = 2 * args["num_hidden_layers"] * args["num_key_value_heads"] * (args["hidden_size"] // args["num_attention_heads"]) * 4
+    for r in ok:
+        for key, kind in SCHEMA.items():
+            assert isinstance(r[key], kind), (key, r[key])
+        B, T = r["batch_size"], r["context_length"]
+        assert r["mode"] == "e2e" and r["decode_steps"] == 4 and r["kv_bits"] == 16 and r["compile"] is False
+        assert r["device"] == "cpu" and r["dtype"] == "float32" and r["torch_version"] == torch.__version__
+        assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+        assert math.isclose(r["decode_tokens_per_s_per_seq"] * B, r["decode_tokens_per_s"])
+        # bytes come from the cache's own buffers: prompt + 1 warm-up + 4 timed steps live, 16 spare slots
+        assert r["kv_bytes_allocated"] == B * slot * (T + 1 + 4 + benchmark.CAPACITY_MARGIN)
+        assert r["kv_bytes_live"] == B * slot * (T + 1 + 4)
+        assert r["peak_memory_bytes"] > r["weight_bytes"] > 0
+        bound = B * 40e9 / (r["weight_bytes"] + r["kv_bytes_read_per_step"])
+        assert math.isclose(r["bandwidth_bound_tokens_per_s"], bound)
+        assert math.isclose(r["fraction_of_bound"], r["decode_tokens_per_s"] / bound)
+        full = next(f for f in ok if f["policy"] == "full" and (f["batch_size"], f["context_length"]) == (B, T))
+        assert math.isclose(r["speedup_vs_full"], r["decode_tokens_per_s"] / full["decode_tokens_per_s"])
+        assert r["decode_recompiles"] == 0
+    probe = [r for r in ok if r["policy"] == "probe"]
+    assert all(r["policy_args"] == "window=16" and r["policy_config"]["window"] == 16 for r in probe)
+    assert all(r["speedup_vs_full"] == 1.0 for r in ok if r["policy"] == "full")
+    # the reference policy runs first in every group
+    assert [r["policy"] for r in ok][:2] == ["full", "probe"]
+
+    with open(out_csv) as f:
+        table = list(csv.DictReader(f))
+    header = next(csv.reader(open(out_csv)))
+    assert header[:len(benchmark.E2E_KEYS)] == benchmark.E2E_KEYS
+    assert "speedup_vs_full" in header and len(table) == len(rows)
+    assert {t["policy"] for t in table} == {"full", "probe"}
+    assert float(table[[r["status"] for r in rows].index("ok")]["decode_tokens_per_s"]) > 0
+    pytest.importorskip("matplotlib")
+    assert out_png.stat().st_size > 0
+
+
+def test_keyboard_interrupt_keeps_finished_rows(capsys, default_dir, tmp_path, monkeypatch):
+    out_json, out_csv = tmp_path / "b.json", tmp_path / "b.csv"
+    real, calls = benchmark.Bench.e2e_row, []
+
+    def second_row_interrupted(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(benchmark.Bench, "e2e_row", second_row_interrupted)
+    rc, out, err = run(capsys, default_dir, "--policies", "full", "--context-lengths", "32,40,48",
+                       "--json", str(out_json), "--csv", str(out_csv))
+    assert rc == 130
+    assert "interrupted: kept 1 finished row(s)" in err
+    rows = json.loads(out_json.read_text())
+    assert len(rows) == 1 and rows[0]["context_length"] == 32 and rows[0]["status"] == "ok"
+    assert len(list(csv.DictReader(open(out_csv)))) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.csv", "b.json"]  # no tmp file left behind
+
+
+def test_sigint_subprocess_keeps_rows(default_dir, tmp_path):
+    """A real Ctrl-C (SIGINT) mid-run: exit status 130 and a valid JSON of the finished rows."""
+    out_json = tmp_path / "b.json"
+    p = subprocess.Popen([sys.executable, str(benchmark.ROOT / "scripts" / "benchmark.py"), "--checkpoint",
+                          str(default_dir), *FAST, "--policies", "full", "--context-lengths",
+                          ",".join(str(32 + i) for i in range(40)), "--json", str(out_json)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and p.poll() is None:
+            if out_json.exists() and len(json.loads(out_json.read_text())) >= 2:
+                break
+            time.sleep(0.2)
+        assert p.poll() is None, p.communicate()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    rows = json.loads(out_json.read_text())
+    assert len(rows) >= 2 and all(r["status"] == "ok" for r in rows)
+    assert f"kept {len(rows)} finished row(s)" in err
+
+
+def test_atomic_write_replaces_whole_file(tmp_path, monkeypatch):
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    moves = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        moves.append((src, dst))
+        assert target.read_text() == "old"  # the target is never written in place
+        real_replace(src, dst)
+
+    monkeypatch.setattr(benchmark.os, "replace", spy)
+    benchmark.atomic_write(target, "[1, 2]\n")
+    assert target.read_text() == "[1, 2]\n"
+    (src, dst), = moves
+    assert os.path.dirname(src) == str(tmp_path) and dst == target and not os.path.exists(src)
+
+
+# --------------------------------------------------------------------------- other modes
+
+def test_attention_operator_rows(capsys, default_dir, tmp_path):
+    out_json = tmp_path / "a.json"
+    rc, out, err = run(capsys, default_dir, "--op", "attention", "--policies", "full", "--batch-sizes", "2",
+                       "--context-lengths", "32", "--op-iters", "3", "--json", str(out_json))
+    assert rc == 0, err
+    rows = json.loads(out_json.read_text())
+    assert [r["policy"] for r in rows] == ["dense_sdpa", "full"]
+    dense, full = rows
+    assert all(r["mode"] == "attention" and r["status"] == "ok" and r["n_layers"] == 30 for r in rows)
+    assert all(r["attention_us_per_layer"] > 0 and len(r["attention_us_samples"]) == 3 for r in rows)
+    assert math.isclose(full["attention_ms_per_step"] * 1000 / 30, full["attention_us_per_layer"])
+    assert dense["speedup_vs_dense_sdpa"] == 1.0
+    assert math.isclose(full["speedup_vs_dense_sdpa"], dense["attention_us_per_layer"] / full["attention_us_per_layer"])
+    slot = 2 * 3 * 64 * 4 * 30
+    assert dense["kv_bytes_read_per_step"] == 2 * slot * 32
+    assert full["kv_bytes_read_per_step"] == 2 * slot * 33  # the prompt + the captured real decode step
+    assert "us/layer" in out and "dense_sdpa" in out
+
+
+def test_sweep_context_rows_and_plot(capsys, default_dir, probe_policy, tmp_path):
+    out_json, out_png = tmp_path / "s.json", tmp_path / "s.png"
+    rc, out, err = run(capsys, default_dir, "--sweep-context", "32:64", "--policies", "all",
+                       "--json", str(out_json), "--plot", str(out_png))
+    assert rc == 0, err
+    rows = json.loads(out_json.read_text())
+    registered = cache.policy_names()  # every registered policy, the test's probe included
+    assert "probe" in registered
+    assert {(r["policy"], r["context_length"]) for r in rows} == {(p, c) for p in registered for c in (32, 64)}
+    assert all(r["mode"] == "sweep" and r["status"] == "ok" and r["decode_step_ms"] > 0 for r in rows)
+    assert benchmark.parse_sweep("256:8192", 8192, 100) == [256, 512, 1024, 2048, 4096, 8092]
+    assert benchmark.parse_sweep("100,300", 8192, 100) == [100, 300]
+    pytest.importorskip("matplotlib")
+    assert out_png.stat().st_size > 0
+
+
+def test_memory_limit_search_monotonic_and_verified(capsys, default_dir, tmp_path):
+    out_json = tmp_path / "m.json"
+    rc, out, err = run(capsys, default_dir, "--memory-limit", "1GiB,1.5GiB,2GiB,4GiB,16GiB", "--policies", "full",
+                       "--context-lengths", "64", "--verify-seconds", "0", "--json", str(out_json))
+    assert rc == 0, err
+    rows = json.loads(out_json.read_text())
+    assert [r["memory_limit_bytes"] for r in rows] == [int(x * 2**30) for x in (1, 1.5, 2, 4, 16)]
+    batches = [r["max_batch_size"] for r in rows]
+    assert batches == sorted(batches) and batches[-1] > batches[0]
+    r = rows[-1]
+    assert r["kv_bytes_allocated_per_seq"] == per_slot_bytes(ModelArgs(49152, 576, 30, 9, 3, 1536)) * (64 + 4 + 16)
+    assert r["state_bytes_per_seq"] >= r["kv_bytes_allocated_per_seq"]
+    per = r["state_bytes_per_seq"] + r["workspace_bytes_per_seq"]
+    fixed = r["base_bytes"] + r["state_bytes_fixed"] + r["workspace_bytes_fixed"]
+    for row in rows:
+        b = row["max_batch_size"]
+        budget = row["memory_limit_bytes"] * 0.95
+        assert fixed + b * per <= budget < fixed + (b + 1) * per or b == 0
+        assert row["verified"] is None and row["verify_note"]
+
+    # a limit that fits exactly 3 sequences: run them and compare the real peak with the model
+    limit = math.ceil((fixed + 3.5 * per) / 0.95)
+    rc, out, err = run(capsys, default_dir, "--memory-limit", str(limit), "--policies", "full",
+                       "--context-lengths", "64", "--verify-seconds", "60", "--json", str(out_json))
+    assert rc == 0, err
+    (row,) = json.loads(out_json.read_text())
+    assert row["max_batch_size"] in (2, 3, 4)  # the base is re-measured by this second run
+    assert row["verified"] is True and row["verified_batch_size"] == row["max_batch_size"]
+    assert abs(row["prediction_error"]) < 0.25
+
+
+# --------------------------------------------------------------------------- errors and parsing
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policies", "full,nope"], f"unknown policy 'nope'; registered: {', '.join(cache.policy_names())}"),
+    (["--policies", "full", "--policy-args", "full"], "malformed --policy-args item 'full'"),
+    (["--policies", "full", "--policy-args", "full:window"], "malformed --policy-args item 'window'"),
+    (["--policies", "full", "--policy-args", "full:window=3"], "policy 'full' has no parameter(s) window"),
+    (["--policies", "full", "--policy-args", "fulll:window=3"], "--policy-args for 'fulll', which is not in --policies"),
+    (["--policies", "full", "--policy-args", "full:;full:"], "gives arguments for 'full' twice"),
+    (["--speedup-vs", "nope"], "--speedup-vs: unknown policy 'nope'"),
+    (["--kv-bits", "8"], "--kv-bits 8: use 16, 4 or 2"),
+    (["--batch-sizes", "1,x"], "--batch-sizes expects comma-separated integers"),
+    (["--context-lengths", "0"], "--context-lengths expects positive integers"),
+    (["--memory-limit", "8 parsecs"], "cannot parse memory size '8 parsecs'"),
+    (["--decode-steps", "0"], "--decode-steps must be at least 1"),
+])
+def test_cli_errors(capsys, tmp_path, argv, message):
+    rc = benchmark.main(["--checkpoint", str(tmp_path / "no-model"), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and message in err, err
+
+
+def test_bad_sweep_and_missing_checkpoint(capsys, default_dir, tmp_path):
+    assert benchmark.main(["--checkpoint", str(tmp_path / "no-model"), "--policies", "full"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert benchmark.main(["--checkpoint", str(default_dir), "--sweep-context", "64:32"]) == 2
+    assert "--sweep-context expects START:STOP[:FACTOR]" in capsys.readouterr().err
+
+
+def test_context_beyond_the_model_is_an_error_row_not_a_crash(capsys, default_dir, tmp_path):
+    out_json = tmp_path / "b.json"
+    rc, out, err = run(capsys, default_dir, "--policies", "full", "--context-lengths", "32,8190",
+                       "--json", str(out_json))
+    rows = json.loads(out_json.read_text())
+    assert rc == 1 and [r["status"] for r in rows] == ["ok", "error"]
+    assert "exceeds the model's context length 8192" in rows[1]["error"]
+
+
+def test_parsers_and_prompts():
+    assert benchmark.parse_bytes("8GiB") == 8 << 30 and benchmark.parse_bytes("512MiB") == 512 << 20
+    assert benchmark.parse_bytes("8GB") == 8 * 10**9 and benchmark.parse_bytes("1.5G") == 3 << 29
+    assert benchmark.parse_policy_arg_map("hshare:preset=long,layer_ratio=0.5; full:") == \
+        {"hshare": "preset=long,layer_ratio=0.5", "full": ""}
+    a = benchmark.make_prompt(100, 2, 10, 0, "cpu", None)
+    assert a.shape == (2, 10) and torch.equal(a, benchmark.make_prompt(100, 2, 10, 0, "cpu", None))
+    assert not torch.equal(a[0], a[1])
+    f = benchmark.make_prompt(100, 2, 7, 0, "cpu", [5, 6, 7])
+    assert f.shape == (2, 7) and f[0].tolist() == [5, 6, 7, 5, 6, 7, 5] and f[1, 0].item() == [5, 6, 7][997 % 3]
+
+
+# --------------------------------------------------------------------------- compiled decode
+
+def test_compiled_decode_loop_never_recompiles():
+    """The compiled path as the benchmark drives it (engine.compiled_steps after warm-up): timed
+    decode loops at the warm-up context and at longer contexts compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=128, dim=96, n_layers=2, n_heads=6, n_kv_heads=2, intermediate_size=96,
+                     max_position_embeddings=256, tie_word_embeddings=True)
+    model = Transformer(args).eval()
+    meter = benchmark.MemoryMeter(torch.device("cpu"))
+    cfg = benchmark.Config("full", "", 16, True)
+    torch._dynamo.reset()
+    counters.clear()
+    tokens = torch.randint(0, 128, (2, 40))
+    benchmark.warm_up(model, cfg, tokens[:, :24], 8, 2, 16, meter)
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled >= 2  # the prefill and the decode step
+    for T in (24, 37, 40):  # prefill chunks of 16 (never a 1-token chunk: that is a decode-shaped call)
+        s = benchmark.measure_e2e(model, cfg, tokens[:, :T], 8, 2, 16, meter)
+        assert s["decode_recompiles"] == 0
+    assert counters["stats"]["unique_graphs"] == compiled, "the compiled steps recompiled after warm-up"
+    # and the compiled steps compute what eager does
+    model.setup_caches(2, 64)
+    with torch.inference_mode():
+        eager = benchmark.run_prefill(model, benchmark.engine.prefill_step, tokens[:, :37], 16)
+    model.setup_caches(2, 64)
+    with torch.inference_mode():
+        comp = benchmark.run_prefill(model, benchmark.engine.compiled_steps(torch.device("cpu"))[0], tokens[:, :37], 16)
+    torch.testing.assert_close(comp, eager, atol=1e-4, rtol=1e-4)
