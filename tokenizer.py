@@ -647,7 +647,7 @@ def _load_tokenizer_model(path: Path, has_config_specials: bool):
             raise ValueError(f"{path}: neither a sentencepiece model ({sp_err}) nor a tiktoken BPE file "
                              f"({tt_err})") from None
         return _llama3_from_ranks(ranks, path, has_config_specials)
-    added, skip = {}, []
+    added = {}
     for i in range(sp.get_piece_size()):
         if sp.is_control(i) or sp.is_unknown(i):
             added[i] = (sp.id_to_piece(i), True)

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, float32, batch 1, context {a.context}")
-    print(f"read bandwidth: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items()) +
+    print("read bandwidth: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items()) +
           f"; bytes/step {(weight_bytes + kv_bytes) / 1e6:.0f} MB (weights {weight_bytes / 1e6:.0f} + KV {kv_bytes / 1e6:.0f})"
           f" -> bound {bound:.1f} tok/s at {best_bw:.1f} GB/s")
     print(f"{'row':36s} {'tok/s':>8s} {'vs hf':>7s} {'of bound':>9s}")

@@ -86,7 +86,6 @@ def test_compiled_decode_matches_eager_without_recompiles(tmp_path):
         ours.setup_caches(2, 64)
         ours(ids, torch.arange(12))
         eager, compiled = [], []
-        prefix_state = [t.clone() for t in ours.cache.k + ours.cache.v], ours.cache.pos.clone()
         step = torch.compile(engine.decode_step, dynamic=True)
         for s in range(8):
             tok, pos = ids[:, s:s + 1], torch.full((2, 1), 12 + s)
