@@ -51,9 +51,15 @@ Measurement:
     setup_caches (KV buffers and bookkeeping) plus the RoPE tables; workspace = peak minus resident
     during a real prefill + decode of the prompt.  Both are measured at B=1 and at a probe batch
     P >= 2 (at least 2048 prompt tokens in all, at most 64) and fitted linearly.  The answer is
-    floor((limit * (1 - headroom) - base - fixed) / per_seq); --memory-headroom (default 5%) keeps
-    room for allocator slack.  When the predicted memory fits this machine and the run is estimated
-    to take at most --verify-seconds, that batch is actually run and its peak reported.
+    floor((limit * (1 - headroom) - base - fixed) / per_seq) (model_batch_size); --memory-headroom
+    (default 5%) keeps room for allocator slack.  Then, while a run fits this machine and is
+    estimated to take at most --verify-seconds, that batch is actually run (prompt + generation) and
+    the line refitted through the two largest real peaks (B=1's included), for at most --verify-runs
+    runs per limit (later limits start from the runs already made);
+    max_batch_size is the largest run batch whose peak stayed within the limit (verified = true),
+    else the model's answer (verified = null: not run; false: runs exceeded the limit).  Workspace
+    is not always linear in B (a one-pass prefill at B=9 needed 12% more than the B=1/B=2 line), so
+    an unverified answer is an estimate.
 
 JSON (--json): a list of row objects, rewritten atomically (tmp file + os.replace) after every
 finished row, so an interrupted run (Ctrl-C: exit status 130) keeps every finished row.
@@ -73,9 +79,11 @@ Attention rows (mode "attention"): policy ("dense_sdpa" = the reference), batch_
   context_length, kv_bits, n_layers, attention_us_per_layer, attention_ms_per_step (medians),
   kv_bytes_read_per_step, bandwidth_bound_us_per_layer, speedup_vs_dense_sdpa, device, dtype, ...
 Memory rows (mode "memory"): policy, policy_args, kv_bits, context_length, decode_steps,
-  memory_limit_bytes, max_batch_size, predicted_bytes, base_bytes, state_bytes_fixed,
-  state_bytes_per_seq, kv_bytes_allocated_per_seq, workspace_bytes_fixed, workspace_bytes_per_seq,
-  verified (bool, or null when not run), verified_peak_bytes, verified_within_limit, ...
+  memory_limit_bytes, max_batch_size, model_batch_size, predicted_bytes (of model_batch_size),
+  base_bytes, state_bytes_fixed, state_bytes_per_seq, kv_bytes_allocated_per_seq,
+  workspace_bytes_fixed, workspace_bytes_per_seq, probe_batch_size, verified (bool, or null when
+  not run), verified_batch_size, verified_peak_bytes, verified_within_limit, prediction_error
+  (model_batch_size's real peak / predicted - 1), verify_runs ([batch, peak] pairs), verify_note.
 
 CPU: set OMP_WAIT_POLICY=ACTIVE (recommended; the header prints the setting in effect): PyTorch's
 OpenMP threads otherwise sleep between ops, which costs milliseconds per op on small CPUs.  Run on
@@ -298,7 +306,7 @@ def release(model) -> None:
 def measure_bandwidth(device: torch.device, rounds: int = 3) -> float:
     """Read bandwidth in GB/s: CPU = scripts/compare_hf.read_bandwidth_gbs (the better of its two
     medians, as compare_hf reports), median of `rounds` calls (single calls on the shared VM ranged
-    from 44 to 60 GB/s); CUDA = median of full reads of a 1 GiB tensor."""
+    from 38 to 60 GB/s); CUDA = median of full reads of a 1 GiB tensor."""
     if device.type == "cuda":
         x = torch.empty(1 << 28, device=device)
         x.sum()
@@ -893,9 +901,10 @@ class Bench:
               f"{fmt(r.get('speedup_vs_dense_sdpa'), '.2f') + 'x':>13s}", flush=True)
 
     # ---- memory-limit search
-    MEM_MEASURES = ["max_batch_size", "predicted_bytes", "base_bytes", "state_bytes_fixed", "state_bytes_per_seq",
-                    "kv_bytes_allocated_per_seq", "workspace_bytes_fixed", "workspace_bytes_per_seq", "verified",
-                    "verified_batch_size", "verified_peak_bytes", "verified_within_limit"]
+    MEM_MEASURES = ["max_batch_size", "model_batch_size", "predicted_bytes", "base_bytes", "state_bytes_fixed",
+                    "state_bytes_per_seq", "kv_bytes_allocated_per_seq", "workspace_bytes_fixed",
+                    "workspace_bytes_per_seq", "probe_batch_size", "verified", "verified_batch_size",
+                    "verified_peak_bytes", "verified_within_limit", "prediction_error", "verify_runs", "verify_note"]
 
     def probe_batch(self, context: int) -> int:
         """The second batch size measured: large enough that per-sequence workspace stands out of
@@ -933,12 +942,12 @@ class Bench:
                 t2 = time.perf_counter()
                 peak = self.meter.peak()
             prof[B] = {"state": state, "kv": kv, "workspace": max(0, peak - before), "prefill_s": t1 - t0,
-                       "decode_s": t2 - t1}
+                       "decode_s": t2 - t1, "peak": peak}
             del tokens
         release(model)
         per_seq = max(1, math.ceil((prof[P]["state"] - prof[1]["state"]) / (P - 1)))
         ws_per_seq = max(0, math.ceil((prof[P]["workspace"] - prof[1]["workspace"]) / (P - 1)))
-        return {"base": prof["base"], "probe_batch": P, "state_per_seq": per_seq,
+        return {"base": prof["base"], "probe_batch": P, "peak_b1": prof[1]["peak"], "state_per_seq": per_seq,
                 "state_fixed": max(0, prof[1]["state"] - per_seq),
                 "kv_per_seq": (prof[P]["kv"] - prof[1]["kv"]) // (P - 1), "ws_per_seq": ws_per_seq,
                 "ws_fixed": max(0, prof[1]["workspace"] - ws_per_seq),
@@ -996,48 +1005,97 @@ class Bench:
                     continue
                 verified: dict[int, int] = {}
                 for row in rows:
-                    limit = row["memory_limit_bytes"]
-                    per = prof["state_per_seq"] + prof["ws_per_seq"]
-                    fixed = prof["base"] + prof["state_fixed"] + prof["ws_fixed"]
-                    budget = limit * (1 - o.memory_headroom)
-                    bmax = int(min(o.max_batch, max(0, (budget - fixed) // per)))
-                    predicted = fixed + bmax * per
                     row.pop("batch_size")
-                    row.update({
-                        "max_batch_size": bmax, "predicted_bytes": predicted, "base_bytes": prof["base"],
-                        "state_bytes_fixed": prof["state_fixed"], "state_bytes_per_seq": prof["state_per_seq"],
-                        "kv_bytes_allocated_per_seq": prof["kv_per_seq"], "workspace_bytes_fixed": prof["ws_fixed"],
-                        "workspace_bytes_per_seq": prof["ws_per_seq"], "probe_batch_size": prof["probe_batch"],
-                        "verified": None, "prediction_error": None,
-                        "verified_batch_size": None, "verified_peak_bytes": None, "verified_within_limit": None,
-                        "verify_note": None, "status": "ok", "error": None,
-                    })
-                    est_seconds = self.estimate_seconds(prof, bmax)
-                    room = self.meter.available() + self.meter.current() - prof["base"]
-                    if bmax < 1:
-                        row["verify_note"] = "not even one sequence fits"
-                    elif predicted - prof["base"] > 0.8 * room:
-                        row["verify_note"] = f"not run: predicted {fmt_bytes(predicted)} does not fit this machine"
-                    elif est_seconds > o.verify_seconds:
-                        row["verify_note"] = (f"not run: estimated {est_seconds:.0f} s > --verify-seconds "
-                                              f"{o.verify_seconds:g}")
-                    else:
-                        try:
-                            if bmax not in verified:
-                                verified[bmax] = self.verify_batch(cfg, bmax, context)
-                            row.update(verified=True, verified_batch_size=bmax, verified_peak_bytes=verified[bmax],
-                                       verified_within_limit=verified[bmax] <= limit,
-                                       prediction_error=verified[bmax] / predicted - 1)
-                        except (KeyboardInterrupt, SystemExit):
-                            raise
-                        except Exception as e:
-                            release(self.model)
-                            row.update(verified=False, verify_note=f"{type(e).__name__}: {e}")
+                    self.fit_batch(cfg, context, prof, row, verified)
                     self.writer.add(row)
-                    print(f"{cfg.label[:28]:28s} {context:5d} {o.decode_steps:4d} {fmt_bytes(limit):>10s} "
-                          f"{bmax:9d} {fmt_bytes(predicted):>10s} {fmt_bytes(per):>10s} "
+                    print(f"{cfg.label[:28]:28s} {context:5d} {o.decode_steps:4d} "
+                          f"{fmt_bytes(row['memory_limit_bytes']):>10s} {row['max_batch_size']:9d} "
+                          f"{fmt_bytes(row['predicted_bytes']):>10s} "
+                          f"{fmt_bytes(row['state_bytes_per_seq'] + row['workspace_bytes_per_seq']):>10s} "
                           f"{fmt_bytes(row['verified_peak_bytes']):>13s}"
                           + (f"  ({row['verify_note']})" if row["verify_note"] else ""), flush=True)
+
+    def fit_batch(self, cfg: Config, context: int, prof: dict, row: dict, verified: dict[int, int]) -> None:
+        """The batch for row["memory_limit_bytes"]: the linear model's answer, then (when the runs
+        are affordable) up to --verify-runs real runs, each refitting the line through the two
+        largest real peaks (the B=1 peak while only one run exists); the answer is the largest run
+        batch within the limit.  `verified` caches {batch: peak} across the limits of one policy,
+        and a later limit starts from the line of the runs already made."""
+        o = self.opts
+        limit = row["memory_limit_bytes"]
+        budget = limit * (1 - o.memory_headroom)
+        per = prof["state_per_seq"] + prof["ws_per_seq"]
+        fixed = prof["base"] + prof["state_fixed"] + prof["ws_fixed"]
+        model_b = int(min(o.max_batch, max(0, (budget - fixed) // per)))
+        predicted = fixed + model_b * per
+        row.update({
+            "max_batch_size": model_b, "model_batch_size": model_b, "predicted_bytes": predicted,
+            "base_bytes": prof["base"], "state_bytes_fixed": prof["state_fixed"],
+            "state_bytes_per_seq": prof["state_per_seq"], "kv_bytes_allocated_per_seq": prof["kv_per_seq"],
+            "workspace_bytes_fixed": prof["ws_fixed"], "workspace_bytes_per_seq": prof["ws_per_seq"],
+            "probe_batch_size": prof["probe_batch"], "verified": None, "prediction_error": None,
+            "verified_batch_size": None, "verified_peak_bytes": None, "verified_within_limit": None,
+            "verify_runs": [], "verify_note": None, "status": "ok", "error": None,
+        })
+        room = self.meter.available() + self.meter.current() - prof["base"]
+        def refit():
+            """The line through the two largest real runs (with the B=1 peak while there is one)."""
+            points = sorted((rb, rp) for rb, rp in verified.items() if rp is not None and rb > 1)[-2:]
+            (b0, p0), (b1, p1) = ([(1, prof["peak_b1"])] + points)[-2:]
+            slope = max(1.0, (p1 - p0) / (b1 - b0))
+            return slope, p1 - b1 * slope
+
+        if any(rp is not None and rb > 1 for rb, rp in verified.items()):
+            per, fixed = refit()  # runs made for another limit: start from their line
+        b, runs = int(min(o.max_batch, max(0, (budget - fixed) // per))), []
+        row["max_batch_size"] = b  # the best estimate until a run says otherwise
+        while True:
+            if b < 1:
+                row["verify_note"] = "not even one sequence fits"
+                break
+            if b not in verified:
+                if len(runs) >= o.verify_runs:
+                    break
+                est = self.estimate_seconds(prof, b)
+                if fixed + b * per - prof["base"] > 0.8 * room:
+                    row["verify_note"] = f"batch {b} not run: predicted {fmt_bytes(fixed + b * per)} exceeds this machine"
+                    break
+                if est > o.verify_seconds:
+                    row["verify_note"] = f"batch {b} not run: estimated {est:.0f} s > --verify-seconds {o.verify_seconds:g}"
+                    break
+                try:
+                    verified[b] = self.verify_batch(cfg, b, context)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except Exception as e:  # e.g. a real out-of-memory: counts as not fitting
+                    release(self.model)
+                    row["verify_note"] = f"batch {b} failed: {type(e).__name__}: {e}"
+                    verified[b] = None
+                    break
+            runs.append((b, verified[b]))
+            if verified[b] is None or b == 1:
+                break
+            per, fixed = refit()
+            nxt = int(min(o.max_batch, max(0, (budget - fixed) // per)))
+            if verified[b] <= limit and nxt <= b:
+                break                           # fits, and the refit does not promise more
+            if nxt in dict(runs):
+                break                           # the refit points at a batch already run
+            b = nxt
+        row["verify_runs"] = [[rb, rp] for rb, rp in runs]
+        fitting = [(rb, rp) for rb, rp in runs if rp is not None and rp <= limit]
+        if model_b in verified and verified[model_b] is not None:
+            row["prediction_error"] = verified[model_b] / predicted - 1
+        if fitting:
+            best, peak = max(fitting)
+            row.update(max_batch_size=best, verified=True, verified_batch_size=best, verified_peak_bytes=peak,
+                       verified_within_limit=True)
+        elif runs:
+            rb, rp = runs[-1]
+            estimate = int(min(o.max_batch, max(0, (budget - fixed) // per)))
+            row.update(max_batch_size=min(estimate, min(r[0] for r in runs) - 1), verified=False,
+                       verified_batch_size=rb, verified_peak_bytes=rp, verified_within_limit=False)
+            row["verify_note"] = row["verify_note"] or "no run batch fitted; answer from the refitted model"
 
 
 # compiled helpers for the attention-operator mode (created on first use)
@@ -1174,6 +1232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-headroom", type=float, default=0.05,
                    help="--memory-limit: fraction of the limit kept free for allocator slack and fragmentation "
                         "(the model's prediction error was 1-4%% on the CI machine)")
+    p.add_argument("--verify-runs", type=int, default=3,
+                   help="--memory-limit: at most this many real runs per policy and limit (refit after each)")
     p.add_argument("--max-batch", type=int, default=65536, help="--memory-limit: upper end of the search")
     p.add_argument("--json", type=Path, help="write the rows as a JSON list (atomically, after every row)")
     p.add_argument("--csv", type=Path, help="write the rows as CSV (atomically, after every row)")
@@ -1188,6 +1248,8 @@ def check_options(o, parser) -> None:
     bad_bits = [b for b in o.kv_bits_list if b not in (16, 4, 2)]
     if bad_bits:
         raise BenchmarkError(f"--kv-bits {bad_bits[0]}: use 16, 4 or 2")
+    if o.verify_runs < 0:
+        raise BenchmarkError("--verify-runs must be >= 0")
     for flag in ("decode_steps", "repeats", "prefill_chunk", "op_iters", "max_batch"):
         if getattr(o, flag) < 1:
             raise BenchmarkError(f"--{flag.replace('_', '-')} must be at least 1")

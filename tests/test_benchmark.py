@@ -227,8 +227,9 @@ def test_memory_limit_search_monotonic_and_verified(capsys, default_dir, tmp_pat
     for row in rows:
         b = row["max_batch_size"]
         budget = row["memory_limit_bytes"] * 0.95
+        assert b == row["model_batch_size"] and row["predicted_bytes"] == fixed + b * per
         assert fixed + b * per <= budget < fixed + (b + 1) * per or b == 0
-        assert row["verified"] is None and row["verify_note"]
+        assert row["verified"] is None and row["verify_runs"] == [] and row["verify_note"]
 
     # a limit that fits exactly 3 sequences: run them and compare the real peak with the model
     limit = math.ceil((fixed + 3.5 * per) / 0.95)
@@ -236,8 +237,13 @@ def test_memory_limit_search_monotonic_and_verified(capsys, default_dir, tmp_pat
                        "--context-lengths", "64", "--verify-seconds", "60", "--json", str(out_json))
     assert rc == 0, err
     (row,) = json.loads(out_json.read_text())
-    assert row["max_batch_size"] in (2, 3, 4)  # the base is re-measured by this second run
-    assert row["verified"] is True and row["verified_batch_size"] == row["max_batch_size"]
+    assert row["model_batch_size"] in (2, 3, 4)  # the base is re-measured by this second run
+    assert row["verified"] is True and row["verified_within_limit"] is True
+    assert row["verified_batch_size"] == row["max_batch_size"] > 0
+    runs = dict(row["verify_runs"])  # real runs: the model's batch first, then refits
+    assert row["verify_runs"][0][0] == row["model_batch_size"] and 1 <= len(runs) <= 3
+    assert runs[row["max_batch_size"]] == row["verified_peak_bytes"] <= limit
+    assert all(b <= row["max_batch_size"] for b, peak in runs.items() if peak <= limit)
     assert abs(row["prediction_error"]) < 0.25
 
 
