@@ -117,6 +117,28 @@ def prefill_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tens
     return model(tokens, input_pos, last_only=True)[:, -1]
 
 
+def run_prefill(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, prefill=prefill_step,
+                chunk: int = 1024) -> torch.Tensor:
+    """Feed the whole prompt (tokens, input_pos [B, T]) in chunks (in one pass for policies that
+    compress it) and tell the cache it is complete -> last-position logits [B, V]."""
+    T = tokens.shape[1]
+    if getattr(model.cache, "prefill_in_one_pass", False):  # compressing policies see the whole prompt
+        chunk = T
+    for s in range(0, T, chunk):
+        logits = prefill(model, tokens[:, s:s + chunk], input_pos[:, s:s + chunk], s)
+    model.cache.end_prefill()
+    return logits
+
+
+def run_decode(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, step: int,
+               decode=decode_step) -> torch.Tensor:
+    """Decode step number `step` (0 = the first after the prompt): token, input_pos [B, 1] ->
+    logits [B, V].  The cache's host hook runs first (the only place a policy may act on the
+    host during decode, e.g. trim layers after the first step or pick a step variant)."""
+    model.cache.before_decode_step(step)
+    return decode(model, token, input_pos, model.cache.n_filled)
+
+
 _compiled: dict = {}
 
 
@@ -136,10 +158,10 @@ def warm_up(model: Transformer, prefill, decode, tokens: torch.Tensor, policy=No
     model.setup_caches(B, T + steps + 16, policy)  # never full: a full cache is a special shape
     pos = torch.arange(T, device=tokens.device).repeat(B, 1)  # made like generate()'s inputs
     with torch.inference_mode():
-        prefill(model, tokens, pos, 0)
+        run_prefill(model, tokens, pos, prefill)
         token, next_pos = tokens[:, -1:].clone(), pos[:, -1:] + 1  # inference tensors, as in the loop
         for i in range(steps):
-            decode(model, token, next_pos + i, model.cache.n_filled)
+            run_decode(model, token, next_pos + i, i, decode)
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: Sequence, chat: bool) -> list[list[int]]:
@@ -211,11 +233,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
     with torch.inference_mode():
         sync()
         t0 = time.perf_counter()
-        if getattr(cache, "prefill_in_one_pass", False):  # compressing policies see the whole prompt
-            prefill_chunk = T
-        for s in range(0, T, prefill_chunk):
-            logits = prefill(model, tokens[:, s:s + prefill_chunk], input_pos[:, s:s + prefill_chunk], s)
-        cache.end_prefill()
+        logits = run_prefill(model, tokens, input_pos, prefill, prefill_chunk)
         token = sample(logits, temperature, top_k, top_p, generator)
         sync()
         t1 = time.perf_counter()
@@ -226,7 +244,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
         pos = input_pos[:, -1:] + 1
         steps = 0
         for i in range(1, max_new_tokens):
-            logits = decode(model, token[:, None], pos, cache.n_filled)
+            logits = run_decode(model, token[:, None], pos, i - 1, decode)
             token = torch.where(done, pad, sample(logits, temperature, top_k, top_p, generator))
             out[:, i] = token
             done |= torch.isin(token, eos)

@@ -195,6 +195,8 @@ class DenseCache:
       prefill(layer, q, k, v)      q [B, H_q, T, D], k/v [B, H_kv, T, D] -> [B, H_q, T, D]
       decode(layer, q, k, v)       the same with T == 1, once the cache holds the prompt
       end_prefill()                the prompt is complete (compressing policies act here)
+      before_decode_step(step)     host-side, before decode step `step` (0, 1, ...); the one
+                                   place a policy may sync or reallocate during decode
       kept_positions(layer)        LongTensor [B, H_kv, n]: absolute positions held
       kv_bytes()                   {"allocated", "live", "read_per_step"}: bytes from the buffers;
                                    read_per_step = K/V bytes one decode step reads (all layers)
@@ -251,6 +253,9 @@ class DenseCache:
     decode = _store_and_attend
 
     def end_prefill(self) -> None:
+        pass
+
+    def before_decode_step(self, step: int) -> None:
         pass
 
     def kept_positions(self, layer: int) -> Tensor:

@@ -6,6 +6,11 @@ declares its hyper-parameters in a `params` dict: name -> (type, default, help).
 from __future__ import annotations
 
 from model import DenseCache
+from cache.d2o import D2OPolicy
+from cache.h2o import H2OPolicy
+from cache.pyramidkv import PyramidKVPolicy
+from cache.simlayerkv import SimLayerKVPolicy
+from cache.snapkv import SnapKVPolicy
 from cache.streaming import StreamingPolicy
 
 
@@ -13,7 +18,8 @@ class PolicyError(ValueError):
     """Unknown policy or malformed/unknown policy arguments."""
 
 
-POLICIES: dict[str, type] = {"full": DenseCache, "streaming": StreamingPolicy}
+POLICIES: dict[str, type] = {cls.name: cls for cls in (
+    DenseCache, StreamingPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy, D2OPolicy, SimLayerKVPolicy)}
 
 
 def policy_names() -> list[str]:

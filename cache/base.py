@@ -1,24 +1,85 @@
-"""Shared mechanics of the policies that keep a subset of tokens (eviction policies).
+"""Shared mechanics of the policies that keep a subset of tokens (the eviction family).
 
-Storage per layer l (capacity C_l slots, allocated once in `setup`):
-    k, v  [B, H_kv, C_l, D]   keys (rotated at their absolute position) and values
-    pos   [B, H_kv, C_l]      absolute position held by each slot, -1 = empty
+Storage per layer l (capacity C_l slots, allocated when the prompt arrives, never in decode):
+    k, v   [B, H_kv, C_l, D]  keys (rotated at their absolute position) and values
+    pos    [B, H_kv, C_l]     absolute position held by each slot, -1 = empty
+    score  [B, H_kv, C_l]     fp32 per-slot state for policies that accumulate attention (H2O, D2O)
 Each KV head keeps its own tokens.  The contract is the one documented on `model.DenseCache`.
 
-Prefill: the whole prompt comes in one pass (`prefill_in_one_pass`), attention over it is full
-and causal, then each layer keeps the top-C_l tokens of the policy's `prefill_scores` (so the
-first generated token equals the full cache's).  Decode: the new token overwrites the slot the
-policy's `decode_victim` names (empty slots first), per sequence and head, without host syncs;
-attention reads the layer's C_l slots (empty ones masked), so its cost follows the budget.
+Prefill: the whole prompt comes in one pass (`prefill_in_one_pass`); attention over it is full
+and causal (so the first generated token equals the full cache's).  The policy's
+`prefill_stats` summarises what it needs from the layer (e.g. window scores); then `compress`
+keeps the top `kept_tokens` of `keep_scores` per KV head.  Policies whose per-layer budgets
+depend on every layer (D2O, SimLayerKV) set `defer_compression`: the prompt's K/V wait in
+`pending` until `end_prefill`, where `plan` fixes the budgets on the host.
+
+Decode, per layer, without host syncs: an *appending* layer (SnapKV, PyramidKV, SimLayerKV's
+full layers) writes the new token into the next empty slot (capacity = kept prompt tokens +
+room for every generated token); an *evicting* layer (StreamingLLM, H2O, D2O, lazy layers)
+overwrites the slot `decode_victim` names, so its size never grows.  Attention reads the C_l
+slots (empty ones masked): the cost follows what is kept, never max_seq_length.
+Policies that need the step's attention probabilities (H2O, D2O) attend over the old slots plus
+the new token with one joint softmax (`attend_with_new`) before choosing the victim, exactly as
+if the cache briefly held C_l + 1 tokens, without copying it.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from model import ModelArgs, attention_mask, grouped_attention
 
-NEVER = float("-inf")
+NEVER = float("-inf")    # a keep score that is never selected
+ALWAYS = float("inf")    # a keep score that is always selected (sinks, windows)
+
+
+# --------------------------------------------------------------------------- scoring mechanics
+
+def attention_probs(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, sliding_window=None) -> Tensor:
+    """Causal attention probabilities in fp32, per KV head and group member.
+
+    q [B, H_q, T, D] at positions q_pos [B, T]; k [B, H_kv, L, D] at k_pos [B, L].
+    Returns [B, H_kv, G, T, L]; rows of padding queries (q_pos < 0) are zero."""
+    B, Hq, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    logits = q.float().reshape(B, Hkv, G * T, D) @ k.float().transpose(-1, -2) / math.sqrt(D)
+    visible = attention_mask(q_pos, k_pos, G, sliding_window)[:, None]           # [B, 1, G*T, L]
+    probs = logits.masked_fill(~visible, NEVER).softmax(-1).view(B, Hkv, G, T, L)
+    return probs * (q_pos >= 0)[:, None, None, :, None]
+
+
+def column_scores(q: Tensor, k: Tensor, q_pos: Tensor, rows: int | None = None, sliding_window=None,
+                  chunk: int = 512) -> Tensor:
+    """Attention each key receives, summed over the last `rows` queries (all if None) and
+    averaged over the query heads of its KV head (GQA group mean) -> [B, H_kv, T] fp32.
+
+    With rows = w this is SnapKV's observation-window score; with all rows it is H2O's
+    accumulated attention.  Queries are processed `chunk` at a time (memory O(chunk * T))."""
+    T = q.shape[2]
+    start = 0 if rows is None else max(0, T - rows)
+    total = None
+    for s in range(start, T, chunk):
+        e = min(T, s + chunk)
+        part = attention_probs(q[:, :, s:e], k, q_pos[:, s:e], q_pos, sliding_window).sum(3).mean(2)
+        total = part if total is None else total + part
+    return total
+
+
+def pool1d(scores: Tensor, kernel: int, kind: str = "max") -> Tensor:
+    """Smooth scores [..., T] along T: odd `kernel`, stride 1, padding kernel // 2 (SnapKV)."""
+    if kernel <= 1 or scores.shape[-1] == 0:
+        return scores
+    shape = scores.shape
+    x = scores.reshape(-1, 1, shape[-1])
+    if kind == "max":
+        x = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    else:
+        x = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    return x.reshape(shape)
 
 
 def select_top(scores: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
@@ -35,13 +96,77 @@ def select_top(scores: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
     return idx.clamp(max=T - 1), top > NEVER
 
 
+def split_integer(total: int, weights: list[float]) -> list[int]:
+    """Integers proportional to `weights` that sum exactly to `total` (largest remainders)."""
+    raw = [total * w / sum(weights) for w in weights]
+    out = [math.floor(r) for r in raw]
+    for i in sorted(range(len(raw)), key=lambda i: out[i] - raw[i])[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def pyramid_budgets(n_layers: int, budget: int, window: int, beta: float) -> list[int]:
+    """PyramidKV's per-layer budgets (window included) summing exactly to n_layers * budget.
+
+    The schedule applies to what is left after the window (the paper's "remaining" budget):
+    top layer k^{m-1} = k_total / (beta m), bottom k^0 = 2 k_total / m - k^{m-1}, arithmetic in
+    between; integer parts by largest remainders, so nothing overshoots."""
+    remaining = n_layers * (budget - window)
+    if n_layers == 1:
+        return [budget]
+    top = remaining / (beta * n_layers)
+    bottom = 2 * remaining / n_layers - top
+    steps = [bottom - (bottom - top) * i / (n_layers - 1) for i in range(n_layers)]
+    return [window + b for b in split_integer(remaining, steps)]
+
+
+def recent_and_sinks(q_pos: Tensor, n_sink: int, window: int) -> Tensor:
+    """Mask [B, T]: the first n_sink tokens and the last `window` tokens of each sequence."""
+    length = q_pos.max(dim=-1, keepdim=True).values + 1
+    return (q_pos >= 0) & ((q_pos < n_sink) | (q_pos >= length - window))
+
+
+def first_min(x: Tensor) -> Tensor:
+    """Index of the first minimum along the last dim (ties -> lowest index, also when compiled:
+    Inductor's argmin does not promise the first of equal values)."""
+    index = torch.arange(x.shape[-1], device=x.device)
+    return torch.where(x == x.amin(-1, keepdim=True), index, x.shape[-1]).amin(-1)
+
+
+def attend_with_new(q: Tensor, kc: Tensor, vc: Tensor, visible: Tensor, k: Tensor, v: Tensor):
+    """Decode attention over cached slots plus the new token, one joint softmax in fp32.
+
+    q [B, H_q, 1, D]; kc, vc [B, H_kv, C, D]; visible [B, H_kv, C]; k, v [B, H_kv, 1, D].
+    Returns (out [B, H_q, 1, D], probs of the slots [B, H_kv, G, C], prob of the new token
+    [B, H_kv, G, 1]), i.e. softmax over C + 1 keys without concatenating the cache."""
+    B, Hq, _, D = q.shape
+    Hkv = kc.shape[1]
+    qg = q.reshape(B, Hkv, Hq // Hkv, D)
+    s_old = (qg @ kc.transpose(-1, -2)).float() / math.sqrt(D)                      # [B, Hkv, G, C]
+    s_old = s_old.masked_fill(~visible[:, :, None, :], NEVER)
+    s_new = (qg.float() * k.float()).sum(-1, keepdim=True) / math.sqrt(D)           # [B, Hkv, G, 1]
+    top = torch.maximum(s_old.amax(-1, keepdim=True), s_new)
+    e_old, e_new = (s_old - top).exp(), (s_new - top).exp()
+    z = e_old.sum(-1, keepdim=True) + e_new
+    p_old, p_new = e_old / z, e_new / z
+    out = (p_old.to(vc.dtype) @ vc).float() + p_new * v.float()
+    return out.to(q.dtype).reshape(B, Hq, 1, D), p_old, p_new
+
+
+# --------------------------------------------------------------------------- the policy base
+
 class EvictionPolicy:
-    """Base class: a policy declares `params`, and implements `prefill_scores` and
-    `decode_victim` (and `layer_capacity` when layers get different budgets)."""
+    """Base class.  A policy declares `params` (name -> (type, default, help)) and implements
+    `keep_scores` (which prompt tokens to keep) and, for evicting layers, `decode_victim`.
+    Optional hooks: `prefill_stats`, `plan` (with defer_compression), `layer_budget`,
+    `observe` (decode attention), `on_evict` (before a slot is overwritten)."""
 
     name = "eviction"
     params: dict = {"budget": (int, 256, "tokens kept per layer and KV head, window included")}
     prefill_in_one_pass = True
+    defer_compression = False      # budgets need every layer's statistics (see module doc)
+    appending = False              # default layer mode: append decode tokens instead of evicting
+    decode_attention = False       # decode needs the step's attention probabilities
 
     def __init__(self, **kwargs):
         for key, (kind, default, _) in self.params.items():
@@ -55,93 +180,185 @@ class EvictionPolicy:
             raise ValueError(f"budget must be positive, got {self.budget}")
 
     # ----------------------------------------------------------------- policy hooks
-    def layer_capacity(self, layer: int, args: ModelArgs, max_seq_length: int) -> int:
-        return min(self.budget, max_seq_length)
+    def layer_budget(self, layer: int) -> int:
+        """Prompt tokens layer `layer` keeps per KV head (its budget)."""
+        return self.budget
 
-    def prefill_scores(self, layer: int, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor) -> Tensor:
+    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
+        """What the policy needs from this layer's prompt attention (tensors)."""
+        return {}
+
+    def plan(self, stats: list[dict]) -> None:
+        """Host-side, with defer_compression: fix per-layer budgets/modes from all layers."""
+
+    def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
         """Keep-priority [B, H_kv, T] of the prompt tokens (-inf: never keep)."""
         raise NotImplementedError
 
     def decode_victim(self, layer: int) -> Tensor:
-        """Slot [B, H_kv] to overwrite with the new token (an empty slot while there is one)."""
+        """Slot [B, H_kv] an evicting layer overwrites (an empty slot while there is one)."""
         raise NotImplementedError
+
+    def observe(self, layer: int, p_old: Tensor, p_new: Tensor) -> None:
+        """Decode attention probabilities (decode_attention policies): [B, H_kv, G, C], [.., 1]."""
+
+    def on_evict(self, layer: int, slot: Tensor) -> None:
+        """Called before the new token overwrites `slot` [B, H_kv] (D2O merges it away)."""
+
+    def on_compress(self, layer: int, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor, stats: dict) -> None:
+        """Called after a layer kept prompt tokens idx [B, H_kv, n] (D2O merges the others)."""
 
     # ----------------------------------------------------------------- contract
     def setup(self, args: ModelArgs, max_batch_size: int, max_seq_length: int, dtype, device) -> None:
-        B, H, D = max_batch_size, args.n_kv_heads, args.head_dim
-        self.capacities = [self.layer_capacity(i, args, max_seq_length) for i in range(args.n_layers)]
-        self.k = [torch.zeros(B, H, c, D, dtype=dtype, device=device) for c in self.capacities]
-        self.v = [torch.zeros(B, H, c, D, dtype=dtype, device=device) for c in self.capacities]
-        self.pos = [torch.full((B, H, c), -1, dtype=torch.long, device=device) for c in self.capacities]
+        self.args = args
+        self.batch, self.dtype, self.device = max_batch_size, dtype, device
         self.group = args.n_heads // args.n_kv_heads
         self.sliding_window = args.sliding_window
         self.max_seq_length = max_seq_length
+        n = args.n_layers
+        self.k: list = [None] * n
+        self.v: list = [None] * n
+        self.pos: list = [None] * n
+        self.score: list = [None] * n
+        self.kept = [0] * n                   # prompt tokens kept per layer (host ints)
+        self.layer_appends = [self.appending] * n
         self.reset()
 
     def reset(self) -> None:
         for p in self.pos:
-            p.fill_(-1)
+            if p is not None:
+                p.fill_(-1)
         self.n_filled = 0       # tokens seen so far (prompt + generated), a host int
         self.prompt_length = 0
         self.q_pos = None
+        self.pending: dict = {}
 
     def begin(self, input_pos: Tensor) -> None:
-        T = input_pos.shape[1]
+        B, T = input_pos.shape
         if self.n_filled and T > 1:
             raise ValueError(f"policy {self.name!r} takes the prompt in one pass; got a second chunk")
+        if B != self.batch:
+            raise ValueError(f"batch {B} does not match the cache's batch {self.batch}")
+        if self.pending:            # the prompt went through model(...) directly: finish it
+            self.end_prefill()
         self.q_pos = input_pos
-        if T > 1 or not self.n_filled:
+        if not self.n_filled:
+            if T > self.max_seq_length:
+                raise ValueError(f"prompt of {T} tokens exceeds max_seq_length {self.max_seq_length}")
             self.prompt_length = T
             self.mask = attention_mask(input_pos, input_pos, self.group, self.sliding_window)
+        elif self.n_filled >= self.max_seq_length:
+            raise ValueError(f"KV cache full: position {self.n_filled} >= max_seq_length {self.max_seq_length}")
         self.n_filled += T
+
+    def before_decode_step(self, step: int) -> None:
+        pass
+
+    def capacity(self, layer: int) -> int:
+        """Slots layer `layer` allocates: the kept prompt tokens, plus room for every generated
+        token when it appends; an evicting layer holds its budget."""
+        if self.layer_appends[layer]:
+            return self.kept[layer] + self.max_seq_length - self.prompt_length
+        return min(self.layer_budget(layer), self.max_seq_length)
 
     def used_slots(self, layer: int) -> int:
         """Slots any sequence may have filled so far (empty slots fill lowest index first)."""
-        return min(self.capacities[layer], self.n_filled)
+        return min(self.k[layer].shape[2], self.kept[layer] + self.n_filled - self.prompt_length)
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = grouped_attention(q, k, v, self.mask)
-        scores = self.prefill_scores(layer, q, k, v, self.q_pos)
-        idx, valid = select_top(scores, self.capacities[layer])
-        gather = idx[..., None].expand(-1, -1, -1, k.shape[-1])
-        self.k[layer].copy_(k.gather(2, gather))
-        self.v[layer].copy_(v.gather(2, gather))
-        pos = self.q_pos[:, None, :].expand(-1, k.shape[1], -1).gather(2, idx)
-        self.pos[layer].copy_(torch.where(valid, pos, -1))
+        stats = self.prefill_stats(layer, q, k, self.q_pos)
+        if self.defer_compression:
+            self.pending[layer] = (k, v, stats)
+        else:
+            self.compress(layer, k, v, stats)
         return out
 
+    def end_prefill(self) -> None:
+        if self.pending:
+            self.plan([self.pending[i][2] for i in range(len(self.k))])
+            for layer in range(len(self.k)):
+                self.compress(layer, *self.pending.pop(layer))
+
+    def compress(self, layer: int, k: Tensor, v: Tensor, stats: dict) -> None:
+        """Keep the prompt tokens with the best keep_scores in freshly allocated storage."""
+        B, H, T, D = k.shape
+        self.kept[layer] = min(self.layer_budget(layer), T)
+        cap = self.capacity(layer)
+        idx, valid = select_top(self.keep_scores(layer, stats, self.q_pos, H), self.kept[layer])
+        n = idx.shape[-1]
+        gather = idx[..., None].expand(-1, -1, -1, D)
+        self.k[layer] = kc = k.new_zeros(B, H, cap, D)
+        self.v[layer] = vc = v.new_zeros(B, H, cap, D)
+        self.pos[layer] = pc = torch.full((B, H, cap), -1, dtype=torch.long, device=k.device)
+        kc[:, :, :n] = k.gather(2, gather)
+        vc[:, :, :n] = v.gather(2, gather)
+        pos = self.q_pos[:, None, :].expand(-1, H, -1).gather(2, idx)
+        pc[:, :, :n] = torch.where(valid, pos, -1)
+        if "acc" in stats:                                             # accumulated attention
+            self.score[layer] = sc = torch.zeros(B, H, cap, dtype=torch.float32, device=k.device)
+            sc[:, :, :n] = stats["acc"].gather(2, idx)
+        self.on_compress(layer, k, v, idx, valid, stats)
+
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        slot = self.decode_victim(layer)                                   # [B, H]
         kc, vc, pc = self.k[layer], self.v[layer], self.pos[layer]
+        out = None
+        if self.decode_attention and not self.layer_appends[layer]:
+            out, p_old, p_new = attend_with_new(q, kc, vc, self.visible(layer), k, v)
+            self.observe(layer, p_old, p_new)
+        slot = self.first_empty(layer) if self.layer_appends[layer] else self.decode_victim(layer)
+        self.on_evict(layer, slot)
         at = slot[:, :, None, None].expand(-1, -1, 1, k.shape[-1])
         kc.scatter_(2, at, k)
         vc.scatter_(2, at, v)
         pc.scatter_(2, slot[:, :, None], self.q_pos[:, None, :].expand(-1, pc.shape[1], 1))
-        # all C_l slots, empty ones masked: the cost is bounded by the budget, and the shape does
-        # not change when the cache fills up (a compiled step would otherwise specialize on it)
-        visible = pc >= 0                                                  # [B, H, C]
+        if self.score[layer] is not None and out is not None:
+            self.score[layer].scatter_(2, slot[:, :, None], p_new.mean(2))
+        if out is None:
+            # all C slots, empty ones masked: the cost is bounded by what is kept, and the shape
+            # does not change as the cache fills (a compiled step would otherwise specialize)
+            mask = self.visible(layer)[:, :, None, :].expand(-1, -1, self.group, -1)
+            out = grouped_attention(q, kc, vc, mask)
+        return out
+
+    def visible(self, layer: int) -> Tensor:
+        """Slots [B, H_kv, C] the current query may attend (filled, within a sliding window)."""
+        pc = self.pos[layer]
+        visible = pc >= 0
         if self.sliding_window:
             visible &= self.q_pos[:, None, :] - pc < self.sliding_window
-        mask = visible[:, :, None, :].expand(-1, -1, self.group, -1)       # one query per group head
-        return grouped_attention(q, kc, vc, mask)
+        return visible
 
-    def end_prefill(self) -> None:
-        pass
+    def first_empty(self, layer: int) -> Tensor:
+        """The lowest empty slot [B, H_kv] (the appending layers' victim)."""
+        return first_min((self.pos[layer] >= 0).float())
+
+    def protected(self, layer: int, n_sink: int, window: int) -> Tensor:
+        """Slots [B, H, C] an evicting layer never gives up at this step: the first n_sink
+        tokens and the `window` most recent (the new token being one of them)."""
+        pos = self.pos[layer]
+        return (pos < n_sink) | (pos > self.q_pos[:, None, :] - window)
+
+    def lowest(self, layer: int, score: Tensor, keep: Tensor) -> Tensor:
+        """Victim [B, H]: an empty slot if any, else the unprotected slot of lowest score."""
+        score = score.masked_fill(keep, ALWAYS).masked_fill(self.pos[layer] < 0, NEVER)
+        return first_min(score)
 
     def kept_positions(self, layer: int) -> Tensor:
         return self.pos[layer][:, :, :self.used_slots(layer)]
 
     def kv_bytes(self) -> dict:
         def per_slot(t):  # bytes of one slot of one layer (all batch rows and heads)
-            return t[:, :, 0].numel() * t.element_size()
-        allocated = sum(per_slot(k) * c * 2 for k, c in zip(self.k, self.capacities))
-        live = sum(per_slot(k) * self.used_slots(i) * 2 for i, k in enumerate(self.k))
+            return t[:, :, 0].numel() * t.element_size() * 2
+        layers = [i for i, k in enumerate(self.k) if k is not None]
+        allocated = sum(per_slot(self.k[i]) * self.k[i].shape[2] for i in layers)
+        live = sum(per_slot(self.k[i]) * self.used_slots(i) for i in layers)
         return {"allocated": allocated, "live": live, "read_per_step": allocated}
 
     def describe(self) -> dict:
         d = {"policy": self.name, **{k: getattr(self, k) for k in self.params}}
-        if hasattr(self, "capacities"):
-            d["capacity_per_layer"] = sorted(set(self.capacities))
-            if self.prompt_length and self.prompt_length <= min(self.capacities):
+        if self.prompt_length and any(k is not None for k in self.k):
+            d["kept_prompt_tokens_per_layer"] = list(self.kept)
+            if self.prompt_length <= min(self.layer_budget(i) for i in range(len(self.k))):
                 d["note"] = f"budget >= prompt ({self.prompt_length} tokens): the prompt is kept whole"
         return d

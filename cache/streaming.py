@@ -4,10 +4,9 @@ budget = n_sink + window slots per layer and KV head.  At prefill the prompt's f
 and last `window` tokens are kept; at every decode step the oldest non-sink token is evicted,
 so memory stays flat for any generation length.  Keys keep their original positions.
 """
-import torch
 from torch import Tensor
 
-from cache.base import NEVER, EvictionPolicy
+from cache.base import NEVER, EvictionPolicy, recent_and_sinks
 
 
 class StreamingPolicy(EvictionPolicy):
@@ -24,14 +23,10 @@ class StreamingPolicy(EvictionPolicy):
     def window(self) -> int:
         return self.budget - self.n_sink
 
-    def prefill_scores(self, layer: int, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor) -> Tensor:
-        length = q_pos.max(dim=-1, keepdim=True).values + 1                # [B, 1] per sequence
-        keep = (q_pos >= 0) & ((q_pos < self.n_sink) | (q_pos >= length - self.window))
-        scores = torch.where(keep, q_pos.float(), NEVER)
-        return scores[:, None, :].expand(-1, k.shape[1], -1)
+    def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
+        keep = recent_and_sinks(q_pos, self.n_sink, self.window)
+        return q_pos.float().masked_fill(~keep, NEVER)[:, None, :].expand(-1, n_heads, -1)
 
     def decode_victim(self, layer: int) -> Tensor:
-        pos = self.pos[layer]                                              # [B, H, C]
-        age = torch.where(pos < self.n_sink, torch.iinfo(pos.dtype).max, pos)
-        age = torch.where(pos < 0, -1, age)                                # empty slots first
-        return age.argmin(dim=-1)
+        pos = self.pos[layer]
+        return self.lowest(layer, pos.float(), pos < self.n_sink)   # the oldest non-sink

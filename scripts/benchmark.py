@@ -435,23 +435,17 @@ def make_prompt(vocab_size: int, batch: int, length: int, seed: int, device, fil
 # --------------------------------------------------------------------------- one run
 
 def run_prefill(model, prefill, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Prefill in chunks of `chunk` tokens (as engine.generate: one pass for the policies that
-    compress the prompt, `prefill_in_one_pass`), then `end_prefill`; the last logits [B, V]."""
+    """engine.run_prefill for an unpadded batch tokens [B, T] -> last logits [B, V]."""
     B, T = tokens.shape
-    if getattr(model.cache, "prefill_in_one_pass", False):
-        chunk = T
     pos = torch.arange(T, device=tokens.device).repeat(B, 1)
-    logits = None
-    for s in range(0, T, chunk):
-        logits = prefill(model, tokens[:, s:s + chunk], pos[:, s:s + chunk], s)
-    model.cache.end_prefill()
-    return logits
+    return engine.run_prefill(model, tokens, pos, prefill, chunk)
 
 
-def run_decode(model, decode, token: torch.Tensor, pos: torch.Tensor, steps: int):
-    """`steps` greedy decode steps (as engine.generate's loop, without the EOS check)."""
-    for _ in range(steps):
-        logits = decode(model, token, pos, model.cache.n_filled)
+def run_decode(model, decode, token: torch.Tensor, pos: torch.Tensor, steps: int, first: int = 0):
+    """`steps` greedy decode steps numbered from `first` (as engine.generate's loop, without
+    the EOS check)."""
+    for i in range(first, first + steps):
+        logits = engine.run_decode(model, token, pos, i, decode)
         token = logits.argmax(-1, keepdim=True)
         pos = pos + 1
     return token, pos
@@ -481,7 +475,7 @@ def measure_e2e(model, cfg: Config, tokens: torch.Tensor, steps: int, warmup_ste
         graphs, cuda_graphs = unique_graphs(), cuda_graphs_recorded(device)
         sync(device)
         t2 = time.perf_counter()
-        run_decode(model, decode, token, pos, steps)
+        run_decode(model, decode, token, pos, steps, first=warmup_steps)
         sync(device)
         t3 = time.perf_counter()
         recompiles = unique_graphs() - graphs

@@ -29,3 +29,20 @@ def tiny_hf_model(kind: str, tmp_path):
     hf.save_pretrained(tmp_path)
     args, tensors = read_hf_dir(tmp_path)
     return hf, build_model(args, tensors, "cpu", torch.float32)
+
+
+def kept(policy, layer=0):
+    """Kept positions per (batch row, head) as sorted lists, empty slots dropped."""
+    pos = policy.kept_positions(layer)
+    return [[sorted(p for p in head.tolist() if p >= 0) for head in row] for row in pos]
+
+
+def left_padded(lengths, vocab=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    tokens = torch.zeros(len(lengths), T, dtype=torch.long)
+    pos = torch.full((len(lengths), T), -1)
+    for b, n in enumerate(lengths):
+        tokens[b, T - n:] = torch.randint(0, vocab, (n,), generator=g)
+        pos[b, T - n:] = torch.arange(n)
+    return tokens, pos

@@ -1,0 +1,134 @@
+"""D2O (Wan et al., 2024): dynamic discriminative operations on the KV cache.
+
+Layer level: the variance of each layer's column-summed prompt attention (mean over heads and
+batch) measures its density; layers above the `gate` (sparse attention) get budget S, the
+dense layers alpha * S, with S chosen so the budgets sum exactly to n_layers * budget (the same
+total memory as the other policies at this budget; `conserve_total=false` gives the paper's
+literal S = budget).  Budgets need every layer, so compression waits for `end_prefill`.
+
+Token level (per KV head): H2O-style eviction keeping `n_sink` sinks + the recent window M + the
+top N by accumulated attention, N:M = 3:1; an evicted token is merged into its most similar
+kept token (cosine similarity of keys) when that similarity reaches the EMA threshold
+    tau_t = beta * max_sim_t + (1 - beta) * tau_{t-1},  tau_0 = mean max similarity at prefill,
+with weights from exp(similarity) (the kept token's own weight is e = exp(1), its self-similarity):
+    k_j <- (e k_j + sum_i exp(u_ij) k_i) / (e + sum_i exp(u_ij)),  values with the same weights.
+This happens at prefill compression and at every decode eviction.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cache.base import ALWAYS, NEVER, EvictionPolicy, column_scores, recent_and_sinks, split_integer
+
+
+class D2OPolicy(EvictionPolicy):
+    name = "d2o"
+    params = {**EvictionPolicy.params,
+              "n_sink": (int, 4, "first tokens always kept"),
+              "gate": (float, 100.0, "variance gate: layers at or below it are dense and get alpha * S"),
+              "alpha": (float, 2.0, "budget factor of the dense layers (paper: 2 to 4)"),
+              "beta": (float, 0.7, "EMA smoothing of the merge threshold (paper: 0.5 to 0.9)"),
+              "recent_share": (float, 0.25, "share of the non-sink budget for the recent window (N:M = 3:1)"),
+              "conserve_total": (bool, True, "budgets sum to n_layers * budget (else S = budget)")}
+    decode_attention = True
+    defer_compression = True
+
+    def validate(self) -> None:
+        super().validate()
+        if self.n_sink < 0 or self.budget < self.n_sink + 2:
+            raise ValueError(f"budget ({self.budget}) must be at least n_sink ({self.n_sink}) + 2")
+        if self.alpha < 1 or not 0 < self.beta <= 1 or not 0 < self.recent_share < 1:
+            raise ValueError("need alpha >= 1, 0 < beta <= 1, 0 < recent_share < 1")
+
+    def setup(self, args, max_batch_size, max_seq_length, dtype, device) -> None:
+        super().setup(args, max_batch_size, max_seq_length, dtype, device)
+        self.budgets = [self.budget] * args.n_layers
+        self.variances = [None] * args.n_layers
+        self.tau: list = [None] * args.n_layers
+
+    # ---------------------------------------------------------------- layer level
+    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
+        acc = column_scores(q, k, q_pos, None, self.sliding_window)                 # [B, H, T]
+        valid = (q_pos >= 0)[:, None, :].float()
+        n = valid.sum(-1)
+        mean = (acc * valid).sum(-1) / n
+        variance = (((acc - mean[..., None]) ** 2) * valid).sum(-1) / (n - 1).clamp(min=1)
+        return {"acc": acc, "variance": variance.mean()}
+
+    def plan(self, stats: list[dict]) -> None:
+        self.variances = torch.stack([s["variance"] for s in stats]).tolist()      # one host sync
+        weights = [1.0 if var > self.gate else self.alpha for var in self.variances]
+        if self.conserve_total:
+            self.budgets = split_integer(len(weights) * self.budget, weights)
+        else:
+            self.budgets = [round(self.budget * w) for w in weights]
+        self.budgets = [max(b, self.n_sink + 2) for b in self.budgets]
+
+    def layer_budget(self, layer: int) -> int:
+        return self.budgets[layer]
+
+    def window(self, layer: int) -> int:
+        return max(1, round((self.budgets[layer] - self.n_sink) * self.recent_share))
+
+    # ---------------------------------------------------------------- token level
+    def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
+        always = recent_and_sinks(q_pos, self.n_sink, self.window(layer))[:, None, :]
+        return stats["acc"].masked_fill(always, ALWAYS).masked_fill((q_pos < 0)[:, None, :], NEVER)
+
+    def on_compress(self, layer: int, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor, stats: dict) -> None:
+        """Merge the prompt tokens left out into their most similar kept token."""
+        B, H, T, D = k.shape
+        n = idx.shape[-1]
+        kc, vc = self.k[layer][:, :, :n], self.v[layer][:, :, :n]
+        sim = cosine(k, kc)                                                        # [B, H, T, n]
+        sim = sim.masked_fill(~valid[:, :, None, :], NEVER)
+        best, target = sim.max(-1)                                                 # [B, H, T]
+        kept = torch.zeros(B, H, T, dtype=torch.bool, device=k.device).scatter(2, idx, valid)
+        evicted = (self.q_pos >= 0)[:, None, :] & ~kept
+        n_evicted = evicted.sum(-1)
+        tau = torch.where(n_evicted > 0, (best * evicted).nan_to_num(0.0).sum(-1) / n_evicted.clamp(min=1), 1.0)
+        self.tau[layer] = tau                                                      # [B, H]
+        weight = torch.where(evicted & (best >= tau[..., None]), best.exp(), 0.0)  # [B, H, T]
+        for cache, src in ((kc, k), (vc, v)):
+            num = torch.zeros(B, H, n, D, dtype=torch.float32, device=k.device)
+            num.scatter_add_(2, target[..., None].expand(-1, -1, -1, D), weight[..., None] * src.float())
+            den = torch.zeros(B, H, n, dtype=torch.float32, device=k.device).scatter_add_(2, target, weight)
+            cache.copy_(((math.e * cache.float() + num) / (math.e + den[..., None])).to(cache.dtype))
+
+    def observe(self, layer: int, p_old: Tensor, p_new: Tensor) -> None:
+        self.score[layer] += p_old.mean(2)
+
+    def decode_victim(self, layer: int) -> Tensor:
+        return self.lowest(layer, self.score[layer], self.protected(layer, self.n_sink, self.window(layer)))
+
+    def on_evict(self, layer: int, slot: Tensor) -> None:
+        """Merge the token leaving `slot` [B, H] into its most similar remaining slot."""
+        kc, vc, pc = self.k[layer], self.v[layer], self.pos[layer]
+        D = kc.shape[-1]
+        at = slot[:, :, None, None].expand(-1, -1, 1, D)
+        k_out, v_out = kc.gather(2, at), vc.gather(2, at)                         # [B, H, 1, D]
+        real = pc.gather(2, slot[:, :, None])[..., 0] >= 0                         # evicting a token?
+        sim = cosine(k_out, kc)[:, :, 0]                                           # [B, H, C]
+        others = (pc >= 0).scatter(2, slot[:, :, None], False)
+        best, target = sim.masked_fill(~others, NEVER).max(-1)                     # [B, H]
+        tau = self.beta * best + (1 - self.beta) * self.tau[layer]
+        self.tau[layer] = torch.where(real, tau, self.tau[layer])
+        weight = torch.where(real & (best >= tau), best.exp(), 0.0)[..., None, None]
+        to = target[:, :, None, None].expand(-1, -1, 1, D)
+        for cache, src in ((kc, k_out), (vc, v_out)):
+            old = cache.gather(2, to).float()
+            cache.scatter_(2, to, ((math.e * old + weight * src.float()) / (math.e + weight)).to(cache.dtype))
+
+    def describe(self) -> dict:
+        d = super().describe()
+        if self.prompt_length:
+            d["layer_budgets"] = list(self.budgets)
+            d["layer_variances"] = [round(x, 3) for x in self.variances] if self.variances[0] is not None else None
+        return d
+
+
+def cosine(a: Tensor, b: Tensor) -> Tensor:
+    """Cosine similarity of every row of a [B, H, T, D] with every row of b [B, H, n, D] -> [B, H, T, n]."""
+    return F.normalize(a.float(), dim=-1) @ F.normalize(b.float(), dim=-1).transpose(-1, -2)

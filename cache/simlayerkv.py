@@ -1,0 +1,149 @@
+"""SimLayerKV (Zhang et al., 2024): trim the KV cache of "lazy" layers only.
+
+A layer is lazy when its attention mass on the first `n_initial` tokens plus the `window` most
+recent (relative to each query), averaged over heads and queries, exceeds `delta`.  Strategy
+`prefill` measures it on the last `w_last` prompt queries; strategy `decode` on the first
+generated token's query.  A layer is trimmed only when every sequence of the batch finds it
+lazy (its capacity is a shape shared by the batch).  Lazy layers keep the initial tokens plus a
+ring of recent tokens (StreamingLLM-style eviction); the other layers keep everything.
+
+delta defaults per model family as in the paper: Llama-3 0.9, Llama-2 0.65, Mistral 0.8,
+Qwen 0.85 (guessed from the config: vocab >= 128000 -> Llama-3, a sliding window or 32768
+vocab -> Mistral, 32000 vocab with MHA -> Llama-2, 151k vocab -> Qwen; otherwise 0.9).
+"""
+import torch
+from torch import Tensor
+
+from cache.base import ALWAYS, NEVER, EvictionPolicy, attention_probs, recent_and_sinks
+
+DELTA_BY_FAMILY = {"llama3": 0.9, "llama2": 0.65, "mistral": 0.8, "qwen": 0.85, "other": 0.9}
+
+
+def model_family(args) -> str:
+    if args.vocab_size >= 150000:
+        return "qwen"
+    if args.vocab_size >= 128000:
+        return "llama3"
+    if args.sliding_window or args.vocab_size == 32768:
+        return "mistral"
+    if args.vocab_size == 32000:
+        return "llama2" if args.n_kv_heads == args.n_heads else "mistral"
+    return "other"
+
+
+def lazy_mass(probs: Tensor, q_pos: Tensor, k_pos: Tensor, n_initial: int, window: int) -> Tensor:
+    """Attention mass on initial + recent keys, mean over heads and valid queries -> [B].
+
+    probs [B, H_kv, G, T, L] for queries at q_pos [B, T] over keys at k_pos [B, L] (or
+    [B, H_kv, L] when each head holds its own slots)."""
+    if k_pos.dim() == 2:
+        k_pos = k_pos[:, None]
+    kp, qp = k_pos[:, :, None, None, :], q_pos[:, None, None, :, None]
+    near = (kp >= 0) & ((kp < n_initial) | (kp > qp - window))
+    mass = (probs * near).sum(-1).mean((1, 2))                                   # [B, T]
+    valid = (q_pos >= 0).float()
+    return (mass * valid).sum(-1) / valid.sum(-1).clamp(min=1)
+
+
+class SimLayerKVPolicy(EvictionPolicy):
+    name = "simlayerkv"
+    params = {"strategy": (str, "prefill", "where lazy layers are found: prefill or decode"),
+              "delta": (float, -1.0, "laziness threshold (-1: the paper's value for the model family)"),
+              "n_initial": (int, 4, "initial tokens lazy layers keep"),
+              "window": (int, 1024, "recent tokens lazy layers keep"),
+              "w_last": (int, 32, "prompt queries measured by the prefill strategy")}
+    appending = True
+    defer_compression = True
+
+    def validate(self) -> None:
+        if self.strategy not in ("prefill", "decode"):
+            raise ValueError(f"strategy must be prefill or decode, got {self.strategy!r}")
+        if self.n_initial < 0 or self.window < 1 or self.w_last < 1:
+            raise ValueError("need n_initial >= 0, window >= 1, w_last >= 1")
+        if self.delta != -1.0 and not 0 < self.delta <= 1:
+            raise ValueError(f"delta must be in (0, 1], got {self.delta}")
+
+    def setup(self, args, max_batch_size, max_seq_length, dtype, device) -> None:
+        if self.delta == -1.0:
+            self.delta = DELTA_BY_FAMILY[model_family(args)]
+        super().setup(args, max_batch_size, max_seq_length, dtype, device)
+        self.lazy = [False] * args.n_layers
+        self.masses: list = [None] * args.n_layers
+
+    def reset(self) -> None:
+        super().reset()
+        self.layer_appends = [True] * len(self.k)
+        self.lazy = [False] * len(self.k)
+        self.measuring = False
+        self.decided_masses = None
+
+    def layer_budget(self, layer: int) -> int:
+        return self.n_initial + self.window if self.lazy[layer] else self.max_seq_length
+
+    # ---------------------------------------------------------------- finding lazy layers
+    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
+        if self.strategy != "prefill":
+            return {}
+        w = min(self.w_last, q.shape[2])
+        probs = attention_probs(q[:, :, -w:], k, q_pos[:, -w:], q_pos, self.sliding_window)
+        return {"mass": lazy_mass(probs, q_pos[:, -w:], q_pos, self.n_initial, self.window)}
+
+    def plan(self, stats: list[dict]) -> None:
+        if self.strategy == "prefill":
+            self.decide(torch.stack([s["mass"] for s in stats]))
+
+    def decide(self, masses: Tensor) -> None:
+        """masses [n_layers, B] -> lazy flags (one host sync per request)."""
+        self.decided_masses = masses.tolist()
+        self.lazy = [all(m > self.delta for m in row) for row in self.decided_masses]
+        self.layer_appends = [not lazy for lazy in self.lazy]
+
+    def before_decode_step(self, step: int) -> None:
+        if self.strategy == "decode":
+            self.measuring = step == 0
+            if step == 1:
+                self.decide(torch.stack(self.masses))
+                for layer in range(len(self.k)):
+                    if self.lazy[layer]:
+                        self.trim(layer)
+
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = super().decode(layer, q, k, v)
+        if self.measuring:                      # the first generated token's attention
+            pos = self.pos[layer]
+            probs = attention_probs(q, self.k[layer], self.q_pos, pos[:, 0], self.sliding_window)
+            self.masses[layer] = lazy_mass(probs, self.q_pos, pos, self.n_initial, self.window)
+        return out
+
+    def trim(self, layer: int) -> None:
+        """Decode strategy: shrink a full layer to initial + recent ring (host, once)."""
+        used = self.used_slots(layer)
+        k, v, pos = self.k[layer][:, :, :used], self.v[layer][:, :, :used], self.pos[layer][:, 0, :used]
+        q_pos, prompt_length = self.q_pos, self.prompt_length
+        self.q_pos = pos                                   # the slots play the prompt's role
+        self.prompt_length = self.n_filled
+        self.compress(layer, k, v, {})
+        self.q_pos, self.prompt_length = q_pos, prompt_length
+        self.kept[layer] -= self.n_filled - self.prompt_length   # used_slots counts from the prompt
+
+    # ---------------------------------------------------------------- keeping tokens
+    def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
+        keep = q_pos >= 0
+        if self.lazy[layer]:
+            keep = recent_and_sinks(q_pos, self.n_initial, self.window)
+        scores = q_pos.float().masked_fill(~keep, NEVER)
+        if not self.lazy[layer]:
+            scores = scores.masked_fill(keep, ALWAYS)
+        return scores[:, None, :].expand(-1, n_heads, -1)
+
+    def decode_victim(self, layer: int) -> Tensor:
+        pos = self.pos[layer]
+        return self.lowest(layer, pos.float(), pos < self.n_initial)   # the oldest non-initial
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d["delta"] = self.delta
+        if getattr(self, "decided_masses", None):
+            d["lazy_layers"] = [i for i, lazy in enumerate(self.lazy) if lazy]
+            d["lazy_mass"] = [round(sum(m) / len(m), 3) for m in self.decided_masses]
+        return d

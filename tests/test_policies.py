@@ -1,0 +1,388 @@
+"""The eviction family (H2O, SnapKV, PyramidKV, D2O, SimLayerKV) against hand-computed references:
+kept sets from the papers' formulas written out naively here, budget schedules, decode-time
+eviction invariants, D2O's merge and EMA formulas, SimLayerKV's lazy flags, equivalence with the
+full cache when nothing is evicted, and the real-model claims (first token, kv_bytes)."""
+import math
+
+import pytest
+import torch
+
+import engine
+from cache import POLICIES, PolicyError, make_policy
+from cache.base import pyramid_budgets, split_integer
+from model import ModelArgs
+from tests.helpers import kept, left_padded, tiny_hf_model
+
+EVICTION = ["streaming", "h2o", "snapkv", "pyramidkv", "d2o", "simlayerkv"]
+
+
+def bare_policy(name, args_text, n_heads=4, n_kv_heads=2, head_dim=8, T=20, max_seq=64, layers=1, batch=1):
+    """A policy set up for `layers` layers of a made-up model, its prompt positions begun."""
+    args = ModelArgs(vocab_size=16, dim=n_heads * head_dim, n_layers=layers, n_heads=n_heads,
+                     n_kv_heads=n_kv_heads, intermediate_size=8, head_dim=head_dim)
+    policy = make_policy(name, args_text)
+    policy.setup(args, batch, max_seq, torch.float32, "cpu")
+    policy.begin(torch.arange(T)[None].repeat(batch, 1))
+    return policy
+
+
+def naive_probs(q, k):
+    """Causal softmax per query head: q [Hq, T, D], k [Hkv, T, D] -> [Hq, T, T] (loops, no tricks)."""
+    Hq, T, D = q.shape
+    G = Hq // k.shape[0]
+    out = torch.zeros(Hq, T, T)
+    for h in range(Hq):
+        for i in range(T):
+            logits = torch.tensor([float(q[h, i] @ k[h // G, j]) / math.sqrt(D) for j in range(i + 1)])
+            out[h, i, :i + 1] = logits.softmax(0)
+    return out
+
+
+def test_snapkv_avg_pooling_keeps_topk_of_pooled_group_mean_window_scores_plus_window():
+    torch.manual_seed(0)
+    T, w, budget, kernel = 20, 4, 10, 3
+    q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
+    policy = bare_policy("snapkv", f"budget={budget},window={w},kernel={kernel},pooling=avg", T=T)
+    policy.prefill(0, q, k, v)
+    probs = naive_probs(q[0], k[0])
+    for h in range(2):
+        window_sum = probs[2 * h:2 * h + 2, T - w:].sum(1).mean(0)            # [T]: group mean
+        past = window_sum[:T - w]
+        pooled = [float(past[max(0, j - 1):j + 2].mean()) for j in range(T - w)]   # avg, no pad counted
+        top = sorted(sorted(range(T - w), key=lambda j: -pooled[j])[:budget - w])
+        assert kept(policy)[0][h] == top + list(range(T - w, T))
+
+
+def test_snapkv_prompt_no_longer_than_the_window_keeps_it_whole():
+    for T in (4, 3):
+        q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
+        policy = bare_policy("snapkv", "budget=8,window=4", T=T)
+        policy.prefill(0, q, k, v)
+        assert kept(policy)[0] == [list(range(T))] * 2
+
+
+def test_snapkv_max_pooling_differs_from_no_pooling_and_window_always_kept():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 4, 40, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    sets = []
+    for kernel in (1, 7):
+        policy = bare_policy("snapkv", f"budget=12,window=4,kernel={kernel}", T=40)
+        policy.prefill(0, q, k, v)
+        sets.append(kept(policy)[0])
+        assert all(h[-4:] == [36, 37, 38, 39] and len(h) == 12 for h in sets[-1])
+    assert sets[0] != sets[1]
+
+
+def test_h2o_prefill_keeps_sinks_recent_and_heaviest_column_sums():
+    torch.manual_seed(2)
+    T = 24
+    q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
+    policy = bare_policy("h2o", "budget=10,n_sink=2,window=4", T=T)
+    policy.prefill(0, q, k, v)
+    probs = naive_probs(q[0], k[0])
+    for h in range(2):
+        acc = probs[2 * h:2 * h + 2].sum(1).mean(0)                            # column sums, group mean
+        heavy = sorted(range(2, T - 4), key=lambda j: -float(acc[j]))[:4]
+        expect = sorted([0, 1] + heavy + list(range(T - 4, T)))
+        assert kept(policy)[0][h] == expect
+        slots = policy.pos[0][0, h].tolist()
+        torch.testing.assert_close(policy.score[0][0, h], acc[slots])          # scores travel with slots
+
+
+def test_pyramid_budgets_sum_exactly_and_follow_the_schedule():
+    for layers, budget, window, beta in [(30, 256, 8, 20), (32, 128, 8, 20), (7, 64, 8, 5), (2, 9, 8, 20)]:
+        b = pyramid_budgets(layers, budget, window, beta)
+        assert sum(b) == layers * budget
+        assert all(x >= window for x in b) and b == sorted(b, reverse=True)
+        rem = layers * (budget - window)
+        assert abs(b[-1] - window - rem / (beta * layers)) < 1
+        assert abs(b[0] - window - (2 * rem / layers - rem / (beta * layers))) < 1
+    assert split_integer(10, [1, 1, 1]) in ([4, 3, 3], [3, 4, 3], [3, 3, 4])
+
+
+def test_pyramidkv_layers_allocate_their_own_capacity(tmp_path):
+    _, model = tiny_hf_model("llama31", tmp_path)
+    policy = make_policy("pyramidkv", "budget=16,window=4,beta=4")
+    tokens, pos = left_padded([40, 40])
+    with torch.no_grad():
+        model.setup_caches(2, 48, policy)
+        engine.run_prefill(model, tokens, pos)
+    assert policy.budgets == pyramid_budgets(2, 16, 4, 4) and sum(policy.budgets) == 32
+    for layer, b in enumerate(policy.budgets):
+        assert policy.k[layer].shape[2] == b + 8                                  # + room for 8 new tokens
+        assert all(len(h) == b for row in kept(policy, layer) for h in row)
+
+
+@pytest.mark.parametrize("name,args", [("h2o", "budget=12,n_sink=2,window=4"),
+                                       ("d2o", "budget=14,n_sink=2,recent_share=0.34,gate=1e9"),
+                                       ("streaming", "budget=8,n_sink=2")])
+def test_decode_eviction_keeps_size_and_never_evicts_sinks_or_recent(name, args, tmp_path):
+    _, model = tiny_hf_model("tied_gqa3", tmp_path)
+    policy = make_policy(name, args)
+    tokens, pos = left_padded([30, 9])
+    with torch.no_grad():
+        model.setup_caches(2, 80, policy)
+        engine.run_prefill(model, tokens, pos)
+        allocated = policy.kv_bytes()["allocated"]
+        last = pos[:, -1:]
+        window = policy.window(0) if callable(policy.window) else policy.window
+        for step in range(1, 31):
+            engine.run_decode(model, torch.randint(0, 128, (2, 1)), last + step, step - 1)
+            assert policy.kv_bytes()["allocated"] == allocated
+            for layer in range(model.args.n_layers):
+                cap = policy.k[layer].shape[2]
+                for b, row in enumerate(kept(policy, layer)):
+                    now = int(last[b]) + step
+                    for h in row:
+                        assert len(h) == min(cap, now + 1)
+                        assert set(range(min(2, now + 1))) <= set(h)                 # sinks
+                        assert set(range(max(0, now - window + 1), now + 1)) <= set(h)  # recent
+
+
+def test_h2o_decode_accumulates_attention_and_evicts_the_lowest(tmp_path):
+    _, model = tiny_hf_model("llama31", tmp_path)
+    policy = make_policy("h2o", "budget=10,n_sink=2,window=3")
+    tokens, pos = left_padded([25])
+    seen = {}
+    real_decode = policy.decode
+
+    def spy(layer, q, k, v):
+        seen[layer] = (q.clone(), k.clone(), policy.k[layer].clone(), policy.pos[layer].clone(),
+                       policy.score[layer].clone())
+        return real_decode(layer, q, k, v)
+
+    policy.decode = spy
+    with torch.no_grad():
+        model.setup_caches(1, 40, policy)
+        engine.run_prefill(model, tokens, pos)
+        engine.run_decode(model, torch.tensor([[5]]), torch.tensor([[25]]), 0)
+    q, k_new, kc, pc, score = seen[0]
+    D = q.shape[-1]
+    for h in range(2):
+        logits = torch.cat([q[0, 2 * h:2 * h + 2, 0] @ kc[0, h].T, q[0, 2 * h:2 * h + 2, 0] @ k_new[0, h].T], -1)
+        p = (logits / math.sqrt(D)).softmax(-1).mean(0)                        # C + 1 probabilities
+        acc = score[0, h] + p[:-1]
+        unprotected = [s for s in range(10) if pc[0, h, s] >= 2 and pc[0, h, s] <= 25 - 3]
+        victim = min(unprotected, key=lambda s: float(acc[s]))
+        assert int(policy.pos[0][0, h, victim]) == 25
+        others = [s for s in range(10) if s != victim]
+        torch.testing.assert_close(policy.score[0][0, h, others], acc[others])
+        torch.testing.assert_close(policy.score[0][0, h, victim], p[-1])
+
+
+def test_d2o_decode_merge_and_ema_follow_the_formulas():
+    policy = bare_policy("d2o", "budget=6,n_sink=1,beta=0.5", n_heads=1, n_kv_heads=1, head_dim=2, T=6)
+    kc = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 0.2], [-1.0, 0.0], [0.5, 0.5]])
+    vc = torch.arange(12.0).view(6, 2)
+    policy.k[0] = kc.clone()[None, None]
+    policy.v[0] = vc.clone()[None, None]
+    policy.pos[0] = torch.arange(6)[None, None]
+    policy.tau[0] = torch.tensor([[0.9]])
+    slot = torch.tensor([[3]])                      # evict (1, 0.2): nearest other is (1, 0), cos 0.9806
+    policy.on_evict(0, slot)
+    cos = 1 / math.sqrt(1.04)
+    assert float(policy.tau[0]) == pytest.approx(0.5 * cos + 0.5 * 0.9)
+    w = math.exp(cos)
+    expect_k = (math.e * kc[0] + w * kc[3]) / (math.e + w)
+    expect_v = (math.e * vc[0] + w * vc[3]) / (math.e + w)
+    torch.testing.assert_close(policy.k[0][0, 0, 0], expect_k)
+    torch.testing.assert_close(policy.v[0][0, 0, 0], expect_v)
+    torch.testing.assert_close(policy.k[0][0, 0, 1:], kc[1:])                   # nothing else touched
+    # below the threshold: discarded, threshold still moves
+    policy.tau[0] = torch.tensor([[0.99]])
+    before = policy.k[0].clone()
+    policy.on_evict(0, torch.tensor([[4]]))         # (-1, 0): best cos is 0 ((0,1)); no merge
+    torch.testing.assert_close(policy.k[0], before)
+    assert float(policy.tau[0]) == pytest.approx(0.5 * max(0.0, -1 / math.sqrt(2), -1 / math.sqrt(1.04)) + 0.5 * 0.99, abs=1e-6)
+
+
+def test_d2o_prefill_merges_evicted_tokens_with_weighted_average():
+    torch.manual_seed(3)
+    T = 16
+    q, k, v = torch.randn(1, 2, T, 4), torch.randn(1, 1, T, 4), torch.randn(1, 1, T, 4)
+    policy = bare_policy("d2o", "budget=6,n_sink=1,recent_share=0.2", n_heads=2, n_kv_heads=1, head_dim=4, T=T)
+    policy.prefill(0, q, k, v)
+    policy.end_prefill()
+    slots = policy.pos[0][0, 0].tolist()
+    kn = torch.nn.functional.normalize(k[0, 0], dim=-1)
+    sim = kn @ kn[slots].T                                              # [T, kept]
+    evicted = [i for i in range(T) if i not in slots]
+    best, target = sim[evicted].max(-1)
+    tau = float(best.mean())
+    assert float(policy.tau[0]) == pytest.approx(tau, rel=1e-5)
+    for j, s in enumerate(slots):
+        members = [(e, float(b)) for e, b, t in zip(evicted, best, target) if t == j and b >= tau]
+        den = math.e + sum(math.exp(b) for _, b in members)
+        expect = (math.e * k[0, 0, s] + sum(math.exp(b) * k[0, 0, e] for e, b in members)) / den
+        torch.testing.assert_close(policy.k[0][0, 0, j], expect, atol=1e-5, rtol=1e-5)
+    assert any(t for t in target.tolist())  # the case merges something
+
+
+def test_d2o_layer_budgets_split_by_variance_and_sum_to_total(tmp_path):
+    _, model = tiny_hf_model("llama31", tmp_path)
+    tokens, pos = left_padded([40])
+    policy = make_policy("d2o", "budget=16,alpha=3,gate=0")        # gate 0: every layer sparse
+    with torch.no_grad():
+        model.setup_caches(1, 48, policy)
+        engine.run_prefill(model, tokens, pos)
+    assert policy.budgets == [16, 16]
+    variances = policy.variances
+    gate = (variances[0] + variances[1]) / 2                         # one dense, one sparse layer
+    policy = make_policy("d2o", f"budget=16,alpha=3,gate={gate}")
+    with torch.no_grad():
+        model.setup_caches(1, 48, policy)
+        engine.run_prefill(model, tokens, pos)
+    dense = 0 if variances[0] <= gate else 1
+    assert policy.budgets[dense] == 24 and policy.budgets[1 - dense] == 8 and sum(policy.budgets) == 32
+    assert [policy.k[i].shape[2] for i in range(2)] == policy.budgets
+
+
+@pytest.mark.parametrize("strategy", ["prefill", "decode"])
+def test_simlayerkv_flags_layers_whose_mass_exceeds_delta(strategy, tmp_path):
+    _, model = tiny_hf_model("tied_gqa3", tmp_path)
+    tokens, pos = left_padded([60])
+    captured = {}
+    policy = make_policy("simlayerkv", f"strategy={strategy},window=8,n_initial=2,w_last=5")
+    hook = "prefill" if strategy == "prefill" else "decode"
+    real = getattr(policy, hook)
+
+    def spy(layer, q, k, v):
+        out = real(layer, q, k, v)
+        if hook == "prefill":
+            captured[layer] = (q[0].clone(), k[0].clone())
+        elif policy.measuring:
+            captured[layer] = (q[0].clone(), policy.k[layer][0, :, :61].clone())
+        return out
+
+    setattr(policy, hook, spy)
+    with torch.no_grad():
+        model.setup_caches(1, 70, policy)
+        engine.run_prefill(model, tokens, pos)
+        for step in range(3):
+            engine.run_decode(model, torch.tensor([[7]]), torch.tensor([[60 + step]]), step)
+    masses = []
+    for layer in range(2):
+        q, k = captured[layer]
+        T = k.shape[1]
+        probs = naive_probs(q, k) if hook == "prefill" else \
+            (torch.einsum("hd,htd->ht", q[:, 0], k.repeat_interleave(3, 0)) / math.sqrt(q.shape[-1])).softmax(-1)[:, None]
+        rows = range(T - 5, T) if hook == "prefill" else [0]
+        qpos = (lambda i: i) if hook == "prefill" else (lambda i: 60)
+        near = lambda i: [j for j in range(T) if j < 2 or j > qpos(i) - 8]          # noqa: E731
+        masses.append(sum(float(probs[:, i, near(i)].sum(-1).mean()) for i in rows) / len(rows))
+    assert [m[0] for m in policy.decided_masses] == pytest.approx(masses, abs=1e-5)
+    for delta in sorted(masses):
+        policy.delta = delta - 1e-6
+        policy.decide(torch.tensor([[m] for m in masses]))
+        assert policy.lazy == [m > delta - 1e-6 for m in masses]
+
+
+def test_simlayerkv_lazy_layers_keep_initial_and_recent_ring(tmp_path):
+    _, model = tiny_hf_model("llama31", tmp_path)
+    tokens, pos = left_padded([50, 30])
+    policy = make_policy("simlayerkv", "delta=0.01,window=6,n_initial=3")    # every layer lazy
+    with torch.no_grad():
+        model.setup_caches(2, 70, policy)
+        engine.run_prefill(model, tokens, pos)
+        for step in range(5):
+            engine.run_decode(model, torch.tensor([[7], [8]]), pos[:, -1:] + 1 + step, step)
+    assert policy.lazy == [True, True]
+    assert all(h == [0, 1, 2] + list(range(49, 55)) for h in kept(policy)[0])
+    assert all(h == [0, 1, 2] + list(range(29, 35)) for h in kept(policy)[1])
+    assert policy.k[0].shape[2] == 9
+
+
+@pytest.mark.parametrize("name,args", [
+    ("h2o", "budget=64"), ("snapkv", "budget=64,window=8"), ("pyramidkv", "budget=64,window=4,beta=1"),
+    ("d2o", "budget=64"), ("simlayerkv", "delta=1.0"), ("simlayerkv", "strategy=decode,delta=1.0"),
+    ("simlayerkv", "window=64")])
+@pytest.mark.parametrize("kind", ["tied_gqa3", "mistral"])
+def test_nothing_evicted_equals_full_cache(name, args, kind, tmp_path):
+    """Budgets covering prompt + generation: every policy's storage, masks and decode attention
+    (the joint softmax of H2O/D2O included) must reproduce the full cache."""
+    _, model = tiny_hf_model(kind, tmp_path)
+    tokens, pos = left_padded([17, 9, 12], seed=3)
+    follow = torch.randint(0, 128, (3, 8))
+    outs = []
+    for policy in (None, make_policy(name, args)):
+        with torch.no_grad():
+            model.setup_caches(3, 64, policy)
+            logits = [engine.run_prefill(model, tokens, pos)]
+            logits += [engine.run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s) for s in range(8)]
+        outs.append(torch.stack(logits, 1))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,args,message", [
+    ("h2o", "budget=10,n_sink=4,window=8", "at least n_sink"),
+    ("snapkv", "budget=16,window=32", "at least the window"),
+    ("snapkv", "kernel=4", "odd"),
+    ("snapkv", "pooling=median", "max or avg"),
+    ("pyramidkv", "beta=0.5", "beta"),
+    ("d2o", "budget=3,n_sink=4", "at least n_sink"),
+    ("simlayerkv", "strategy=middle", "prefill or decode"),
+    ("simlayerkv", "budget=5", "no parameter"),
+    ("h2o", "window=big", "not a valid int")])
+def test_bad_policy_arguments_are_clear_errors(name, args, message):
+    with pytest.raises(PolicyError, match=message):
+        make_policy(name, args)
+
+
+def test_registry_lists_every_policy_with_declared_parameters():
+    assert set(EVICTION) | {"full"} <= set(POLICIES)
+    for name in EVICTION:
+        for key, (kind, default, help_text) in POLICIES[name].params.items():
+            assert isinstance(default, kind) and help_text
+
+
+# --------------------------------------------------------------------------- the real model
+
+def test_first_token_equals_full_under_every_prefill_compression(engine_dir, essay_text):
+    model, tok = engine_dir
+    ids = tok.encode(essay_text)[:900]
+    full = engine.generate(model, tok, [ids, ids[:700]], max_new_tokens=1)
+    for name in EVICTION:
+        args = "window=128" if name == "simlayerkv" else "budget=128"
+        out = engine.generate(model, tok, [ids, ids[:700]], max_new_tokens=1, policy=make_policy(name, args))
+        assert [t[0] for t in out.tokens] == [t[0] for t in full.tokens], name
+        assert out.stats["kv_bytes_allocated"] < full.stats["kv_bytes_allocated"], name
+
+
+def test_budget_256_allocates_a_tenth_of_full_at_4000_tokens(default_dir):
+    """kv_bytes() from the buffers, allocated when the 4000-token prompt arrives."""
+    model, _ = engine.load_model(default_dir)
+    tokens, pos = torch.randint(0, 1000, (1, 4000)), torch.arange(4000)[None]
+    allocated = {}
+    for name, args in (("full", None), ("snapkv", "budget=256"), ("streaming", "budget=256")):
+        policy = model.setup_caches(1, 4064, make_policy(name, args))
+        with torch.inference_mode():
+            engine.run_prefill(model, tokens, pos)
+        allocated[name] = policy.kv_bytes()["allocated"]
+        if name != "full":
+            assert allocated[name] == sum(k.numel() * k.element_size() * 2 for k in policy.k)
+            assert allocated[name] * 10 <= allocated["full"], name
+
+
+@pytest.mark.parametrize("name,args", [("h2o", "budget=12,n_sink=2,window=4"), ("snapkv", "budget=12,window=4"),
+                                       ("d2o", "budget=14,n_sink=2"), ("simlayerkv", "strategy=decode,window=6")])
+def test_compiled_decode_matches_eager_without_recompiles(name, args, tmp_path):
+    """Eviction, merging and joint-softmax decode are sync-free and shape-stable: one compiled
+    decode graph serves every step (the decode strategy's measuring step is its own variant)."""
+    from torch._dynamo.utils import counters
+    _, model = tiny_hf_model("tied_gqa3", tmp_path)
+    tokens, pos = left_padded([30, 21])
+    follow = torch.randint(0, 128, (2, 12))
+    step = torch.compile(engine.decode_step, dynamic=True)
+    outs = {}
+    for mode, decode in (("eager", engine.decode_step), ("compiled", step)):
+        with torch.no_grad():
+            model.setup_caches(2, 48, make_policy(name, args))
+            engine.run_prefill(model, tokens, pos)
+            logits = []
+            for s in range(12):
+                if s == 4:
+                    graphs = counters["stats"]["unique_graphs"]
+                logits.append(engine.run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s, decode))
+        outs[mode] = torch.stack(logits)
+    assert counters["stats"]["unique_graphs"] == graphs, "decode recompiled while the cache evicted"
+    torch.testing.assert_close(outs["compiled"], outs["eager"], atol=1e-4, rtol=1e-4)
