@@ -1,0 +1,111 @@
+"""CPU micro-benchmark of the sparse-read kernels' torch twins (the CPU path) against dense attention.
+
+    OMP_WAIT_POLICY=ACTIVE python scripts/bench_sparse_attention.py [--repeats 30] [--threads N]
+
+One decode step of one layer, fp32, B=8, H_q=9, H_kv=3 (SmolLM2-135M's heads), D=64, S=4096 cached
+tokens, N_c in {128, 512}:
+  dense          model.grouped_attention(q, k, v, None): SDPA over all S slots
+  sparse/kv      sparse_decode_attention, one index list per KV head (GQA-shared gather)
+  sparse/q       sparse_decode_attention, one index list per query head
+  ...+ws         the same with a caller-owned workspace dict (gather buffers reused across calls)
+  gather         the two index_select gathers of sparse/kv alone
+  scores C=..    approx_scores (group="kv", sink/recent masking fused) + torch.topk(N_c), fp32 labels
+  scores4 C=..   the same from 4-bit packed labels
+  ds step        scores4 C=16 + sparse/kv+ws: a whole Double-Sparsity decode attention
+Repetitions are interleaved (round r times every op once; each sample is the mean of --inner calls)
+and medians are printed with the ratio dense / op (> 1: faster than dense).
+
+CPU: set OMP_WAIT_POLICY=ACTIVE (PyTorch's OpenMP workers then spin between the many small ops
+instead of sleeping); on a shared machine the numbers are only as quiet as the neighbours.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kernels import (approx_scores, quantize_labels_4bit, select_critical,  # noqa: E402
+                     sparse_decode_attention)
+from kernels.sparse_attention import _gather  # noqa: E402
+from model import grouped_attention  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--n-critical", default="128,512")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--inner", type=int, default=5, help="calls averaged per sample")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile", action="store_true", help="also time torch.compile'd twins (slow to compile)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    B, Hq, Hkv, D, S = args.batch, 9, 3, 64, args.seq
+    print(f"torch {torch.__version__}  threads={torch.get_num_threads()}  "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}  "
+          f"loadavg={os.getloadavg()[0]:.2f}  B={B} H_q={Hq} H_kv={Hkv} D={D} S={S} fp32")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Hq, D, generator=g)
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, D, generator=g)
+    q4 = q[:, :, None]
+    length = torch.full((B,), S)
+    ops = {"dense": lambda: grouped_attention(q4, k, v, None)}
+    labels = {}
+    for C in (8, 16):
+        lab = torch.randn(B, Hkv, S, C, generator=g)
+        labels[C] = (torch.randn(B, Hq, C, generator=g), lab, quantize_labels_4bit(lab))
+    for n in [int(x) for x in args.n_critical.split(",")]:
+        x, y = (8, 32) if n <= 128 else (16, 64)
+        idx_kv = torch.stack([torch.randperm(S, generator=g)[:n] for _ in range(B * Hkv)]).view(B, Hkv, n)
+        idx_q = torch.stack([torch.randperm(S, generator=g)[:n] for _ in range(B * Hq)]).view(B, Hq, n)
+        ops[f"sparse/kv N={n}"] = lambda i=idx_kv: sparse_decode_attention(q, k, v, i)
+        ops[f"sparse/q N={n}"] = lambda i=idx_q: sparse_decode_attention(q, k, v, i)
+        ws = {}
+        ops[f"sparse/kv+ws N={n}"] = lambda i=idx_kv, ws=ws: sparse_decode_attention(q, k, v, i, workspace=ws)
+        ops[f"sparse/q+ws N={n}"] = lambda i=idx_q, ws=ws: sparse_decode_attention(q, k, v, i, workspace=ws)
+        ops[f"gather N={n}"] = lambda i=idx_kv: (_gather(k, i), _gather(v, i))
+        for C, (ql, lab, (pk, sc, mn)) in labels.items():
+            ops[f"scores C={C} N={n}"] = lambda ql=ql, lab=lab, n=n, x=x, y=y: select_critical(
+                approx_scores(ql, lab, length=length, n_sink=x, n_recent=y), n)
+            ops[f"scores4 C={C} N={n}"] = lambda ql=ql, pk=pk, sc=sc, mn=mn, n=n, x=x, y=y: select_critical(
+                approx_scores(ql, pk, sc, mn, length=length, n_sink=x, n_recent=y), n)
+        ql, _, (pk, sc, mn) = labels[16]
+
+        def ds_step(ql=ql, pk=pk, sc=sc, mn=mn, n=n, x=x, y=y):
+            idx = select_critical(approx_scores(ql, pk, sc, mn, length=length, n_sink=x, n_recent=y), n)
+            return sparse_decode_attention(q, k, v, idx, workspace=ws)
+        ops[f"ds step C=16/4b N={n}"] = ds_step
+        if args.compile:
+            from kernels import sparse_decode_attention_torch
+            comp = torch.compile(sparse_decode_attention_torch, dynamic=False)
+            ops[f"sparse/kv compiled N={n}"] = lambda i=idx_kv, comp=comp: comp(q, k, v, i)
+    for f in ops.values():   # warm-up (and compilation)
+        for _ in range(3):
+            f()
+    samples = {name: [] for name in ops}
+    for _ in range(args.repeats):
+        for name, f in ops.items():
+            t0 = time.perf_counter()
+            for _ in range(args.inner):
+                f()
+            samples[name].append((time.perf_counter() - t0) / args.inner)
+    med = {name: statistics.median(s) for name, s in samples.items()}
+    dense = med["dense"]
+    print(f"{'op':<24}{'median us':>12}{'dense/op':>10}{'  (p25-p75 us)':>20}")
+    for name, s in samples.items():
+        qs = statistics.quantiles(s, n=4)
+        print(f"{name:<24}{med[name] * 1e6:>12.1f}{dense / med[name]:>10.2f}"
+              f"   ({qs[0] * 1e6:.0f}-{qs[2] * 1e6:.0f})")
+    print(f"loadavg at end {os.getloadavg()[0]:.2f}")
+    return med
+
+
+if __name__ == "__main__":
+    main()
