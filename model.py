@@ -198,6 +198,8 @@ class DenseCache:
       before_decode_step(step)     host-side, before decode step `step` (0, 1, ...); the one
                                    place a policy may sync or reallocate during decode
       kept_positions(layer)        LongTensor [B, H_kv, n]: absolute positions held
+      storage(layer)               (k, v [B, H_kv, C, D], visible [B, H_kv or 1, C]): what a
+                                   decode query may read (the hook sparse readers compose with)
       kv_bytes()                   {"allocated", "live", "read_per_step"}: bytes from the buffers;
                                    read_per_step = K/V bytes one decode step reads (all layers)
       describe()                   resolved hyper-parameters
@@ -251,6 +253,11 @@ class DenseCache:
 
     prefill = _store_and_attend
     decode = _store_and_attend
+
+    def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(k, v [B, H_kv, n, D], visible [B, 1, n]) over the filled slots, for sparse readers."""
+        n = self.n_filled
+        return self.k[layer][:, :, :n], self.v[layer][:, :, :n], (self.pos[:, None, :n] >= 0)
 
     def end_prefill(self) -> None:
         pass

@@ -301,25 +301,37 @@ class EvictionPolicy:
         self.on_compress(layer, k, v, idx, valid, stats)
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        kc, vc, pc = self.k[layer], self.v[layer], self.pos[layer]
-        out = None
         if self.decode_attention and not self.layer_appends[layer]:
-            out, p_old, p_new = attend_with_new(q, kc, vc, self.visible(layer), k, v)
+            out, p_old, p_new = attend_with_new(q, self.k[layer], self.v[layer], self.visible(layer), k, v)
             self.observe(layer, p_old, p_new)
+            slot = self.store(layer, k, v)
+            self.score[layer].scatter_(2, slot[:, :, None], p_new.mean(2))
+            return out
+        self.store(layer, k, v)
+        return self.attend(layer, q)
+
+    def store(self, layer: int, k: Tensor, v: Tensor) -> Tensor:
+        """Write the new token k, v [B, H_kv, 1, D] into its slot; returns the slot [B, H_kv]."""
+        kc, vc, pc = self.k[layer], self.v[layer], self.pos[layer]
         slot = self.first_empty(layer) if self.layer_appends[layer] else self.decode_victim(layer)
         self.on_evict(layer, slot)
         at = slot[:, :, None, None].expand(-1, -1, 1, k.shape[-1])
         kc.scatter_(2, at, k)
         vc.scatter_(2, at, v)
         pc.scatter_(2, slot[:, :, None], self.q_pos[:, None, :].expand(-1, pc.shape[1], 1))
-        if self.score[layer] is not None and out is not None:
-            self.score[layer].scatter_(2, slot[:, :, None], p_new.mean(2))
-        if out is None:
-            # all C slots, empty ones masked: the cost is bounded by what is kept, and the shape
-            # does not change as the cache fills (a compiled step would otherwise specialize)
-            mask = self.visible(layer)[:, :, None, :].expand(-1, -1, self.group, -1)
-            out = grouped_attention(q, kc, vc, mask)
-        return out
+        return slot
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        """Decode attention of q [B, H_q, 1, D] over every slot of the layer (empty ones masked):
+        the cost is bounded by what is kept, and the shape does not change as the cache fills
+        (a compiled step would otherwise specialize).  Sparse readers replace this."""
+        mask = self.visible(layer)[:, :, None, :].expand(-1, -1, self.group, -1)
+        return grouped_attention(q, self.k[layer], self.v[layer], mask)
+
+    def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Composition hook: (k, v [B, H_kv, C, D], visible [B, H_kv, C]) of the layer as the
+        current query may read it; slots keep their index until overwritten."""
+        return self.k[layer], self.v[layer], self.visible(layer)
 
     def visible(self, layer: int) -> Tensor:
         """Slots [B, H_kv, C] the current query may attend (filled, within a sliding window)."""
