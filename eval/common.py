@@ -1,0 +1,189 @@
+"""What every eval shares: the command-line flags, loading, the policy, progress and JSON output.
+
+An eval module builds its parser with `base_parser()`, adds its own flags, and runs through
+`main_wrapper(run, parser, argv)`, which turns bad input into a one-line `error:` and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a file (python eval/needle.py): the engine sits in the repo root
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import engine  # noqa: E402
+from cache import PolicyError, make_policy, policy_names  # noqa: E402
+from checkpoint import CheckpointError  # noqa: E402
+from engine import UsageError  # noqa: E402
+
+DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
+ESSAYS = ROOT.parent / "shared" / "data" / "paul_graham_essays"
+
+
+# --------------------------------------------------------------------------- flags
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """The flags every eval takes: model, policy, storage, device, --compile, --json."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT),
+                   help="HF/converted model directory or .gguf file (default: %(default)s)")
+    p.add_argument("--policy", default="full", help=f"KV-cache policy: {', '.join(policy_names())}")
+    p.add_argument("--policy-args", default="", help="policy parameters, k=v,k=v")
+    p.add_argument("--kv-bits", type=int, default=16, choices=[16, 4, 2], help="KV storage bits (16 = compute dtype)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", choices=list(engine.DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--compile", action="store_true", help="torch.compile the prefill and decode steps")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    return p
+
+
+def parse_floats(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected comma-separated numbers") from None
+    if not values:
+        raise UsageError(f"{flag} is empty")
+    return values
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    values = parse_floats(text, flag)
+    if any(v != int(v) for v in values):
+        raise UsageError(f"{flag} {text!r}: expected comma-separated integers")
+    return [int(v) for v in values]
+
+
+# --------------------------------------------------------------------------- policy and model
+
+def with_kv_bits(policy, kv_bits: int):
+    """The policy with its K/V stored at `kv_bits` (16: the compute dtype, as allocated).
+
+    The one place KIVI storage (--kv-bits 4|2) gets wired into the evals once it lands."""
+    if kv_bits != 16:
+        raise UsageError(f"--kv-bits {kv_bits}: KIVI quantized storage is not implemented yet; use 16")
+    return policy
+
+
+def new_policy(args):
+    """A fresh policy object from --policy/--policy-args/--kv-bits (raises PolicyError/UsageError).
+    Every run gets its own, so no state leaks from one cell to the next."""
+    return with_kv_bits(make_policy(args.policy, args.policy_args), args.kv_bits)
+
+
+@dataclass
+class Loaded:
+    model: "engine.Transformer"
+    tokenizer: "engine.Tokenizer"
+    device: torch.device
+    prefill: Callable = engine.prefill_step
+    decode: Callable = engine.decode_step
+
+    @property
+    def context_length(self) -> int:
+        return self.model.args.max_position_embeddings
+
+
+def load(args) -> Loaded:
+    """Validate the policy flags, then load the checkpoint (compiled steps with --compile)."""
+    new_policy(args)                        # fail on a bad policy before spending time loading
+    device = engine.resolve_device(args.device)
+    model, tokenizer = engine.load_model(args.checkpoint, device, args.dtype)
+    loaded = Loaded(model, tokenizer, device)
+    if args.compile:
+        loaded.prefill, loaded.decode = engine.compiled_steps(device)
+        engine.warm_up(model, loaded.prefill, loaded.decode, torch.zeros(1, 4, dtype=torch.long, device=device),
+                       new_policy(args))
+    return loaded
+
+
+def check_fits(loaded: Loaded, tokens: int, what: str) -> None:
+    if tokens > loaded.context_length:
+        raise UsageError(f"{what} = {tokens} tokens exceeds the model's context length {loaded.context_length}")
+
+
+# --------------------------------------------------------------------------- text
+
+def read_text_folder(folder) -> str:
+    """The .txt files of a folder in sorted name order, joined by blank lines."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"haystack folder {folder} does not exist" if not folder.exists()
+                         else f"haystack {folder} is not a folder of .txt files")
+    texts = [t for t in (p.read_text(encoding="utf-8", errors="replace").strip()
+                         for p in sorted(folder.glob("*.txt"))) if t]
+    if not texts:
+        raise UsageError(f"haystack folder {folder} has no non-empty .txt files")
+    return "\n\n".join(texts)
+
+
+def read_text_file(path) -> str:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise UsageError(f"cannot read --text {path}: {e.strerror}") from None
+    if not text.strip():
+        raise UsageError(f"--text {path} is empty")
+    return text
+
+
+# --------------------------------------------------------------------------- reporting
+
+class Progress:
+    """One line per finished cell on stderr: `[i/n] label  result  (cell s, total s)`."""
+
+    def __init__(self, total: int, stream=None):
+        self.total, self.done, self.stream = total, 0, stream or sys.stderr
+        self.t0 = self.t_cell = time.perf_counter()
+
+    def start(self) -> None:
+        self.t_cell = time.perf_counter()
+
+    def finish(self, label: str, result: str = "") -> float:
+        """Print the cell's line; returns its seconds."""
+        now = time.perf_counter()
+        self.done += 1
+        seconds = now - self.t_cell
+        print(f"[{self.done}/{self.total}] {label}  {result}  ({seconds:.1f} s, {now - self.t0:.1f} s total)",
+              file=self.stream, flush=True)
+        self.t_cell = now
+        return seconds
+
+
+def report_header(args) -> dict:
+    """The fields every eval's JSON starts with."""
+    return {"policy": args.policy, "policy_args": args.policy_args, "kv_bits": args.kv_bits,
+            "checkpoint": str(args.checkpoint)}
+
+
+def write_json(path, obj: dict) -> None:
+    """Write atomically (a temporary file renamed over the target)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def main_wrapper(run: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser,
+                 argv: Optional[Sequence[str]] = None) -> int:
+    """Parse argv and run; bad input -> `error: ...` on stderr and exit status 2."""
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (UsageError, CheckpointError, PolicyError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
