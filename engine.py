@@ -122,6 +122,7 @@ def run_prefill(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
     """Feed the whole prompt (tokens, input_pos [B, T]) in chunks (in one pass for policies that
     compress it) and tell the cache it is complete -> last-position logits [B, V]."""
     T = tokens.shape[1]
+    model.cache.before_prefill(input_pos)
     if getattr(model.cache, "prefill_in_one_pass", False):  # compressing policies see the whole prompt
         chunk = T
     for s in range(0, T, chunk):
@@ -145,6 +146,9 @@ _compiled: dict = {}
 def compiled_steps(device: torch.device):
     """(prefill, decode) compiled once per process: Inductor on CPU, CUDA graphs on GPU."""
     if device.type not in _compiled:
+        # no "duck sizing": two buffers that happen to share a length (a layer's capacity and
+        # max_seq_length, say) must not be assumed equal, or the next request recompiles
+        torch.fx.experimental._config.use_duck_shape = False
         mode = "reduce-overhead" if device.type == "cuda" else None
         _compiled[device.type] = (torch.compile(prefill_step, dynamic=True),
                                   torch.compile(decode_step, dynamic=True, mode=mode))

@@ -191,6 +191,10 @@ class DenseCache:
     Contract (what `Transformer` calls, and what every policy implements):
       setup(args, max_batch_size, max_seq_length, dtype, device)  allocate storage once
       reset()                      forget all sequences (storage stays allocated)
+      before_prefill(input_pos)    host-side, once per request before the prompt's first
+                                   forward, with the whole prompt's positions [B, T]: validate
+                                   and allocate what depends on the prompt length (policies call
+                                   it from begin() themselves if the caller did not)
       begin(input_pos [B, T])      once per forward, before the layers: claim slots
       prefill(layer, q, k, v)      q [B, H_q, T, D], k/v [B, H_kv, T, D] -> [B, H_q, T, D]
       decode(layer, q, k, v)       the same with T == 1, once the cache holds the prompt
@@ -258,6 +262,9 @@ class DenseCache:
         """(k, v [B, H_kv, n, D], visible [B, 1, n]) over the filled slots, for sparse readers."""
         n = self.n_filled
         return self.k[layer][:, :, :n], self.v[layer][:, :, :n], (self.pos[:, None, :n] >= 0)
+
+    def before_prefill(self, input_pos: Tensor) -> None:
+        pass
 
     def end_prefill(self) -> None:
         pass

@@ -52,34 +52,60 @@ def attention_probs(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, sliding_
     return probs * (q_pos >= 0)[:, None, None, :, None]
 
 
+def last_rows(q: Tensor, q_pos: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """The last `rows` queries q [B, H, T, D] and their positions q_pos [B, T], left-padded
+    with padding queries (position -1) when T < rows.  The output has exactly `rows` rows
+    whatever T is, so a compiled prefill needs no T-vs-rows guard."""
+    q = F.pad(q, (0, 0, rows, 0))[:, :, -rows:]
+    return q, F.pad(q_pos, (rows, 0), value=-1)[:, -rows:]
+
+
 def column_scores(q: Tensor, k: Tensor, q_pos: Tensor, rows: int | None = None, sliding_window=None,
-                  chunk: int = 512) -> Tensor:
+                  chunks: int = 16) -> Tensor:
     """Attention each key receives, summed over the last `rows` queries (all if None) and
     averaged over the query heads of its KV head (GQA group mean) -> [B, H_kv, T] fp32.
 
     With rows = w this is SnapKV's observation-window score; with all rows it is H2O's
-    accumulated attention.  Queries are processed `chunk` at a time (memory O(chunk * T))."""
-    T = q.shape[2]
-    start = 0 if rows is None else max(0, T - rows)
-    total = None
-    for s in range(start, T, chunk):
-        e = min(T, s + chunk)
-        part = attention_probs(q[:, :, s:e], k, q_pos[:, s:e], q_pos, sliding_window).sum(3).mean(2)
-        total = part if total is None else total + part
+    accumulated attention.  The queries go through in a fixed number of `chunks` (padded with
+    position -1, which contribute nothing): memory O(T^2 / chunks), and the loop does not
+    depend on T, so a compiled prefill does not specialize on the prompt length."""
+    k_pos = q_pos
+    if rows is not None:
+        q, q_pos = last_rows(q, q_pos, rows)
+        chunks = max(1, rows // 512)
+    B, H, T, D = q.shape
+    size = (T + chunks - 1) // chunks + 1     # + 1: a chunk of one row would be specialized
+    q = F.pad(q, (0, 0, 0, chunks * size - T)).view(B, H, chunks, size, D)
+    q_pos_chunks = F.pad(q_pos, (0, chunks * size - T), value=-1).view(B, chunks, size)
+    total = 0
+    for i in range(chunks):
+        probs = attention_probs(q[:, :, i], k, q_pos_chunks[:, i], k_pos, sliding_window)
+        total = total + probs.sum(3).mean(2)
     return total
 
 
-def pool1d(scores: Tensor, kernel: int, kind: str = "max") -> Tensor:
-    """Smooth scores [..., T] along T: odd `kernel`, stride 1, padding kernel // 2 (SnapKV)."""
-    if kernel <= 1 or scores.shape[-1] == 0:
+def pool1d(scores: Tensor, kernel: int, kind: str = "max", within: Tensor | None = None) -> Tensor:
+    """Smooth scores [..., T] along T: odd `kernel`, stride 1, padding kernel // 2 (SnapKV).
+
+    `within` (bool, broadcastable to scores) limits the pool to those columns, as if the
+    others were padding (e.g. SnapKV pools only the tokens before its window); the result at
+    columns outside it is meaningless.  Written with masks and shifted copies (not slices at
+    the boundary, not max_pool1d, whose shape function pins T), so a compiled prefill does not
+    specialize on the prompt length."""
+    if kernel <= 1:
         return scores
-    shape = scores.shape
-    x = scores.reshape(-1, 1, shape[-1])
+    r, T = kernel // 2, scores.shape[-1]
+    within = torch.ones_like(scores, dtype=torch.bool) if within is None else within.expand(scores.shape)
+
+    def windows(x: Tensor, pad: float) -> list[Tensor]:   # x[..., t - r + i] for i < kernel
+        x = F.pad(x, (r, r), value=pad)
+        return [x[..., i:i + T] for i in range(kernel)]
+
     if kind == "max":
-        x = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
-    else:
-        x = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
-    return x.reshape(shape)
+        return torch.stack(windows(scores.masked_fill(~within, NEVER), NEVER)).amax(0)
+    total = sum(windows(scores * within, 0.0))      # the mean over the in-range columns
+    count = sum(windows(within.to(scores.dtype), 0.0))
+    return total / count.clamp(min=1)
 
 
 def select_top(scores: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
@@ -232,34 +258,61 @@ class EvictionPolicy:
         self.prompt_length = 0
         self.q_pos = None
         self.pending: dict = {}
+        self.prepared = False   # before_prefill ran for this request
 
-    def begin(self, input_pos: Tensor) -> None:
+    def before_prefill(self, input_pos: Tensor) -> None:
+        """Host side, before the prompt's first forward (input_pos [B, T], the whole prompt):
+        validate, fix what the prompt keeps per layer and allocate those layers' storage.
+        Done here rather than inside the (possibly compiled) prefill, so the graph never
+        depends on the prompt length or max_seq_length through Python ints."""
         B, T = input_pos.shape
-        if self.n_filled and T > 1:
+        if self.n_filled:
             raise ValueError(f"policy {self.name!r} takes the prompt in one pass; got a second chunk")
         if B != self.batch:
             raise ValueError(f"batch {B} does not match the cache's batch {self.batch}")
+        if T > self.max_seq_length:
+            raise ValueError(f"prompt of {T} tokens exceeds max_seq_length {self.max_seq_length}")
+        self.prompt_length = T
+        self.prepared = True
+        if not self.defer_compression:
+            for layer in range(len(self.k)):
+                self.allocate(layer)
+
+    def begin(self, input_pos: Tensor) -> None:
+        B, T = input_pos.shape
         if self.pending:            # the prompt went through model(...) directly: finish it
             self.end_prefill()
+        if not self.n_filled and not self.prepared:     # model(...) called without the engine
+            self.before_prefill(input_pos)
+        if not torch.compiler.is_compiling():           # the engine checks these on the host
+            if self.n_filled and T > 1:
+                raise ValueError(f"policy {self.name!r} takes the prompt in one pass; got a second chunk")
+            if self.n_filled >= self.max_seq_length:
+                raise ValueError(f"KV cache full: position {self.n_filled} >= max_seq_length {self.max_seq_length}")
         self.q_pos = input_pos
         if not self.n_filled:
-            if T > self.max_seq_length:
-                raise ValueError(f"prompt of {T} tokens exceeds max_seq_length {self.max_seq_length}")
-            self.prompt_length = T
             self.mask = attention_mask(input_pos, input_pos, self.group, self.sliding_window)
-        elif self.n_filled >= self.max_seq_length:
-            raise ValueError(f"KV cache full: position {self.n_filled} >= max_seq_length {self.max_seq_length}")
         self.n_filled += T
 
     def before_decode_step(self, step: int) -> None:
         pass
 
     def capacity(self, layer: int) -> int:
-        """Slots layer `layer` allocates: the kept prompt tokens, plus room for every generated
-        token when it appends; an evicting layer holds its budget."""
-        if self.layer_appends[layer]:
-            return self.kept[layer] + self.max_seq_length - self.prompt_length
-        return min(self.layer_budget(layer), self.max_seq_length)
+        """Slots layer `layer` allocates: its budget, plus room for every generated token when
+        it appends (an evicting layer holds its budget).  Slots the prompt leaves empty
+        (budget > prompt) stay empty until decode fills them."""
+        budget = self.layer_budget(layer)
+        return budget + self.max_seq_length - self.prompt_length if self.layer_appends[layer] else budget
+
+    def allocate(self, layer: int) -> None:
+        """Allocate layer `layer`'s storage (host side, once the prompt length is known)."""
+        B, H, D, cap = self.batch, self.args.n_kv_heads, self.args.head_dim, self.capacity(layer)
+        self.kept[layer] = min(self.layer_budget(layer), self.prompt_length)
+        self.k[layer] = torch.zeros(B, H, cap, D, dtype=self.dtype, device=self.device)
+        self.v[layer] = torch.zeros(B, H, cap, D, dtype=self.dtype, device=self.device)
+        self.pos[layer] = torch.full((B, H, cap), -1, dtype=torch.long, device=self.device)
+        if self.decode_attention:                                       # accumulated attention
+            self.score[layer] = torch.zeros(B, H, cap, dtype=torch.float32, device=self.device)
 
     def used_slots(self, layer: int) -> int:
         """Slots any sequence may have filled so far (empty slots fill lowest index first)."""
@@ -278,26 +331,22 @@ class EvictionPolicy:
         if self.pending:
             self.plan([self.pending[i][2] for i in range(len(self.k))])
             for layer in range(len(self.k)):
+                self.allocate(layer)
                 self.compress(layer, *self.pending.pop(layer))
 
     def compress(self, layer: int, k: Tensor, v: Tensor, stats: dict) -> None:
-        """Keep the prompt tokens with the best keep_scores in freshly allocated storage."""
-        B, H, T, D = k.shape
-        self.kept[layer] = min(self.layer_budget(layer), T)
-        cap = self.capacity(layer)
-        idx, valid = select_top(self.keep_scores(layer, stats, self.q_pos, H), self.kept[layer])
+        """Keep the prompt tokens with the best keep_scores in the layer's storage (its first
+        layer_budget slots; those without a keepable token stay empty)."""
+        H, D = k.shape[1], k.shape[3]
+        idx, valid = select_top(self.keep_scores(layer, stats, self.q_pos, H), self.layer_budget(layer))
         n = idx.shape[-1]
         gather = idx[..., None].expand(-1, -1, -1, D)
-        self.k[layer] = kc = k.new_zeros(B, H, cap, D)
-        self.v[layer] = vc = v.new_zeros(B, H, cap, D)
-        self.pos[layer] = pc = torch.full((B, H, cap), -1, dtype=torch.long, device=k.device)
-        kc[:, :, :n] = k.gather(2, gather)
-        vc[:, :, :n] = v.gather(2, gather)
+        self.k[layer][:, :, :n] = k.gather(2, gather)
+        self.v[layer][:, :, :n] = v.gather(2, gather)
         pos = self.q_pos[:, None, :].expand(-1, H, -1).gather(2, idx)
-        pc[:, :, :n] = torch.where(valid, pos, -1)
-        if "acc" in stats:                                             # accumulated attention
-            self.score[layer] = sc = torch.zeros(B, H, cap, dtype=torch.float32, device=k.device)
-            sc[:, :, :n] = stats["acc"].gather(2, idx)
+        self.pos[layer][:, :, :n] = torch.where(valid, pos, -1)
+        if self.decode_attention:
+            self.score[layer][:, :, :n] = stats["acc"].gather(2, idx)
         self.on_compress(layer, k, v, idx, valid, stats)
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ vocab -> Mistral, 32000 vocab with MHA -> Llama-2, 151k vocab -> Qwen; otherwise
 import torch
 from torch import Tensor
 
-from cache.base import ALWAYS, NEVER, EvictionPolicy, attention_probs, recent_and_sinks
+from cache.base import ALWAYS, NEVER, EvictionPolicy, attention_probs, last_rows, recent_and_sinks
 
 DELTA_BY_FAMILY = {"llama3": 0.9, "llama2": 0.65, "mistral": 0.8, "qwen": 0.85, "other": 0.9}
 
@@ -78,15 +78,15 @@ class SimLayerKVPolicy(EvictionPolicy):
         self.decided_masses = None
 
     def layer_budget(self, layer: int) -> int:
-        return self.n_initial + self.window if self.lazy[layer] else self.max_seq_length
+        return self.n_initial + self.window if self.lazy[layer] else self.prompt_length
 
     # ---------------------------------------------------------------- finding lazy layers
     def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
         if self.strategy != "prefill":
             return {}
-        w = min(self.w_last, q.shape[2])
-        probs = attention_probs(q[:, :, -w:], k, q_pos[:, -w:], q_pos, self.sliding_window)
-        return {"mass": lazy_mass(probs, q_pos[:, -w:], q_pos, self.n_initial, self.window)}
+        q_last, pos_last = last_rows(q, q_pos, self.w_last)
+        probs = attention_probs(q_last, k, pos_last, q_pos, self.sliding_window)
+        return {"mass": lazy_mass(probs, pos_last, q_pos, self.n_initial, self.window)}
 
     def plan(self, stats: list[dict]) -> None:
         if self.strategy == "prefill":
@@ -122,6 +122,7 @@ class SimLayerKVPolicy(EvictionPolicy):
         q_pos, prompt_length = self.q_pos, self.prompt_length
         self.q_pos = pos                                   # the slots play the prompt's role
         self.prompt_length = self.n_filled
+        self.allocate(layer)
         self.compress(layer, k, v, {})
         self.q_pos, self.prompt_length = q_pos, prompt_length
         self.kept[layer] -= self.n_filled - self.prompt_length   # used_slots counts from the prompt

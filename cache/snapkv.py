@@ -5,6 +5,7 @@ averaged over the query heads of each KV head, then 1-D pooled (max, kernel 7) o
 tokens.  Per KV head the cache keeps the top (budget - window) past tokens plus the window.
 Generated tokens are appended (the cache grows by one slot per step; nothing is evicted).
 """
+import torch
 from torch import Tensor
 
 from cache.base import ALWAYS, NEVER, EvictionPolicy, column_scores, pool1d
@@ -33,9 +34,7 @@ class SnapKVPolicy(EvictionPolicy):
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
         obs = stats["obs"]
         T = obs.shape[-1]
-        w = min(self.window, T)
-        past = pool1d(obs[..., :T - w], self.kernel, self.pooling)
-        scores = obs.clone()
-        scores[..., :T - w] = past
-        scores[..., T - w:] = ALWAYS
+        # the last `window` columns (left padding ends every row at column T - 1)
+        window = torch.arange(T, device=obs.device) >= T - self.window
+        scores = pool1d(obs, self.kernel, self.pooling, within=~window).masked_fill(window, ALWAYS)
         return scores.masked_fill((q_pos < 0)[:, None, :], NEVER)

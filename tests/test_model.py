@@ -178,10 +178,7 @@ def test_gguf_rope_freq_factors_equal_llama3_scaling():
     torch.testing.assert_close(model_module.rope_inv_freq(factors), scaled)
 
 
-@pytest.mark.parametrize("policy", ["full", pytest.param("streaming", marks=pytest.mark.xfail(
-    reason="known regression (session 2): eviction storage is now allocated at prefill and reads "
-           "max_seq_length / min(budget, T), so the warm-up and a new request compile new graphs; "
-           "tracked in issue 4's note", strict=True))])
+@pytest.mark.parametrize("policy", ["full", "streaming", "snapkv", "h2o", "d2o"])
 def test_generate_compiled_warms_up_and_never_recompiles(policy, tmp_path):
     """engine.generate(compile=True): compilation happens in the warm-up; a second request
     with another prompt length decodes with the same graphs and the same tokens as eager."""
@@ -201,7 +198,9 @@ def test_generate_compiled_warms_up_and_never_recompiles(policy, tmp_path):
     torch.manual_seed(1)
     prompts = [torch.randint(0, 120, (n,)).tolist() for n in (9, 14)]
     # streaming: budget 16 -> the second request's cache fills up and evicts mid-decode
-    make = (lambda: make_policy("streaming", "budget=16,n_sink=2")) if policy == "streaming" else (lambda: None)
+    args = {"streaming": "budget=16,n_sink=2", "snapkv": "budget=12,window=4", "h2o": "budget=12,n_sink=2",
+            "d2o": "budget=12,n_sink=2"}
+    make = (lambda: make_policy(policy, args[policy])) if policy in args else (lambda: None)
     first = engine.generate(ours, Ids(), prompts, max_new_tokens=6, compile=True, policy=make())
     graphs = counters["stats"]["unique_graphs"]
     assert graphs == 2, "prefill and decode should each compile once, in the warm-up"

@@ -9,7 +9,7 @@ import torch
 
 import engine
 from cache import POLICIES, PolicyError, make_policy
-from cache.base import pyramid_budgets, split_integer
+from cache.base import column_scores, pool1d, pyramid_budgets, split_integer
 from model import ModelArgs
 from tests.helpers import kept, left_padded, tiny_hf_model
 
@@ -87,6 +87,36 @@ def test_h2o_prefill_keeps_sinks_recent_and_heaviest_column_sums():
         assert kept(policy)[0][h] == expect
         slots = policy.pos[0][0, h].tolist()
         torch.testing.assert_close(policy.score[0][0, h], acc[slots])          # scores travel with slots
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+def test_pool1d_within_a_prefix_equals_pooling_the_prefix_alone(kind):
+    """SnapKV pools only the tokens before its window: the masked pool equals torch's pool of
+    the sliced prefix (padding kernel // 2, avg over in-range columns only)."""
+    torch.manual_seed(0)
+    scores, T, prefix = torch.rand(2, 3, 20), 20, 13
+    torch_pool = torch.nn.functional.max_pool1d if kind == "max" else (
+        lambda x, k, stride, padding: torch.nn.functional.avg_pool1d(x, k, stride, padding, count_include_pad=False))
+    expected = torch_pool(scores[..., :prefix].reshape(6, 1, prefix), 7, stride=1, padding=3).reshape(2, 3, prefix)
+    within = torch.arange(T) < prefix
+    torch.testing.assert_close(pool1d(scores, 7, kind, within)[..., :prefix], expected)
+    full = torch_pool(scores.reshape(6, 1, T), 5, stride=1, padding=2).reshape(2, 3, T)
+    torch.testing.assert_close(pool1d(scores, 5, kind), full)
+
+
+def test_column_scores_chunking_and_last_rows_padding_change_nothing():
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 6, 11, 8), torch.randn(2, 3, 11, 8)
+    pos = torch.arange(11).repeat(2, 1)
+    pos[1, :3] = -1                                                       # a left-padded row
+    probs = torch.softmax((q.view(2, 3, 2 * 11, 8) @ k.transpose(-1, -2)).view(2, 3, 2, 11, 11) / 8 ** 0.5
+                          + torch.where(pos[:, None, None, None, :] <= pos[:, None, None, :, None], 0, -math.inf)
+                          + torch.where(pos[:, None, None, None, :] < 0, -math.inf, 0), -1)
+    probs = probs.nan_to_num() * (pos >= 0)[:, None, None, :, None]
+    for chunks in (1, 4, 16):
+        torch.testing.assert_close(column_scores(q, k, pos, None, chunks=chunks), probs.sum(3).mean(2))
+    torch.testing.assert_close(column_scores(q, k, pos, 4), probs[:, :, :, -4:].sum(3).mean(2))
+    torch.testing.assert_close(column_scores(q, k, pos, 30), probs.sum(3).mean(2))   # rows > T
 
 
 def test_pyramid_budgets_sum_exactly_and_follow_the_schedule():
