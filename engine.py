@@ -65,6 +65,7 @@ def load_model(checkpoint, device="cpu", dtype=None) -> tuple[Transformer, Token
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     args, tensors, tokenizer = read_checkpoint(checkpoint)
+    args.checkpoint_path = str(checkpoint)   # lets policies find per-checkpoint calibration files
     model = build_model(args, tensors, device, dtype)
     return model, tokenizer
 

@@ -2,13 +2,22 @@
 
 Every policy follows the contract documented on `model.DenseCache` (the `full` policy) and
 declares its hyper-parameters in a `params` dict: name -> (type, default, help).
+
+Composition: `--policy STORAGE+READER` puts a sparse reader (ds, quest, hshare: it replaces decode
+attention) on top of a storage policy (full or an eviction policy: it decides what is kept), e.g.
+`--policy snapkv+hshare --policy-args budget=1024,preset=short`.  Each argument goes to the policy
+that declares it; a name both declare must be prefixed (`snapkv.n_sink=4`, `hshare.n_sink=8`).
+A reader alone (`hshare`) reads the full cache.
 """
 from __future__ import annotations
 
 from model import DenseCache
 from cache.d2o import D2OPolicy
+from cache.ds import DSPolicy
 from cache.h2o import H2OPolicy
+from cache.hshare import HSharePolicy
 from cache.pyramidkv import PyramidKVPolicy
+from cache.quest import QuestPolicy
 from cache.simlayerkv import SimLayerKVPolicy
 from cache.snapkv import SnapKVPolicy
 from cache.streaming import StreamingPolicy
@@ -19,7 +28,8 @@ class PolicyError(ValueError):
 
 
 POLICIES: dict[str, type] = {cls.name: cls for cls in (
-    DenseCache, StreamingPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy, D2OPolicy, SimLayerKVPolicy)}
+    DenseCache, StreamingPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy, D2OPolicy, SimLayerKVPolicy,
+    DSPolicy, QuestPolicy, HSharePolicy)}
 
 
 def policy_names() -> list[str]:
@@ -50,19 +60,61 @@ def _convert(name: str, value: str, kind: type):
         raise PolicyError(f"policy argument {name}={value!r} is not a valid {kind.__name__}") from None
 
 
-def make_policy(name: str, args: str | dict | None = None):
-    """A policy instance from its registry name and 'k=v,...' (or dict) arguments."""
-    if name not in POLICIES:
-        raise PolicyError(f"unknown policy {name!r}; available: {', '.join(policy_names())}")
+def is_sparse_reader(name: str) -> bool:
+    return getattr(POLICIES.get(name), "is_sparse_reader", False)
+
+
+def _build(name: str, given: dict, inner=None):
     cls = POLICIES[name]
     declared = getattr(cls, "params", {})
-    given = parse_policy_args(args) if isinstance(args, str) or args is None else dict(args)
     unknown = sorted(set(given) - set(declared))
     if unknown:
         valid = ", ".join(f"{k} ({t.__name__}, default {d})" for k, (t, d, _) in declared.items()) or "none"
         raise PolicyError(f"policy {name!r} has no parameter(s) {', '.join(unknown)}; valid: {valid}")
     kwargs = {k: _convert(k, v, declared[k][0]) if isinstance(v, str) else v for k, v in given.items()}
+    if inner is not None:
+        kwargs["inner"] = inner
     try:
         return cls(**kwargs)
     except ValueError as e:
         raise PolicyError(f"policy {name!r}: {e}") from None
+
+
+def _route(names: list[str], given: dict) -> dict[str, dict]:
+    """Send each argument to the policy (of `names`) that declares it; 'name.key' picks one."""
+    routed: dict[str, dict] = {n: {} for n in names}
+    for key, value in given.items():
+        prefix, dot, bare = key.partition(".")
+        if dot:
+            if prefix not in routed:
+                raise PolicyError(f"argument {key!r}: {prefix!r} is not one of {' + '.join(names)}")
+            routed[prefix][bare] = value
+            continue
+        owners = [n for n in names if key in getattr(POLICIES[n], "params", {})]
+        if len(owners) > 1:
+            raise PolicyError(f"argument {key!r} is a parameter of both {owners[0]} and {owners[1]}: "
+                              f"write {owners[0]}.{key}=... or {owners[1]}.{key}=...")
+        routed[owners[0] if owners else names[-1]][key] = value   # unknown keys: reported by _build
+    return routed
+
+
+def make_policy(name: str, args: str | dict | None = None):
+    """A policy instance from its registry name ('snapkv', or 'snapkv+hshare' for a sparse reader
+    over a storage policy) and 'k=v,...' (or dict) arguments."""
+    given = parse_policy_args(args) if isinstance(args, str) or args is None else dict(args)
+    names = [n.strip() for n in name.split("+")]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown or len(names) > 2:
+        raise PolicyError(f"unknown policy {name!r}; available: {', '.join(policy_names())} "
+                          f"(or STORAGE+READER, e.g. snapkv+hshare)")
+    routed = _route(names, given)
+    if len(names) == 1:
+        return _build(name, routed[name])
+    storage, reader = names
+    if not is_sparse_reader(reader) or is_sparse_reader(storage):
+        readers = ", ".join(n for n in policy_names() if is_sparse_reader(n))
+        raise PolicyError(f"cannot compose {name!r}: write STORAGE+READER with a sparse reader ({readers}) "
+                          f"after a storage policy (full or an eviction policy)")
+    if storage == reader:
+        raise PolicyError(f"cannot compose {name!r} with itself")
+    return _build(reader, routed[reader], inner=_build(storage, routed[storage]))

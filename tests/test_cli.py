@@ -51,7 +51,7 @@ def test_batch_of_prompts_and_stats(capsys, default_dir):
     (["--checkpoint", "{tmp}/truncated.gguf", "--prompt", "hi"], "truncated or corrupt"),
     (["--checkpoint", "{tmp}/noconfig", "--prompt", "hi"], "no config.json"),
     (["--checkpoint", "{tmp}/badconfig", "--prompt", "hi"], "missing required field.*hidden_size"),
-    (["--checkpoint", "{dir}", "--prompt", "hi", "--policy", "magic"], "unknown policy 'magic'; available: d2o, full, h2o, pyramidkv, simlayerkv, snapkv, streaming"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--policy", "magic"], "unknown policy 'magic'; available: d2o, ds, full, h2o, hshare"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--policy-args", "budget"], "malformed --policy-args item 'budget'"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--policy-args", "budget=64"], "has no parameter.*budget"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--max-new-tokens", "9000"], "exceeds the model's context length 8192"),

@@ -1,0 +1,646 @@
+"""Shared mechanics of the query-aware sparse readers (Double Sparsity, Quest, HShare).
+
+A sparse reader keeps an *inner* storage policy (the full `DenseCache` by default, or an eviction
+policy such as SnapKV) and replaces only decode attention:
+
+    prefill      delegated to the inner policy (dense, causal attention over the prompt)
+    end_prefill  inner.end_prefill(), then the reader builds its index structure from the inner
+                 storage in one pass (label cache / page bounds), host side, once per request
+    decode       the inner policy stores the new token (DenseCache: the next slot; EvictionPolicy:
+                 `store`, which returns the slot [B, H_kv]); the reader updates its structure at that
+                 slot, selects `n_critical` slots per KV head and attends exactly over them with
+                 `kernels.sparse_decode_attention`.  Cost: the selection pass over C/D of the keys
+                 (labels) or 1/page of them (Quest), plus N_c rows of K/V, never the whole cache.
+
+Storage positions.  Every slot's absolute position comes from the inner storage (`pos`), so sinks and
+recent tokens are defined by *position*, not by slot: with left padding or an eviction policy's
+slot order the first `n_sink` tokens of the sequence and its last `n_recent` (the current token
+included) are forced into the selection (score +inf); empty, padding and out-of-window slots get
+-inf.  The scores are padded with N_c columns of -inf before top-k, so the index list always has
+N_c entries (a fixed shape: no guard on the cache length) and, while the cache holds <= N_c visible
+tokens, it covers all of them (valid mask False on the rest): reading everything needs no branch.
+
+Label cache (per layer): `[B, H_kv, S, C]` = the C heavy channels of every cached (post-RoPE) key,
+in the key dtype, or 4-bit packed (`[B, H_kv, S, C/2]` uint8 + per-token fp16 scale/minimum,
+`kernels.quantize_labels_4bit`).  Its slots mirror the inner storage's slots.  Heavy channels per
+(layer, KV head) come from `scripts/calibrate_channels.py` (`heavy_channels.json` next to the
+checkpoint: channels ranked by mean |q_d k_d| on calibration text, post-RoPE, over the tokens and
+the query heads of the group, as Double Sparsity's offline calibration), or, when that file is
+absent, from the prompt itself: the same statistic accumulated over the prompt's tokens during
+prefill ("prompt" source; describe() says which was used).
+
+GQA: one selection per KV head, shared by its G query heads (approximate scores summed over the
+group, `kernels.approx_scores(group="kv")`), and attention reads each selected row once per group.
+"""
+from __future__ import annotations
+
+import json
+import math
+from fractions import Fraction
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cache.base import EvictionPolicy
+from kernels import approx_scores, dequantize_labels_4bit, quantize_labels_4bit, sparse_decode_attention
+from model import DenseCache, ModelArgs
+
+INF = float("inf")
+PRESETS = {"short": (128, 8, 32), "long": (512, 16, 64)}   # (n_critical, n_sink, n_recent), HShare sec. 5
+CHANNELS_FILE = "heavy_channels.json"
+CHANNELS_FORMAT = "heavy-channels/1"
+
+
+# --------------------------------------------------------------------------- parameter parsing
+
+def ratio(text) -> float:
+    """A sharing ratio in (0, 1]: '0.75' or '3/4'."""
+    value = float(Fraction(str(text).strip()))
+    if not 0 < value <= 1:
+        raise ValueError(f"a sharing ratio must be in (0, 1], got {text}")
+    return value
+
+
+def parse_ratios(text: str) -> tuple[float, float, float]:
+    """'layer-head-query' as the paper writes it: '3/4-3/4-1/2' or '0.75-0.75-0.5'."""
+    parts = str(text).split("-")
+    if len(parts) != 3:
+        raise ValueError(f"ratios must be layer-head-query, e.g. 3/4-3/4-1/2, got {text!r}")
+    return tuple(ratio(p) for p in parts)
+
+
+def n_sources(share_ratio: float, n: int) -> int:
+    """How many of n layers/heads select their own tokens: ratio = 1 - k/n (HShare eq. 4), i.e.
+    round(ratio * n) sources (halves round up: the less aggressive choice), at least 1."""
+    return max(1, min(n, math.floor(share_ratio * n + 0.5)))
+
+
+# --------------------------------------------------------------------------- heavy channels
+
+def channels_path(checkpoint) -> Path:
+    """Where the heavy-channel calibration of a checkpoint lives: `<dir>/heavy_channels.json` for a
+    checkpoint directory, `<file stem>.heavy_channels.json` beside a .gguf file."""
+    p = Path(checkpoint)
+    if p.suffix == ".gguf":
+        return p.with_name(p.stem + "." + CHANNELS_FILE)
+    return p / CHANNELS_FILE
+
+
+def channel_importance(q: Tensor, k: Tensor, q_pos: Tensor) -> Tensor:
+    """Sum over the real tokens and the group's query heads of |q_d * k_d| (same token, post-RoPE):
+    q [B, H_q, T, D], k [B, H_kv, T, D], q_pos [B, T] (negative = padding) -> [H_kv, D] fp32.
+    (Divide by the number of (token, query head) terms for the mean; the ranking does not need it.)"""
+    B, Hq, T, D = q.shape
+    H = k.shape[1]
+    prod = (q.float().view(B, H, Hq // H, T, D) * k.float()[:, :, None]).abs()
+    return torch.einsum("bhgtd,bt->hd", prod, (q_pos >= 0).float())
+
+
+def rank_channels(importance: Tensor) -> Tensor:
+    """[..., D] importance -> channel ids [..., D], most important first (ties: lower id first)."""
+    return torch.sort(importance, dim=-1, descending=True, stable=True).indices
+
+
+def write_channels_file(path, ranking: Tensor, importance: Tensor, meta: dict) -> Path:
+    """ranking, importance [L, H_kv, D] -> JSON (see scripts/calibrate_channels.py)."""
+    path = Path(path)
+    L, H, D = ranking.shape
+    data = {"format": CHANNELS_FORMAT, "n_layers": L, "n_kv_heads": H, "head_dim": D,
+            "metric": "mean |q_d * k_d| over calibration tokens and the query heads of each KV head "
+                      "(post-RoPE, same token)",
+            **meta, "channels": ranking.tolist(),
+            "importance": [[[round(float(x), 6) for x in h] for h in layer] for layer in importance]}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+    return path
+
+
+def read_channels_file(path, args: ModelArgs) -> Tensor:
+    """Channel ranking [L, H_kv, D] (long) from a calibration file, checked against the model."""
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != CHANNELS_FORMAT:
+        raise ValueError(f"{path}: not a heavy-channel file (format {data.get('format')!r})")
+    shape = (data.get("n_layers"), data.get("n_kv_heads"), data.get("head_dim"))
+    if shape != (args.n_layers, args.n_kv_heads, args.head_dim):
+        raise ValueError(f"{path} was calibrated for (layers, kv heads, head_dim) = {shape}, the model has "
+                         f"{(args.n_layers, args.n_kv_heads, args.head_dim)}: re-run scripts/calibrate_channels.py")
+    ranking = torch.tensor(data["channels"], dtype=torch.long)
+    if ranking.shape != shape or not all((r.sort().values == torch.arange(shape[2])).all() for r in ranking.flatten(0, 1)):
+        raise ValueError(f"{path}: every (layer, head) entry must rank all {shape[2]} channels")
+    return ranking
+
+
+# --------------------------------------------------------------------------- inner storage adapter
+
+class InnerStorage:
+    """Uniform access to the storage of the policy a reader wraps.
+
+    DenseCache ("uniform": every layer and KV head holds the same tokens in the same slots, slot
+    order = arrival order; the readable length is the host int n_filled) or an EvictionPolicy
+    (per layer and head slot tables, fixed capacity, `store` returns the slot)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.uniform = type(inner) is DenseCache
+        if not self.uniform and not isinstance(inner, EvictionPolicy):
+            raise ValueError(f"a sparse reader can wrap the full cache or an eviction policy, not {type(inner).__name__}")
+
+    def store(self, layer: int, k: Tensor, v: Tensor):
+        """Write the decode token; returns its slot: an int (uniform) or LongTensor [B, H_kv]."""
+        inner = self.inner
+        if self.uniform:
+            inner.k[layer][:, :, inner.start:inner.n_filled] = k
+            inner.v[layer][:, :, inner.start:inner.n_filled] = v
+            return inner.n_filled - 1
+        return inner.store(layer, k, v)
+
+    def read(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(k, v [B, H_kv, S, D], visible [B, 1 or H_kv, S], pos [B, 1 or H_kv, S]) readable now."""
+        inner = self.inner
+        if self.uniform:
+            k, v, visible = inner.storage(layer)
+            return k, v, visible, inner.pos[:, None, :inner.n_filled]
+        k, v, visible = inner.storage(layer)
+        return k, v, visible, inner.pos[layer]
+
+    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(k, v) readable now, without computing visibility (the reader's index list decides)."""
+        inner = self.inner
+        if self.uniform:
+            n = inner.n_filled
+            return inner.k[layer][:, :, :n], inner.v[layer][:, :, :n]
+        return inner.k[layer], inner.v[layer]
+
+    def full_positions(self, layer: int) -> Tensor:
+        """Positions of every allocated slot [B, 1 or H_kv, capacity] (-1 = empty)."""
+        return self.inner.pos[:, None] if self.uniform else self.inner.pos[layer]
+
+    def full_keys(self, layer: int) -> Tensor:
+        return self.inner.k[layer]
+
+    def filled_keys(self, layer: int) -> Tensor:
+        """Keys of the slots that may hold tokens [B, H_kv, S, D] (without computing visibility)."""
+        k = self.inner.k[layer]
+        return k[:, :, :self.inner.n_filled] if self.uniform else k
+
+    def capacity(self, layer: int) -> int:
+        return self.inner.k[layer].shape[2]
+
+
+def check_composable(inner) -> None:
+    """Readers replace decode attention; policies whose decode needs that attention cannot be read sparsely."""
+    name = getattr(inner, "name", type(inner).__name__)
+    if getattr(inner, "decode_attention", False):
+        raise ValueError(f"{name} cannot be combined with a sparse reader: its decode eviction needs every "
+                         f"step's attention probabilities over all kept tokens, which a sparse reader never computes")
+    if getattr(inner, "strategy", None) == "decode" and type(inner).decode is not EvictionPolicy.decode:
+        raise ValueError(f"{name} with strategy=decode measures the first decode step's full attention; "
+                         f"use strategy=prefill to combine it with a sparse reader")
+    InnerStorage(inner)
+
+
+# --------------------------------------------------------------------------- selection helpers
+
+def read_bias(pos: Tensor, visible: Tensor, q_pos: Tensor, n_sink: int, n_recent: int, pad: int,
+              sliding_window: Optional[int] = None) -> Tensor:
+    """Additive selection bias [B, h, S + pad] (fp32) for slots at positions pos [B, h, S]: +inf for the
+    forced tokens (position < n_sink, or within the last n_recent positions up to the query's q_pos
+    [B, 1]: the current token is one of them), -inf for slots that may not be read (empty, padding,
+    not visible, beyond the sliding window) and for the `pad` trailing columns, 0 otherwise."""
+    qp = q_pos.reshape(-1, 1, 1)
+    vis = visible & (pos >= 0) & (pos <= qp)
+    if sliding_window:
+        vis = vis & (qp - pos < sliding_window)
+    force = vis & ((pos < n_sink) | (pos > qp - n_recent))
+    bias = torch.zeros(pos.shape, dtype=torch.float32, device=pos.device)
+    bias = bias.masked_fill(~vis, -INF).masked_fill(force, INF)
+    return F.pad(bias, (0, pad), value=-INF)
+
+
+def select_slots(scores: Tensor, bias: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """Top-n slots of scores [B, h, S] + bias [B, 1 or h, S + n] -> (idx, valid) [B, h, n].
+
+    valid is False for entries that had to take a -inf column (fewer than n readable slots); their
+    idx may point past S and must not be read (the attention kernel ignores them)."""
+    s = F.pad(scores, (0, n)) + bias
+    vals, idx = torch.topk(s, n, dim=-1, sorted=False)
+    return idx, vals > -INF
+
+
+def gather_channels(x: Tensor, channels: Tensor) -> Tensor:
+    """x [B, H, T, D] or [B, H, G, T, D]-like with heads on dim 1; channels [H, C] -> [..., C]."""
+    idx = channels.view(1, channels.shape[0], *([1] * (x.dim() - 3)), channels.shape[1])
+    return x.gather(-1, idx.expand(*x.shape[:-1], channels.shape[1]))
+
+
+class LabelCache:
+    """Per-layer heavy-channel labels mirroring the inner storage's slots (see module docstring)."""
+
+    def __init__(self, bits: int):
+        if bits not in (4, 16):
+            raise ValueError(f"label_bits must be 16 (key dtype) or 4, got {bits}")
+        self.bits = bits
+        self.labels: list = []
+        self.scale: list = []
+        self.minimum: list = []
+
+    def build(self, n_layers: int) -> None:
+        self.labels, self.scale, self.minimum = [None] * n_layers, [None] * n_layers, [None] * n_layers
+
+    def fill(self, layer: int, keys: Tensor, channels: Tensor, capacity: int) -> None:
+        """Allocate the layer's labels for `capacity` slots and fill the first S from keys [B, H, S, D]."""
+        B, H, S, _ = keys.shape
+        C = channels.shape[1]
+        lab = gather_channels(keys, channels)
+        if self.bits == 4:
+            packed, sc, mn = quantize_labels_4bit(lab)
+            self.labels[layer] = torch.zeros(B, H, capacity, C // 2, dtype=torch.uint8, device=keys.device)
+            self.scale[layer] = torch.zeros(B, H, capacity, dtype=sc.dtype, device=keys.device)
+            self.minimum[layer] = torch.zeros(B, H, capacity, dtype=mn.dtype, device=keys.device)
+            self.labels[layer][:, :, :S] = packed
+            self.scale[layer][:, :, :S] = sc
+            self.minimum[layer][:, :, :S] = mn
+        else:
+            self.labels[layer] = torch.zeros(B, H, capacity, C, dtype=keys.dtype, device=keys.device)
+            self.labels[layer][:, :, :S] = lab
+
+    def permute(self, layer: int, perm: Tensor) -> None:
+        """Reorder the layer's KV heads (HShare puts the selecting heads first)."""
+        for store in (self.labels, self.scale, self.minimum):
+            if store[layer] is not None:
+                store[layer] = store[layer].index_select(1, perm).contiguous()
+
+    def write(self, layer: int, k: Tensor, channels: Tensor, slot) -> None:
+        """Label of the new key k [B, H, 1, D] (heads in the label cache's order) at `slot`."""
+        lab = gather_channels(k, channels)                                    # [B, H, 1, C]
+        parts = [lab]
+        if self.bits == 4:
+            packed, sc, mn = quantize_labels_4bit(lab)
+            parts = [packed, sc, mn]
+        for store, x in zip((self.labels, self.scale, self.minimum), parts):
+            t = store[layer]
+            if isinstance(slot, Tensor):                                      # [B, H]
+                if x.dim() == 4:
+                    t.scatter_(2, slot[:, :, None, None].expand(-1, -1, 1, x.shape[-1]), x)
+                else:
+                    t.scatter_(2, slot[:, :, None], x)
+            else:
+                t[:, :, slot:slot + 1] = x
+
+    def view(self, layer: int, length: Optional[int] = None, heads: Optional[int] = None):
+        """(labels, scale, minimum) of the first `length` slots and `heads` heads (None = all)."""
+        out = []
+        for store in (self.labels, self.scale, self.minimum):
+            t = store[layer]
+            if t is not None:
+                if heads is not None:
+                    t = t[:, :heads]
+                if length is not None:
+                    t = t[:, :, :length]
+            out.append(t)
+        return tuple(out)
+
+    def dense(self, layer: int, length: Optional[int] = None) -> Tensor:
+        """Labels as floats [B, H, S, C] (dequantized when 4-bit)."""
+        lab, sc, mn = self.view(layer, length)
+        return dequantize_labels_4bit(lab, sc, mn) if self.bits == 4 else lab.float()
+
+    def nbytes(self, layer: int, length: Optional[int] = None) -> int:
+        total = 0
+        for t in self.view(layer, length):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+
+# --------------------------------------------------------------------------- the reader base
+
+class SparseReader:
+    """Base of the query-aware readers: wraps an inner storage policy (contract of model.DenseCache).
+
+    Subclasses implement `build(layer)` (index structure from the inner storage after prefill),
+    `update(layer, k, slot)` (the decode token's entry) and `select(layer, q)` -> (idx, valid)
+    [B, H_kv, N] slots to read.  The rest (delegation, sink/recent bias, attention) lives here."""
+
+    name = "sparse"
+    params: dict = {
+        "preset": (str, "long", "paper preset: short (N_c=128: 8 sinks/32 recent/88 middle) or long "
+                                "(N_c=512: 16/64/432)"),
+        "n_critical": (int, 0, "N_c, tokens read per attention (0 = from preset)"),
+        "n_sink": (int, -1, "x, first tokens always read (-1 = from preset)"),
+        "n_recent": (int, -1, "y, most recent tokens always read, the current one included (-1 = from preset)"),
+        "backend": (str, "auto", "kernels: auto (Triton on CUDA, torch on CPU), torch or triton"),
+    }
+    is_sparse_reader = True
+
+    def __init__(self, inner=None, **kwargs):
+        self.inner = inner if inner is not None else DenseCache()
+        check_composable(self.inner)
+        for key, (kind, default, _) in self.params.items():
+            setattr(self, key, kind(kwargs.pop(key, default)))
+        if kwargs:
+            raise ValueError(f"unknown parameter(s) {sorted(kwargs)} for policy {self.name!r}")
+        self.resolve()
+        self.validate()
+        self.storage_ = InnerStorage(self.inner)
+        self.record_reads = False       # tests/eval: keep the last (idx, valid) per layer in `last_read`
+
+    def resolve(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        nc, x, y = PRESETS[self.preset]
+        self.n_critical = self.n_critical or nc
+        self.n_sink = x if self.n_sink < 0 else self.n_sink
+        self.n_recent = y if self.n_recent < 0 else self.n_recent
+
+    def validate(self) -> None:
+        if self.n_recent < 1:
+            raise ValueError("n_recent must be at least 1 (the current token is always read)")
+        if self.n_sink < 0 or self.n_critical < self.n_sink + self.n_recent:
+            raise ValueError(f"n_critical ({self.n_critical}) must hold n_sink ({self.n_sink}) + n_recent "
+                             f"({self.n_recent})")
+        if self.backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be auto, torch or triton, got {self.backend!r}")
+
+    # ----------------------------------------------------------------- delegated contract
+    @property
+    def n_filled(self):
+        return self.inner.n_filled
+
+    @n_filled.setter
+    def n_filled(self, value):
+        self.inner.n_filled = value
+
+    @property
+    def prefill_in_one_pass(self) -> bool:
+        return getattr(self.inner, "prefill_in_one_pass", False)
+
+    def setup(self, args: ModelArgs, max_batch_size: int, max_seq_length: int, dtype, device) -> None:
+        self.inner.setup(args, max_batch_size, max_seq_length, dtype, device)
+        self.args = args
+        self.group = args.n_heads // args.n_kv_heads
+        self.sliding_window = args.sliding_window
+        self.max_seq_length = max_seq_length
+        self.batch, self.dtype, self.device = max_batch_size, dtype, device
+        self.workspace: dict = {}
+        self.reset()
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.built = False
+        self.q_pos = None
+        self.decoding = False
+        self.last_read: dict = {}
+        self.steps_read: list = []     # entries read per layer at the last step (host ints, for kv_bytes)
+
+    def before_prefill(self, input_pos: Tensor) -> None:
+        self.inner.before_prefill(input_pos)
+
+    def begin(self, input_pos: Tensor) -> None:
+        T = input_pos.shape[1]
+        self.decoding = T == 1 and self.inner.n_filled > 0
+        if self.decoding and not self.built:      # the prompt came through model(...) directly
+            self.end_prefill()
+        self.inner.begin(input_pos)
+        self.q_pos = input_pos
+        if self.decoding and self.storage_.uniform:
+            # one bias per step shared by all layers (same slots, same positions)
+            _, _, visible, pos = self.storage_.read(0)
+            self.step_bias = read_bias(pos, visible, input_pos, self.n_sink, self.n_recent, self.n_slots(),
+                                       self.sliding_window)
+
+    def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = self.inner.prefill(layer, q, k, v)
+        self.observe_prefill(layer, q, k)
+        return out
+
+    def observe_prefill(self, layer: int, q: Tensor, k: Tensor) -> None:
+        """What the reader needs from the prompt (subclasses)."""
+
+    def end_prefill(self) -> None:
+        self.inner.end_prefill()
+        if self.inner.n_filled == 0:
+            return
+        for layer in range(self.args.n_layers):
+            self.build(layer)
+        self.built = True
+
+    def before_decode_step(self, step: int) -> None:
+        self.inner.before_decode_step(step)
+
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        slot = self.storage_.store(layer, k, v)
+        self.update(layer, k, slot)
+        idx, valid = self.select(layer, q)
+        return self.attend(layer, q, idx, valid)
+
+    def storage(self, layer: int):
+        return self.inner.storage(layer)
+
+    def kept_positions(self, layer: int) -> Tensor:
+        return self.inner.kept_positions(layer)
+
+    @property
+    def capacity(self):
+        return self.inner.capacity
+
+    # ----------------------------------------------------------------- mechanics
+    def bias(self, layer: int, heads: Optional[Tensor] = None) -> Tensor:
+        """Selection bias [B, 1 or h, S + N_c] of the layer at this step (heads: a head subset/order)."""
+        if self.storage_.uniform:
+            return self.step_bias
+        _, _, visible, pos = self.storage_.read(layer)
+        if heads is not None:
+            visible, pos = visible.index_select(1, heads), pos.index_select(1, heads)
+        return read_bias(pos, visible, self.q_pos, self.n_sink, self.n_recent, self.n_slots(),
+                         self.sliding_window)
+
+    def n_slots(self):
+        """N_c as the selection's shape (HShare reads it from a tensor's shape, see there)."""
+        return self.n_critical
+
+    def readable_length(self, layer: int):
+        """Slots the selection scores cover: n_filled (uniform) or the layer's capacity."""
+        return self.inner.n_filled if self.storage_.uniform else self.storage_.capacity(layer)
+
+    def attend(self, layer: int, q: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
+        """Exact attention of q [B, H_q, 1, D] over the slots idx/valid [B, H_kv, N]."""
+        k, v = self.storage_.kv(layer)
+        if self.record_reads:
+            self.last_read[layer] = (idx, valid)
+        workspace = None if torch.compiler.is_compiling() else self.workspace
+        return sparse_decode_attention(q, k, v, idx, valid, backend=self.backend, workspace=workspace)
+
+    def read_positions(self, layer: int) -> list:
+        """Positions read by the last decode step's attention of `layer` (needs record_reads = True):
+        per batch row and KV head, sorted lists."""
+        idx, valid = self.last_read[layer]
+        pos = self.storage_.full_positions(layer)
+        pos = pos.expand(-1, idx.shape[1], -1)
+        got = pos.gather(2, idx.clamp(0, pos.shape[2] - 1))
+        out = []
+        for b in range(idx.shape[0]):
+            out.append([sorted(int(p) for p, ok in zip(got[b, h].tolist(), valid[b, h].tolist()) if ok)
+                        for h in range(idx.shape[1])])
+        return out
+
+    # ----------------------------------------------------------------- subclass hooks
+    def build(self, layer: int) -> None:
+        raise NotImplementedError
+
+    def update(self, layer: int, k: Tensor, slot) -> None:
+        raise NotImplementedError
+
+    def select(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- introspection
+    def index_bytes(self, live: bool) -> int:
+        """Bytes of the reader's own structures (labels, page bounds, index caches)."""
+        return 0
+
+    def read_bytes_per_step(self) -> float:
+        """Bytes one decode step reads from the reader's structures and the K/V it selects."""
+        return 0.0
+
+    def kv_bytes(self) -> dict:
+        inner = self.inner.kv_bytes()
+        return {"allocated": inner["allocated"] + self.index_bytes(live=False),
+                "live": inner["live"] + self.index_bytes(live=True),
+                "read_per_step": self.read_bytes_per_step() if self.built else inner["read_per_step"]}
+
+    def kv_row_bytes(self) -> int:
+        """Bytes of one token's K and V in one layer for the whole batch (all KV heads)."""
+        k = self.storage_.full_keys(0)
+        return 2 * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size()
+
+    def describe(self) -> dict:
+        d = {"policy": self.name, **{k: getattr(self, k) for k in self.params},
+             "n_middle": self.n_critical - self.n_sink - self.n_recent}
+        if not hasattr(self, "args"):                       # not set up yet
+            d["inner"] = getattr(self.inner, "name", type(self.inner).__name__)
+        elif type(self.inner) is not DenseCache:
+            d["inner"] = self.inner.describe()
+        else:
+            d["capacity"] = self.inner.capacity
+        return d
+
+
+class LabelReader(SparseReader):
+    """Double Sparsity's selection: label cache + approximate scores (see module docstring)."""
+
+    params = {**SparseReader.params,
+              "heavy_channels": (int, 0, "C, heavy channels per KV head in the label cache (0 = head_dim / 8)"),
+              "label_bits": (int, 16, "label precision: 16 (the key dtype) or 4 (packed, per-token scale/min)"),
+              "channels": (str, "auto", "heavy-channel source: auto (heavy_channels.json next to the checkpoint "
+                                        "if present, else the prompt), prompt, or a path to a calibration JSON")}
+
+    def validate(self) -> None:
+        super().validate()
+        if self.heavy_channels < 0:
+            raise ValueError(f"heavy_channels must be >= 0, got {self.heavy_channels}")
+        if self.label_bits not in (4, 16):
+            raise ValueError(f"label_bits must be 16 or 4, got {self.label_bits}")
+
+    def setup(self, args, max_batch_size, max_seq_length, dtype, device) -> None:
+        D = args.head_dim
+        self.C = self.heavy_channels or max(1, D // 8)
+        if self.C > D:
+            raise ValueError(f"heavy_channels ({self.C}) exceeds head_dim ({D})")
+        if self.label_bits == 4 and self.C % 2:
+            raise ValueError(f"4-bit labels need an even heavy_channels, got {self.C}")
+        self.labels = LabelCache(self.label_bits)
+        self.calibrated = self.load_calibration(args)
+        super().setup(args, max_batch_size, max_seq_length, dtype, device)
+
+    def load_calibration(self, args) -> Optional[Tensor]:
+        """Channel ranking [L, H_kv, D] from the calibration file, or None (prompt statistics)."""
+        self.channels_source = "prompt"
+        if self.channels == "prompt":
+            return None
+        if self.channels == "auto":
+            checkpoint = getattr(args, "checkpoint_path", None)
+            if checkpoint is None or not channels_path(checkpoint).exists():
+                return None
+            path = channels_path(checkpoint)
+        else:
+            path = Path(self.channels)
+            if not path.exists():
+                raise ValueError(f"channels={self.channels}: no such file")
+        self.channels_source = str(path)
+        return read_channels_file(path, args)
+
+    def reset(self) -> None:
+        super().reset()
+        L = self.args.n_layers
+        # prompt statistics for the "prompt" channel source (no Python branch per chunk: compiled
+        # prefill graphs stay the same for the first and later chunks)
+        self.importance = (torch.zeros(L, self.args.n_kv_heads, self.args.head_dim, device=self.device)
+                           if self.calibrated is None else None)
+        self.labels.build(L)
+        self.channel_ids = None             # [L, H_kv, C] once known
+
+    def observe_prefill(self, layer: int, q: Tensor, k: Tensor) -> None:
+        if self.calibrated is None:
+            self.importance[layer] += channel_importance(q, k, self.q_pos)
+
+    def end_prefill(self) -> None:
+        if self.inner.n_filled and not self.built:
+            if self.calibrated is not None:
+                ranking = self.calibrated
+            else:
+                ranking = rank_channels(self.importance.cpu())
+            self.channel_ids = ranking[:, :, :self.C].contiguous().to(self.device)
+            self.label_channels = list(self.channel_ids)      # per layer, in the label cache's head order
+        super().end_prefill()
+
+    def build(self, layer: int) -> None:
+        k = self.storage_.filled_keys(layer)
+        self.labels.fill(layer, k, self.channel_ids[layer], self.storage_.capacity(layer))
+
+    def update(self, layer: int, k: Tensor, slot) -> None:
+        self.labels.write(layer, k, self.label_channels[layer], slot)
+
+    def query_labels(self, layer: int, q: Tensor, channels: Tensor) -> Tensor:
+        """q [B, H_q, 1, D] restricted to each KV head's heavy channels -> [B, H_q, C]."""
+        B, Hq, _, D = q.shape
+        H = channels.shape[0]
+        return gather_channels(q.view(B, H, Hq // H, D), channels).reshape(B, Hq, -1)
+
+    def scores(self, layer: int, q: Tensor, heads: Optional[int] = None) -> Tensor:
+        """Approximate scores [B, h, S] of the first `heads` KV heads (label cache order)."""
+        channels = self.label_channels[layer]
+        if heads is not None:
+            channels = channels[:heads]
+            q = q[:, :heads * self.group]
+        lab, sc, mn = self.labels.view(layer, self.readable_length(layer), heads)
+        return approx_scores(self.query_labels(layer, q, channels), lab, sc, mn, group="kv", backend=self.backend)
+
+    def select(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
+        return select_slots(self.scores(layer, q), self.bias(layer), self.n_slots())
+
+    def index_bytes(self, live: bool) -> int:
+        if not self.built:
+            return 0
+        n = self.inner.n_filled if (live and self.storage_.uniform) else None
+        return sum(self.labels.nbytes(layer, n) for layer in range(self.args.n_layers))
+
+    def read_bytes_per_step(self) -> float:
+        L = self.args.n_layers
+        n = self.inner.n_filled if self.storage_.uniform else None
+        labels = sum(self.labels.nbytes(layer, n) for layer in range(L))
+        rows = sum(min(self.n_critical, self.readable_length(layer)) for layer in range(L))
+        return labels + rows * self.kv_row_bytes()
+
+    def describe(self) -> dict:
+        d = super().describe()
+        if not hasattr(self, "C"):
+            return d
+        d["heavy_channels"] = self.C
+        d["heavy_channels_source"] = ("calibrated: " + self.channels_source if self.calibrated is not None else
+                                      "prompt: top channels by mean |q*k| over the prompt tokens at prefill")
+        return d
