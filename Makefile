@@ -14,6 +14,7 @@ install-test:
 
 model:
 	$(PYTHON) scripts/fetch_default_model.py
+	test -f $(CHECKPOINT)/heavy_channels.json || $(PYTHON) scripts/calibrate_channels.py --checkpoint $(CHECKPOINT)
 
 run: install model
 	$(PYTHON) engine.py --checkpoint $(CHECKPOINT) --chat --prompt "$(PROMPT)" --max-new-tokens 64
