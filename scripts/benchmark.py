@@ -176,6 +176,13 @@ def parse_policy_arg_map(text: Optional[str]) -> dict[str, str]:
     return out
 
 
+def registry_name(name: str) -> str:
+    """'hshare@half' -> 'hshare': a label after '@' runs the same policy with other arguments
+    in the same run (--policies hshare@a,hshare@b --policy-args 'hshare@a:...;hshare@b:...');
+    compositions ('snapkv+hshare') are registry names too."""
+    return name.partition("@")[0]
+
+
 def resolve_policies(names_text: str, args_text: Optional[str]) -> list[tuple[str, str]]:
     """[(name, args)] from --policies ('all' = every registered policy) and --policy-args;
     every name and argument is validated here, before any model is loaded."""
@@ -183,7 +190,7 @@ def resolve_policies(names_text: str, args_text: Optional[str]) -> list[tuple[st
     names = available if names_text.strip() == "all" else [n.strip() for n in names_text.split(",") if n.strip()]
     if not names:
         raise BenchmarkError("--policies is empty")
-    unknown = [n for n in names if n not in available]
+    unknown = [n for n in names if not all(part in available for part in registry_name(n).split("+"))]
     if unknown:
         raise BenchmarkError(f"unknown policy {', '.join(map(repr, unknown))}; registered: {', '.join(available)}")
     if len(set(names)) != len(names):
@@ -196,7 +203,7 @@ def resolve_policies(names_text: str, args_text: Optional[str]) -> list[tuple[st
     out = []
     for n in names:
         try:
-            make_policy(n, arg_map.get(n, ""))
+            make_policy(registry_name(n), arg_map.get(n, ""))
         except PolicyError as e:
             raise BenchmarkError(str(e)) from None
         out.append((n, arg_map.get(n, "")))
@@ -407,8 +414,8 @@ def build_policy(cfg: Config):
     if cfg.kv_bits != 16:
         if "kv_bits" not in inspect.signature(make_policy).parameters:
             raise Unsupported(f"--kv-bits {cfg.kv_bits}: KIVI quantized storage is not implemented yet")
-        return make_policy(cfg.policy, cfg.policy_args, kv_bits=cfg.kv_bits)
-    return make_policy(cfg.policy, cfg.policy_args)
+        return make_policy(registry_name(cfg.policy), cfg.policy_args, kv_bits=cfg.kv_bits)
+    return make_policy(registry_name(cfg.policy), cfg.policy_args)
 
 
 def skip_reason(cfg: Config) -> Optional[str]:
@@ -1192,7 +1199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
                    help="HF/converted model directory or .gguf file (default: the SmolLM2-135M-Instruct checkout)")
     p.add_argument("--policies", default="all",
-                   help=f"comma-separated registry names, or 'all' (registered now: {', '.join(policy_names())})")
+                   help=f"comma-separated registry names (name@label: the same policy again with other "
+                        f"--policy-args; STORAGE+READER compositions), or 'all' "
+                        f"(registered now: {', '.join(policy_names())})")
     p.add_argument("--policy-args", default="", help="per-policy arguments: 'name:k=v,k=v;name2:k=v'")
     p.add_argument("--batch-sizes", default="1", help="comma-separated (default 1)")
     p.add_argument("--context-lengths", default="1024", help="prompt lengths in tokens, comma-separated")
@@ -1253,7 +1262,7 @@ def check_options(o, parser) -> None:
         raise BenchmarkError("--warmup-steps must be >= 0")
     policies = o.policies
     if o.speedup_vs:
-        if o.speedup_vs not in policy_names():
+        if registry_name(o.speedup_vs) not in policy_names():
             raise BenchmarkError(f"--speedup-vs: unknown policy {o.speedup_vs!r}; registered: "
                                  f"{', '.join(policy_names())}")
         names = policy_names() if policies.strip() == "all" else [n.strip() for n in policies.split(",")]

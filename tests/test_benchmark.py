@@ -290,6 +290,12 @@ def test_parsers_and_prompts():
     assert benchmark.parse_bytes("8GB") == 8 * 10**9 and benchmark.parse_bytes("1.5G") == 3 << 29
     assert benchmark.parse_policy_arg_map("hshare:preset=long,layer_ratio=0.5; full:") == \
         {"hshare": "preset=long,layer_ratio=0.5", "full": ""}
+    variants = benchmark.resolve_policies("hshare@a,hshare@b,snapkv+ds",
+                                          "hshare@a:ratios=1/2-1/2-1/2;hshare@b:ratios=1-1-1;snapkv+ds:budget=64")
+    assert variants == [("hshare@a", "ratios=1/2-1/2-1/2"), ("hshare@b", "ratios=1-1-1"), ("snapkv+ds", "budget=64")]
+    assert benchmark.registry_name("hshare@a") == "hshare"
+    with pytest.raises(benchmark.BenchmarkError, match="unknown policy 'snapkv\\+nope'"):
+        benchmark.resolve_policies("snapkv+nope", "")
     a = benchmark.make_prompt(100, 2, 10, 0, "cpu", None)
     assert a.shape == (2, 10) and torch.equal(a, benchmark.make_prompt(100, 2, 10, 0, "cpu", None))
     assert not torch.equal(a[0], a[1])
