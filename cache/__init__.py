@@ -16,6 +16,7 @@ from cache.d2o import D2OPolicy
 from cache.ds import DSPolicy
 from cache.h2o import H2OPolicy
 from cache.hshare import HSharePolicy
+from cache.pod import PODPolicy
 from cache.pyramidkv import PyramidKVPolicy
 from cache.quest import QuestPolicy
 from cache.simlayerkv import SimLayerKVPolicy
@@ -29,7 +30,7 @@ class PolicyError(ValueError):
 
 POLICIES: dict[str, type] = {cls.name: cls for cls in (
     DenseCache, StreamingPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy, D2OPolicy, SimLayerKVPolicy,
-    DSPolicy, QuestPolicy, HSharePolicy)}
+    DSPolicy, QuestPolicy, HSharePolicy, PODPolicy)}
 
 
 def policy_names() -> list[str]:

@@ -1,0 +1,597 @@
+"""POD (Ma et al., 2025): proximal tokens over distant tokens, with inter-layer attention sharing.
+
+Every token is kept; distant tokens get fewer resources.  For a decode query at position p, the
+*proximal* tokens are the first `n_sink` positions and the last `n_recent` (p - n_recent, p]
+(the current token included); the others are *distant*.  Layers are grouped per KV head into
+*blocks* of consecutive layers; within a block, the distant tokens' attention logits are those of
+the block's first layer (its queries and keys), so only that layer stores distant keys.  Values
+stay per layer.  Per layer and query head (paper eq. 3-4):
+
+    a_P = q_l K_l,P / sqrt(d)            o_P = softmax(a_P) V_l,P
+    a_D = q_first K_first,D / sqrt(d)    o_D = softmax(a_D) V_l,D
+    g   = sum exp a_P / (sum exp a_P + sum exp a_D) = sigmoid(lse(a_P) - lse(a_D))
+    o   = g o_P + (1 - g) o_D
+
+which is exactly one softmax over the concatenated logits [a_P; a_D] (Appendix A.1): with every
+layer its own block, POD *is* full attention.  With `tau` in [0, 1], a non-first layer whose gate
+reaches tau uses o_P alone (the paper's skipped distant computation); `describe()` reports the
+fraction of gates (non-first layers, query heads, steps with distant tokens) that skipped.  The
+skip is applied as a mask: the distant part is still computed, so this measures the accuracy side
+of the trade-off, not a speed-up (a per-head branch would need a data-dependent kernel).
+
+GQA: keys are stored per KV head, so blocks are per KV head (the similarity of a KV head is the
+mean over its query heads); query head j of a non-first layer uses query head j's distant logits
+of the block's first layer (the same index inside the same KV head's group).
+
+Blocks (offline calibration, paper sec. 2.1 and Algorithm 1; `scripts/calibrate_pod.py`): the
+attention rows of the last q prompt tokens of each layer and query head; similarity of two layers
+= mean over rows (and samples, and the query heads of a KV head) of 1 - JSD(row_a, row_b), with
+the Jensen-Shannon divergence in log base 2 (so it lies in [0, 1] and 1 means identical rows);
+greedy grouping of consecutive layers: a layer joins the current block when its similarity to
+*every* layer of the block is >= delta.  `blocks=auto` regroups the similarities stored in
+`pod_calibration.json` next to the checkpoint with this policy's delta, or calibrates on the
+prompt's own last `cal_queries` queries when there is no such file (`blocks=prompt` forces that,
+`blocks=layers` makes every layer its own block, `blocks=PATH` reads another file).
+
+Storage per layer l (B rows, H KV heads, D head_dim; every token's K and V stored once):
+    ring_k, ring_v [B, H, R, D]        proximal tokens: slots [0, n_sink) hold positions 0..n_sink-1,
+                                       slots n_sink + (p - n_sink) % n_recent the recent ring
+    dist_v         [B, H, C_D, D]      distant tokens' values, every layer
+    dist_k         [B, H_first(l), C_D, D]  distant keys, only for the KV heads whose block starts at l
+R = n_sink + n_recent; C_D = max_seq_length - R.  A decode token enters the ring; the token it
+replaces (position p - n_recent) moves to the distant store, which therefore fills in order of
+exit (slot j = position n_sink + j): append-only, the access pattern of KIVI's block-wise key
+flush, with the ring as the full-precision residual.  Bytes saved against the full cache:
+(L H - #blocks) (C - R) D / (2 L H C D): kv_bytes() reports the buffers, so it matches exactly.
+
+Prefill: the whole prompt in one pass with full causal attention (so the first generated token
+is the full cache's), then the prompt's K/V are filed into ring and distant store; decode runs
+POD.  Prompts must be left-padded with positions 0..len-1 per row (what engine.generate and the
+evals pass).  With `budget` > 0 (the paper's POD+SnapKV) the distant *prompt* tokens are also
+selected SnapKV-style: per KV head, the block's first layer scores them (observation window of the
+last `window` queries, fp32 softmax, group mean, pooling) and the whole block keeps the same top
+budget - R of them, so shared logits and per-layer values stay aligned slot for slot.
+
+Decode is sync-free and shape-stable: the configuration (which layer starts a block for which
+head) is host data fixed after prefill; every step reads the ring (R slots, masked) and the
+distant prefix that can hold tokens (a dynamic int from n_filled, at least 2 so compiled graphs
+never hit a size-0/1 specialization).
+
+KIVI (--kv-bits): not wired yet.  The hook is the distant store: `dist_logits` (keys of the first
+layers, q . K) and `dist_read` (probabilities x values, with its log-sum-exp) are the only reads
+of it, and `_store` is its only write (one exiting token per step, in order).  A quantized store
+must offer exactly these two reads; KIVI's `attend` fuses them, so it needs splitting first.
+
+    python engine.py --checkpoint C --policy pod --policy-args delta=0.5
+    python engine.py --checkpoint C --policy pod --policy-args delta=0.5,budget=2048   # POD+SnapKV
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from cache.base import NEVER, EvictionPolicy, attention_probs, column_scores, last_rows, pool1d, select_top
+from model import ModelArgs, grouped_attention
+
+BLOCKS_FILE = "pod_calibration.json"
+BLOCKS_FORMAT = "pod-blocks/1"
+SIMILARITY = ("1 - Jensen-Shannon divergence (log base 2) of attention rows of the same query head in two "
+              "layers, averaged over the last q queries, the samples and the query heads of each KV head")
+
+
+# --------------------------------------------------------------------------- calibration
+
+def attention_rows(q: Tensor, k: Tensor, q_pos: Tensor, n_queries: int, sliding_window=None) -> Tensor:
+    """Causal attention rows of the last `n_queries` queries: q [B, H_q, T, D], k [B, H_kv, T, D],
+    q_pos [B, T] -> [B, H_kv, G, n_queries, T] fp32 (rows of padding queries are zero)."""
+    q_last, pos_last = last_rows(q, q_pos, n_queries)
+    return attention_probs(q_last, k, pos_last, q_pos, sliding_window)
+
+
+def js_similarity(p: Tensor, q: Tensor) -> Tensor:
+    """1 - JSD(p, q) with log base 2, in [0, 1] (1 = identical) for rows p, q [..., T] -> [...]."""
+    m = 0.5 * (p + q)
+    kl = lambda a: (torch.xlogy(a, a) - torch.xlogy(a, m)).sum(-1)      # noqa: E731
+    return (1 - 0.5 * (kl(p) + kl(q)) / math.log(2)).clamp(0, 1)
+
+
+def similarity_sums(rows: list[Tensor], valid: Tensor) -> tuple[Tensor, int]:
+    """Per KV head, the sum over rows of the layer-pair similarity and the number of rows.
+
+    rows[l] [B, H_kv, G, q, T] (attention_rows of layer l); valid [B, q] bool (real query rows).
+    Returns (sums [H_kv, L, L] float64, symmetric, diagonal = count; count) so that several
+    samples add up and sums / count is the paper's eq. 2 averaged over each KV head's query heads."""
+    L = len(rows)
+    B, H, G, n, T = rows[0].shape
+    w = valid[:, None, None, :].expand(B, H, G, n).double()
+    count = int(valid.sum()) * G
+    sums = torch.zeros(H, L, L, dtype=torch.float64)
+    for a in range(L):
+        sums[:, a, a] = count
+        for b in range(a):
+            s = (js_similarity(rows[a], rows[b]).double() * w).sum((0, 2, 3))       # [H]
+            sums[:, a, b] = sums[:, b, a] = s
+    return sums, count
+
+
+def greedy_blocks(sim, delta: float) -> list[list[int]]:
+    """Algorithm 1 for one head: sim [L, L] -> consecutive blocks; layer l joins the current block
+    when sim[l, j] >= delta for every layer j already in it, else it starts a new block."""
+    sim = torch.as_tensor(sim, dtype=torch.float64)
+    blocks = [[0]]
+    for layer in range(1, sim.shape[0]):
+        if all(float(sim[layer, j]) >= delta for j in blocks[-1]):
+            blocks[-1].append(layer)
+        else:
+            blocks.append([layer])
+    return blocks
+
+
+def group_heads(sim: Tensor, delta: float) -> list[list[list[int]]]:
+    """Algorithm 1 per KV head: sim [H_kv, L, L] -> blocks[h] (lists of consecutive layers)."""
+    return [greedy_blocks(s, delta) for s in sim]
+
+
+def key_saving(blocks: list[list[list[int]]], n_layers: int, capacity: Optional[int] = None,
+               proximal: int = 0) -> float:
+    """Fraction of K+V bytes saved against the full cache: (L H - #blocks) / (2 L H), times the
+    distant share (capacity - proximal) / capacity when a capacity (slots per layer) is given."""
+    H = len(blocks)
+    n_blocks = sum(len(b) for b in blocks)
+    share = 1.0 if capacity is None else max(0, capacity - proximal) / capacity
+    return (n_layers * H - n_blocks) / (2 * n_layers * H) * share
+
+
+def calibration_path(checkpoint) -> Path:
+    """`<dir>/pod_calibration.json` for a checkpoint directory, `<stem>.pod_calibration.json`
+    beside a .gguf file."""
+    p = Path(checkpoint)
+    return p.with_name(p.stem + "." + BLOCKS_FILE) if p.suffix == ".gguf" else p / BLOCKS_FILE
+
+
+def write_calibration(path, sim: Tensor, meta: dict, deltas=(0.3, 0.5, 0.7)) -> dict:
+    """Similarities [H_kv, L, L] + the blocks and savings for each delta -> JSON at `path`."""
+    H, L, _ = sim.shape
+    data = {"format": BLOCKS_FORMAT, "n_layers": L, "n_kv_heads": H, "similarity_metric": SIMILARITY,
+            **meta, "similarity": [[[round(float(x), 6) for x in row] for row in s] for s in sim],
+            "groupings": {}}
+    for delta in deltas:
+        blocks = group_heads(sim, delta)
+        data["groupings"][str(delta)] = {
+            "blocks": blocks, "blocks_per_head": [len(b) for b in blocks],
+            "theoretical_kv_saving": round(key_saving(blocks, L), 6)}
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+    return data
+
+
+def read_blocks(path, args: ModelArgs, delta: float) -> tuple[list, Optional[Tensor]]:
+    """(blocks per KV head, similarity [H_kv, L, L] or None) from a calibration file: regrouped
+    with `delta` when the file holds similarities, else its `blocks` entry as written."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read POD blocks file {path}: {e}") from None
+    if data.get("format") != BLOCKS_FORMAT:
+        raise ValueError(f"{path}: not a POD blocks file (format {data.get('format')!r})")
+    shape = (data.get("n_layers"), data.get("n_kv_heads"))
+    if shape != (args.n_layers, args.n_kv_heads):
+        raise ValueError(f"{path} was calibrated for (layers, kv heads) = {shape}, the model has "
+                         f"{(args.n_layers, args.n_kv_heads)}: re-run scripts/calibrate_pod.py")
+    if "similarity" in data:
+        sim = torch.tensor(data["similarity"], dtype=torch.float64)
+        return group_heads(sim, delta), sim
+    blocks = data.get("blocks")
+    flat = [sum(b, []) for b in blocks or []]
+    if len(flat) != args.n_kv_heads or any(f != list(range(args.n_layers)) for f in flat):
+        raise ValueError(f"{path}: 'blocks' must list, per KV head, consecutive blocks covering layers "
+                         f"0..{args.n_layers - 1} in order")
+    return blocks, None
+
+
+# --------------------------------------------------------------------------- attention pieces
+
+def partial_attention(logits: Tensor, visible: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax attention over one part of the keys: logits [B, H, G, S] fp32, visible (bool,
+    broadcastable), v [B, H, S, D] -> (out [B, H, G, D] fp32, lse [B, H, G]); a row with nothing
+    visible gives out 0 and lse -inf (no NaN)."""
+    s = logits.masked_fill(~visible, NEVER)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return p @ v.float(), lse
+
+
+def gather_rows(x: Tensor, idx: Tensor) -> Tensor:
+    """x [B, H, T, D] at token indices idx [B, 1 or H, n] -> [B, H, n, D]."""
+    B, H, _, D = x.shape
+    return x.gather(2, idx.expand(B, H, -1)[..., None].expand(-1, -1, -1, D))
+
+
+# --------------------------------------------------------------------------- the policy
+
+class PODPolicy:
+    """POD as a cache policy (contract of model.DenseCache); see the module docstring."""
+
+    name = "pod"
+    params = {
+        "n_sink": (int, 16, "n_s: first tokens always attended by every layer (proximal)"),
+        "n_recent": (int, -1, "n_r: last tokens attended by every layer, the current one included "
+                              "(-1: context/8 - n_sink, the paper's 16 + 4080 of 32K scaled)"),
+        "delta": (float, 0.5, "layer-similarity threshold of the greedy grouping (> 1: every layer its own block)"),
+        "tau": (float, -1.0, "skip distant attention in non-first layers when the gate g >= tau (-1: off)"),
+        "blocks": (str, "auto", f"auto ({BLOCKS_FILE} next to the checkpoint, else the prompt), prompt, "
+                                f"layers (no sharing), or a path to a calibration JSON"),
+        "cal_queries": (int, 16, "last prompt queries whose attention rows calibrate blocks=prompt"),
+        "budget": (int, 0, "POD+SnapKV: prompt tokens kept per layer and KV head, proximal included "
+                           "(0: keep every token)"),
+        "window": (int, 32, "SnapKV observation window (with budget)"),
+        "kernel": (int, 7, "SnapKV pooling kernel (odd; with budget)"),
+        "pooling": (str, "max", "SnapKV pooling: max or avg (with budget)"),
+    }
+    prefill_in_one_pass = True
+    defer_compression = True     # EvictionPolicy.before_prefill/begin (reused) leave allocation to us
+
+    def __init__(self, **kwargs):
+        for key, (kind, default, _) in self.params.items():
+            setattr(self, key, kind(kwargs.pop(key, default)))
+        if kwargs:
+            raise ValueError(f"unknown parameter(s) {sorted(kwargs)} for policy {self.name!r}")
+        if self.n_sink < 0 or self.n_recent == 0 or self.n_recent < -1:
+            raise ValueError(f"need n_sink >= 0 and n_recent >= 1 (or -1), got {self.n_sink}, {self.n_recent}")
+        if self.tau > 1:
+            raise ValueError(f"tau must be in [0, 1] (or negative: off), got {self.tau}")
+        if self.cal_queries < 1 or self.window < 1 or self.budget < 0:
+            raise ValueError("cal_queries and window must be at least 1, budget at least 0")
+        if self.kernel < 1 or self.kernel % 2 == 0 or self.pooling not in ("max", "avg"):
+            raise ValueError(f"kernel must be odd and positive and pooling max or avg, got {self.kernel}, {self.pooling!r}")
+        if self.blocks not in ("auto", "prompt", "layers") and not Path(self.blocks).exists():
+            raise ValueError(f"blocks={self.blocks}: no such file (or auto, prompt, layers)")
+
+    # ----------------------------------------------------------------- setup
+    def setup(self, args: ModelArgs, max_batch_size: int, max_seq_length: int, dtype, device) -> None:
+        self.args, self.batch, self.dtype, self.device = args, max_batch_size, dtype, device
+        self.group = args.n_heads // args.n_kv_heads
+        self.sliding_window = args.sliding_window
+        self.max_seq_length = max_seq_length
+        self.n_r = self.n_recent if self.n_recent > 0 else max(1, args.max_position_embeddings // 8 - self.n_sink)
+        self.R = self.n_sink + self.n_r
+        if self.budget and self.budget < self.R:
+            raise ValueError(f"budget ({self.budget}) must cover the proximal tokens n_sink + n_recent = {self.R}")
+        self.fixed_blocks, self.similarity, self.blocks_source = self.load_blocks(args)
+        self.skipped = torch.zeros((), dtype=torch.long, device=device)
+        self.gated = torch.zeros((), dtype=torch.long, device=device)
+        self.ring_k = self.ring_v = self.dist_k = self.dist_v = None
+        self.reset()
+
+    def load_blocks(self, args: ModelArgs):
+        """(blocks or None = calibrate on the prompt, similarity or None, description of the source)."""
+        L, H = args.n_layers, args.n_kv_heads
+        if self.blocks == "layers":
+            return [[[i] for i in range(L)] for _ in range(H)], None, "layers: every layer its own block"
+        if self.blocks == "prompt":
+            return None, None, "prompt"
+        if self.blocks == "auto":
+            checkpoint = getattr(args, "checkpoint_path", None)
+            if checkpoint is None or not calibration_path(checkpoint).exists():
+                return None, None, "prompt"
+            path = calibration_path(checkpoint)
+        else:
+            path = Path(self.blocks)
+        blocks, sim = read_blocks(path, args, self.delta)
+        return blocks, sim, str(path)
+
+    def reset(self) -> None:
+        self.n_filled = 0
+        self.prompt_length = 0
+        self.prepared = False
+        self.configured = False
+        self.pending: dict = {}
+        self.rows: dict = {}
+        self.q_pos = None
+        self.head_blocks = self.fixed_blocks
+        self.skipped.zero_()
+        self.gated.zero_()
+
+    # ----------------------------------------------------------------- prefill
+    def before_prefill(self, input_pos: Tensor) -> None:
+        """Host side, once per request: check the prompt layout, fix where every prompt token goes
+        (ring / distant slots) and, when the blocks are known, allocate the storage."""
+        EvictionPolicy.before_prefill(self, input_pos)     # one pass, batch, length; sets prompt_length
+        B, T = input_pos.shape
+        lens = (input_pos >= 0).sum(1)
+        expect = torch.arange(T, device=input_pos.device) - (T - lens)[:, None]
+        if not torch.equal(input_pos, expect.clamp(min=-1)):
+            raise ValueError("pod needs left-padded prompts with positions 0..len-1 in each row")
+        self.lens = lens
+        ns, nr = self.n_sink, self.n_r
+        first_exit = torch.clamp(lens - nr, min=ns)       # first position to leave the ring in decode
+        # ring slots: sinks at their position, recent positions p >= n_sink at n_sink + (p - n_sink) % n_r
+        self.R_alloc = min(self.R, self.max_seq_length)
+        slot = torch.arange(self.R_alloc, device=input_pos.device)
+        recent = first_exit[:, None] + (slot - first_exit[:, None]) % nr           # [B, R] positions
+        ring_pos = torch.where(slot < ns, slot.expand(B, -1), recent)
+        self.ring_pos = torch.where(ring_pos < lens[:, None], ring_pos, -1)
+        self.ring_src = (self.ring_pos + (T - lens)[:, None]).clamp(0, T - 1)[:, None]   # input index
+        # distant prompt tokens (positions n_sink .. first_exit - 1); decode exits follow in order
+        self.n_prompt_distant = max(0, T - self.R)
+        self.C_sel = min(self.budget - self.R, self.n_prompt_distant) if self.budget else self.n_prompt_distant
+        if self.budget:
+            self.offset = first_exit - self.C_sel          # decode-exit slot j holds position j + offset
+            self.C_D = self.C_sel + max(0, self.max_seq_length - nr - max(ns, T - nr))
+        else:
+            self.offset = torch.full_like(lens, ns)
+            self.C_D = max(0, self.max_seq_length - self.R)
+            j = torch.arange(self.n_prompt_distant, device=input_pos.device)
+            self.dist_src = (j + ns + (T - lens)[:, None]).clamp(0, T - 1)[:, None]       # [B, 1, n]
+        self.offset_long = int(self.offset[lens.argmax()])
+        if self.head_blocks is not None:
+            self.configure(self.head_blocks)
+
+    def configure(self, head_blocks: list) -> None:
+        """Fix the block structure (host data) and allocate every layer's storage."""
+        L, H, D, B = self.args.n_layers, self.args.n_kv_heads, self.args.head_dim, self.batch
+        self.head_blocks = head_blocks
+        self.first = [[False] * H for _ in range(L)]
+        for h, blocks in enumerate(head_blocks):
+            for block in blocks:
+                self.first[block[0]][h] = True
+        self.first_heads = [[h for h in range(H) if self.first[layer][h]] for layer in range(L)]
+        self.follower = [torch.tensor([not f for f in self.first[layer]], device=self.device)[None, :, None]
+                         for layer in range(L)]                                     # [1, H, 1]
+        z = dict(dtype=self.dtype, device=self.device)
+        self.ring_k = [torch.zeros(B, H, self.R_alloc, D, **z) for _ in range(L)]
+        self.ring_v = [torch.zeros(B, H, self.R_alloc, D, **z) for _ in range(L)]
+        self.dist_v = [torch.zeros(B, H, self.C_D, D, **z) if self.C_D else None for _ in range(L)]
+        self.dist_k = [torch.zeros(B, len(self.first_heads[layer]), self.C_D, D, **z)
+                       if self.C_D and self.first_heads[layer] else None for layer in range(L)]
+        self.sel_pos = [None] * L            # budget: distant prompt positions per layer [B, H, C_sel]
+        self.head_sel: dict = {}             # budget: the current block's selection per KV head
+        self.configured = True
+
+    def begin(self, input_pos: Tensor) -> None:
+        """Once per forward: the prompt/step bookkeeping is EvictionPolicy's (the same attributes:
+        one-pass prompt, n_filled, q_pos, the prompt's mask); a decode step then places its token."""
+        EvictionPolicy.begin(self, input_pos)
+        if self.n_filled > input_pos.shape[1]:
+            self.begin_step(input_pos[:, 0])
+
+    def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = grouped_attention(q, k, v, self.mask)
+        obs = None
+        if self.budget and (not self.configured or self.first_heads[layer]):    # SnapKV scores
+            obs = column_scores(q, k, self.q_pos, self.window, self.sliding_window)
+        if self.configured:
+            self.file_prompt(layer, k, v, obs)
+        else:
+            self.rows[layer] = attention_rows(q, k, self.q_pos, self.cal_queries, self.sliding_window)
+            self.pending[layer] = (k, v, obs)
+        return out
+
+    def end_prefill(self) -> None:
+        """Calibrate on the prompt when the blocks were not given, then file the waiting layers."""
+        if not self.pending:
+            return
+        L = self.args.n_layers
+        valid = torch.nn.functional.pad(self.q_pos, (self.cal_queries, 0), value=-1)[:, -self.cal_queries:] >= 0
+        sums, count = similarity_sums([self.rows.pop(layer) for layer in range(L)], valid)
+        self.similarity = sums / max(count, 1)
+        self.configure(group_heads(self.similarity, self.delta))
+        for layer in range(L):
+            self.file_prompt(layer, *self.pending.pop(layer))
+
+    def file_prompt(self, layer: int, k: Tensor, v: Tensor, obs: Optional[Tensor]) -> None:
+        """The prompt's K/V [B, H, T, D] into the layer's ring and distant store."""
+        self.ring_k[layer].copy_(gather_rows(k, self.ring_src))
+        self.ring_v[layer].copy_(gather_rows(v, self.ring_src))
+        if not self.C_sel:
+            return
+        heads = self.first_heads[layer]
+        if self.budget:
+            idx = self.select_distant(layer, heads, obs)                     # [B, H, C_sel]
+        else:
+            idx = self.dist_src
+        n = idx.shape[-1]
+        self.dist_v[layer][:, :, :n] = gather_rows(v, idx)
+        if heads:
+            self.dist_k[layer][:, :, :n] = gather_rows(k[:, heads], idx[:, heads] if self.budget else idx)
+
+    def select_distant(self, layer: int, heads: list[int], obs: Tensor) -> Tensor:
+        """POD+SnapKV: the block's first layer picks each KV head's distant prompt tokens by SnapKV
+        scores; the rest of the block reuses them.  Returns input indices [B, H, C_sel] (in
+        position order) and records the layer's positions in sel_pos (-1 = empty slot)."""
+        pos = self.q_pos
+        T = pos.shape[1]
+        candidate = (pos >= self.n_sink) & (pos < self.lens[:, None] - self.n_r)             # [B, T]
+        if heads:
+            scores = pool1d(obs[:, heads], self.kernel, self.pooling, within=candidate[:, None])
+            idx, ok = select_top(scores.masked_fill(~candidate[:, None], NEVER), self.C_sel)
+            for i, h in enumerate(heads):
+                self.head_sel[h] = (idx[:, i], ok[:, i])
+        H = self.args.n_kv_heads
+        idx = torch.stack([self.head_sel[h][0] for h in range(H)], 1)
+        ok = torch.stack([self.head_sel[h][1] for h in range(H)], 1)
+        self.sel_pos[layer] = torch.where(ok, pos[:, None].expand(-1, H, -1).gather(2, idx.clamp(max=T - 1)), -1)
+        return idx
+
+    # ----------------------------------------------------------------- decode
+    def begin_step(self, p: Tensor) -> None:
+        """Per decode step (all layers): the new token's ring slot, the token it pushes into the
+        distant store and that store's slot, and the visibility of both parts.  p [B] positions."""
+        ns, nr = self.n_sink, self.n_r
+        slot = torch.where(p < ns, p, ns + (p - ns) % nr).clamp(max=self.R_alloc - 1)
+        leaving = self.ring_pos.gather(1, slot[:, None])[:, 0]
+        self.step_slot = slot
+        self.shared: dict = {}      # this step's distant logits of the current block, per KV head
+        self.step_move = leaving >= ns                                           # a recent token leaves
+        self.step_dist_slot = (leaving - self.offset).clamp(0, max(self.C_D - 1, 0))
+        self.ring_pos.scatter_(1, slot[:, None], p[:, None])
+        rp = self.ring_pos
+        ring_vis = (rp >= 0) & (rp <= p[:, None])
+        if self.sliding_window:
+            ring_vis &= p[:, None] - rp < self.sliding_window
+        self.ring_vis = ring_vis[:, None, None]                                  # [B, 1, 1, R]
+        if self.C_D:
+            n = self.dist_read_length()
+            j = torch.arange(n, device=p.device)
+            dpos = j + self.offset[:, None]                                      # decode-exit positions
+            vis = (dpos <= p[:, None] - nr) & (j >= (self.C_sel if self.budget else 0))
+            if self.sliding_window:
+                vis &= p[:, None] - dpos < self.sliding_window
+            self.dist_vis = vis[:, None, None]                                   # [B, 1, 1, n]
+
+    def dist_read_length(self):
+        """Distant slots a step reads: those any row may have filled (a dynamic int under compile),
+        at least 2 (compiled graphs specialize sizes 0 and 1) and at most C_D."""
+        live = self.n_filled - self.n_r - self.offset_long
+        if self.budget:
+            live = torch.sym_max(live, self.C_sel)
+        return torch.sym_min(self.C_D, torch.sym_max(live, 2))
+
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, Hq, _, D = q.shape
+        H = k.shape[1]
+        self._store(layer, k, v)
+        qg = q.reshape(B, H, Hq // H, D).float()
+        scale = 1 / math.sqrt(D)
+        out, lse_p = partial_attention((qg @ self.ring_k[layer].float().transpose(-1, -2)) * scale,
+                                       self.ring_vis, self.ring_v[layer])
+        if self.C_D:
+            n = self.dist_vis.shape[-1]
+            logits = self.dist_logits(layer, qg, n) * scale
+            vis = self.dist_vis
+            if self.budget:     # the selected prompt part differs per head (per block)
+                sel = self.sel_pos[layer] >= 0
+                if self.sliding_window:
+                    sel &= self.q_pos.reshape(B, 1, 1) - self.sel_pos[layer] < self.sliding_window
+                vis = vis | torch.nn.functional.pad(sel, (0, n - self.C_sel))[:, :, None, :n]
+            o_d, lse_d = self.dist_read(layer, logits, vis, n)
+            g = torch.sigmoid(lse_p - lse_d)[..., None]                         # the gate (eq. 4)
+            mixed = g * out + (1 - g) * o_d
+            if self.tau >= 0:
+                skip = (g >= self.tau) & self.follower[layer][..., None]
+                has_distant = torch.isfinite(lse_d)[..., None] & self.follower[layer][..., None]
+                self.skipped.add_((skip & has_distant).sum())
+                self.gated.add_(has_distant.sum())
+                mixed = torch.where(skip, out, mixed)
+            out = mixed
+        return out.to(q.dtype).reshape(B, Hq, 1, D)
+
+    def _store(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """The token leaving the ring moves to the distant store (its value always, its key in the
+        heads whose block starts here); then the new token takes its ring slot."""
+        B, H, _, D = k.shape
+        ring = self.step_slot[:, None, None, None].expand(B, H, 1, D)
+        if self.C_D:
+            at = self.step_dist_slot[:, None, None, None].expand(B, H, 1, D)
+            move = self.step_move[:, None, None, None]
+            stores = [(self.dist_v[layer], self.ring_v[layer])]
+            heads = self.first_heads[layer]
+            if heads:
+                stores.append((self.dist_k[layer], self.ring_k[layer][:, heads]))
+            for dst, src in stores:
+                h = dst.shape[1]
+                cur = dst.gather(2, at[:, :h])
+                dst.scatter_(2, at[:, :h], torch.where(move, src.gather(2, ring[:, :h]), cur))
+        self.ring_k[layer].scatter_(2, ring, k)
+        self.ring_v[layer].scatter_(2, ring, v)
+
+    def dist_logits(self, layer: int, qg: Tensor, n) -> Tensor:
+        """Distant logits q . k [B, H, G, n] (unscaled): computed by the KV heads whose block starts
+        at this layer, taken from the block's first layer (earlier in this step) by the others."""
+        heads = self.first_heads[layer]
+        if heads:
+            own = qg[:, heads] @ self.dist_k[layer][:, :, :n].float().transpose(-1, -2)
+            for i, h in enumerate(heads):
+                self.shared[h] = own[:, i]
+        return torch.stack([self.shared[h] for h in range(qg.shape[1])], 1)
+
+    def dist_read(self, layer: int, logits: Tensor, visible: Tensor, n) -> tuple[Tensor, Tensor]:
+        """o_D and its log-sum-exp from this layer's distant values."""
+        return partial_attention(logits, visible, self.dist_v[layer][:, :, :n])
+
+    def before_decode_step(self, step: int) -> None:
+        pass
+
+    # ----------------------------------------------------------------- introspection
+    def storage(self, layer: int):
+        raise NotImplementedError("pod stores distant keys only in the first layer of each block: "
+                                  "it cannot serve as the storage of a sparse reader")
+
+    def distant_positions(self, layer: int) -> Tensor:
+        """Positions held by the distant store [B, H, C_D] (-1 = empty)."""
+        B, H = self.batch, self.args.n_kv_heads
+        if not self.C_D:
+            return torch.full((B, H, 0), -1, dtype=torch.long, device=self.device)
+        last = self.q_pos[:, -1:]
+        j = torch.arange(self.C_D, device=self.device)
+        pos = j + self.offset[:, None]
+        pos = torch.where((pos <= last - self.n_r) & (pos >= self.n_sink), pos, -1)[:, None].expand(B, H, -1)
+        if self.budget:
+            pos = torch.cat([self.sel_pos[layer], pos[:, :, self.C_sel:]], -1)
+        return pos
+
+    def kept_positions(self, layer: int) -> Tensor:
+        B, H = self.batch, self.args.n_kv_heads
+        return torch.cat([self.ring_pos[:, None].expand(B, H, -1), self.distant_positions(layer)], -1)
+
+    def key_positions(self, layer: int) -> Tensor:
+        """Positions whose keys this layer stores [B, H, n] (-1 = none): the ring for every head, the
+        distant store only for heads whose block starts at the layer."""
+        pos = self.kept_positions(layer)
+        follower = torch.tensor([not f for f in self.first[layer]], device=self.device)
+        distant = torch.zeros_like(pos, dtype=torch.bool)
+        distant[:, :, self.R_alloc:] = True
+        return pos.masked_fill(distant & follower[None, :, None], -1)
+
+    def kv_bytes(self) -> dict:
+        if not self.configured:
+            return {"allocated": 0, "live": 0, "read_per_step": 0}
+        L = self.args.n_layers
+
+        def row(t):        # bytes of one slot of a [B, h, S, D] buffer
+            return 0 if t is None else t.shape[0] * t.shape[1] * t.shape[3] * t.element_size()
+        bufs = [(self.ring_k[i], self.ring_v[i], self.dist_k[i], self.dist_v[i]) for i in range(L)]
+        allocated = sum(t.numel() * t.element_size() for b in bufs for t in b if t is not None)
+        ring_used = min(self.R_alloc, self.n_filled)
+        dist_used = min(self.C_D, max(0, self.n_filled - self.n_r - self.offset_long,
+                                      self.C_sel if self.budget else 0))
+        live = sum(ring_used * (row(rk) + row(rv)) + dist_used * (row(dk) + row(dv)) for rk, rv, dk, dv in bufs)
+        read = sum(self.R_alloc * (row(rk) + row(rv)) + (max(2, dist_used) if self.C_D else 0) * (row(dk) + row(dv))
+                   for rk, rv, dk, dv in bufs)
+        return {"allocated": allocated, "live": live, "read_per_step": read}
+
+    def skip_fraction(self) -> Optional[float]:
+        """Fraction of gate evaluations (non-first layers x query heads x rows x steps with distant
+        tokens) whose distant attention was skipped (g >= tau); None when tau is off or none ran."""
+        gated = int(self.gated)
+        return None if self.tau < 0 or not gated else int(self.skipped) / gated
+
+    def describe(self) -> dict:
+        d = {"policy": self.name, **{k: getattr(self, k) for k in self.params}}
+        if not hasattr(self, "args"):
+            return d
+        L = self.args.n_layers
+        d.update(n_recent=self.n_r, proximal=self.R, blocks_source=self.blocks_source)
+        if self.head_blocks is not None:
+            H = len(self.head_blocks)
+            d["blocks_per_head"] = [len(b) for b in self.head_blocks]
+            d["block_ranges"] = [[[b[0], b[-1]] for b in blocks] for blocks in self.head_blocks]
+            d["theoretical_kv_saving"] = round(key_saving(self.head_blocks, L), 4)
+            d["first_layer_share"] = round(sum(len(b) for b in self.head_blocks) / (L * H), 4)
+            if self.configured:
+                d["theoretical_kv_saving_here"] = round(key_saving(self.head_blocks, L, self.R_alloc + self.C_D,
+                                                                   self.R_alloc), 4)
+        if self.similarity is not None and self.head_blocks is not None:
+            inner = [float(self.similarity[h, i, j]) for h, blocks in enumerate(self.head_blocks)
+                     for b in blocks for i in b for j in b if i > j]
+            d["mean_similarity_within_blocks"] = round(sum(inner) / len(inner), 4) if inner else None
+        if self.tau >= 0:
+            d["skipped_fraction"] = self.skip_fraction()
+        return d
