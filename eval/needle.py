@@ -21,17 +21,18 @@ if __name__ == "__main__":
 
 import re  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-from typing import Optional, Sequence  # noqa: E402
+import time  # noqa: E402
+from typing import Callable, Optional, Sequence  # noqa: E402
 
 import engine  # noqa: E402
-from eval import common  # noqa: E402
+from eval import common, measure, prompts  # noqa: E402
 from eval.common import UsageError  # noqa: E402
 
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 QUESTION = "What is the best thing to do in San Francisco?"
 KEYWORDS = "sandwich,Dolores"
 INSTRUCTION = "Read the following text and answer the question after it."
-SENTINEL = "\x00HAYSTACK\x00"
+SENTINEL = prompts.SENTINEL
 SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s*$")
 
 
@@ -65,7 +66,8 @@ class Prompt:
         return self.cut / self.n_haystack
 
 
-def build_prompt(tokenizer, haystack: Haystack, needle: str, question: str, length: int, depth: float) -> Prompt:
+def build_prompt(tokenizer, haystack: Haystack, needle: str, question: str, length: int, depth: float,
+                 content: Optional[str] = None, chat: bool = True) -> Prompt:
     """The chat-formatted prompt of exactly `length` tokens with the needle at about `depth`.
 
     The ids are assembled from separately tokenized pieces (template prefix, haystack tokens
@@ -73,18 +75,15 @@ def build_prompt(tokenizer, haystack: Haystack, needle: str, question: str, leng
     exact by construction (re-tokenizing the decoded prompt could merge a token or two at the
     seams).  The needle follows the haystack token that ends the sentence nearest to
     depth * n_haystack, or opens the haystack if its start is nearer; the haystack's end is cut
-    at whatever token makes the length exact."""
+    at whatever token makes the length exact.  `content` replaces the user message: a format
+    string with `{question}` and `{haystack}` (where the haystack goes); `chat=False` leaves
+    out the chat template."""
     # the question before and after the text: SmolLM2-135M finds the default needle at 3000
     # tokens only this way (after-only: 1/3 at depths 0.1/0.5/0.9); SnapKV-style policies still
     # see the question in their observation window at the end
-    content = f"{INSTRUCTION} Question: {question}\n\n{SENTINEL}\n\nQuestion: {question}"
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    before, after = text.split(SENTINEL)
-    prefix = tokenizer.encode(before, add_special_tokens=False)
-    suffix = tokenizer.encode(after, add_special_tokens=False)
+    content = content or "{instruction} Question: {question}\n\n{haystack}\n\nQuestion: {question}"
+    content = content.format(instruction=INSTRUCTION, question=question, haystack=SENTINEL)
+    prefix, suffix = prompts.wrap(tokenizer, content, chat)
     needle = needle.strip()
     within = tokenizer.encode(" " + needle, add_special_tokens=False)   # after a sentence: " The best..."
     n = length - len(prefix) - len(suffix) - len(within)
@@ -111,6 +110,33 @@ def run_cell(loaded: common.Loaded, policy, ids: list[int], max_new_tokens: int,
     """Greedy answer to one prompt with `policy` active."""
     result = engine.generate(loaded.model, loaded.tokenizer, [ids], max_new_tokens, policy=policy, compile=compile)
     return result.texts[0].strip()
+
+
+def evaluate(loaded: common.Loaded, new_policy: Callable, text: str, lengths: Sequence[int], depths: Sequence[float],
+             needle: str = NEEDLE, question: str = QUESTION, keywords: Sequence[str] = tuple(KEYWORDS.split(",")),
+             max_new_tokens: int = 32, progress: Optional[common.Progress] = None, compile: bool = False) -> dict:
+    """Every (length, depth) cell with a fresh policy -> {score (accuracy %), results, usage, and the
+    last policy's describe() and kv_bytes()}."""
+    for n in lengths:
+        common.check_fits(loaded, n + max_new_tokens, f"length {n} + --max-new-tokens {max_new_tokens}")
+    haystack = Haystack.from_text(loaded.tokenizer, text, min_tokens=max(lengths))
+    results, usage = [], measure.Usage()
+    for n in lengths:
+        for d in depths:
+            prompt = build_prompt(loaded.tokenizer, haystack, needle, question, n, d)
+            policy = new_policy()
+            t0 = time.perf_counter()
+            answer = measure.generate(loaded, policy, prompt.ids, max_new_tokens, usage, compile)
+            seconds = time.perf_counter() - t0
+            hit = is_hit(answer, keywords)
+            if progress:
+                progress.finish(f"length {n} depth {d:g}", f"{'hit ' if hit else 'miss'} {answer[:60]!r}")
+            results.append({"length": n, "depth": d, "hit": hit, "answer": answer,
+                            "prompt_tokens": len(prompt.ids), "needle_token": prompt.needle_start,
+                            "needle_depth": round(prompt.depth, 4), "seconds": round(seconds, 3),
+                            "kv_bytes": policy.kv_bytes()})
+    return {"score": 100 * sum(r["hit"] for r in results) / len(results), "metric": "accuracy", "results": results,
+            "usage": usage.as_dict(), "describe": policy.describe(), "kv_bytes": policy.kv_bytes()}
 
 
 def build_parser():
@@ -148,30 +174,17 @@ def run(args) -> int:
     common.new_policy(args)
     text = common.read_text_folder(args.haystack)
     loaded = common.load(args)
-    for n in lengths:
-        common.check_fits(loaded, n + args.max_new_tokens, f"length {n} + --max-new-tokens {args.max_new_tokens}")
-    haystack = Haystack.from_text(loaded.tokenizer, text, min_tokens=max(lengths))
-
-    results, progress, policy = [], common.Progress(len(lengths) * len(depths)), None
-    for n in lengths:
-        for d in depths:
-            prompt = build_prompt(loaded.tokenizer, haystack, args.needle, args.question, n, d)
-            policy = common.new_policy(args)
-            answer = run_cell(loaded, policy, prompt.ids, args.max_new_tokens, args.compile)
-            hit = is_hit(answer, keywords)
-            seconds = progress.finish(f"length {n} depth {d:g}", f"{'hit ' if hit else 'miss'} {answer[:60]!r}")
-            results.append({"length": n, "depth": d, "hit": hit, "answer": answer,
-                            "prompt_tokens": len(prompt.ids), "needle_token": prompt.needle_start,
-                            "needle_depth": round(prompt.depth, 4), "seconds": round(seconds, 3),
-                            "kv_bytes": policy.kv_bytes()})
-    accuracy = sum(r["hit"] for r in results) / len(results)
+    r = evaluate(loaded, lambda: common.new_policy(args), text, lengths, depths, args.needle, args.question, keywords,
+                 args.max_new_tokens, common.Progress(len(lengths) * len(depths)), args.compile)
+    results = r["results"]
+    accuracy = sum(x["hit"] for x in results) / len(results)
     print(format_table(results, lengths, depths))
-    print(f"accuracy {accuracy:.3f} ({sum(r['hit'] for r in results)}/{len(results)}), policy {policy.describe()}")
+    print(f"accuracy {accuracy:.3f} ({sum(x['hit'] for x in results)}/{len(results)}), policy {r['describe']}")
     if args.json:
         common.write_json(args.json, {**common.report_header(args), "accuracy": accuracy,
                                       "needle": args.needle, "question": args.question, "answer_keywords": keywords,
                                       "max_new_tokens": args.max_new_tokens, "results": results,
-                                      "describe": policy.describe(), "kv_bytes": policy.kv_bytes()})
+                                      "describe": r["describe"], "kv_bytes": r["kv_bytes"]})
     return 0
 
 

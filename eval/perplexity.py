@@ -22,35 +22,25 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import math  # noqa: E402
-from typing import Optional, Sequence  # noqa: E402
+import time  # noqa: E402
+from typing import Callable, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import engine  # noqa: E402
-from eval import common  # noqa: E402
+from eval import common, measure  # noqa: E402
 from eval.common import UsageError  # noqa: E402
 
 
 def window_nll(model, tokens: torch.Tensor, context_length: int, policy=None,
-               prefill=engine.prefill_step, decode=engine.decode_step) -> torch.Tensor:
+               prefill=engine.prefill_step, decode=engine.decode_step, usage=None) -> torch.Tensor:
     """Per-token NLL [E] (float32) of tokens[context_length:] (tokens: LongTensor [W], E = W - C).
 
     Prefill tokens[:C] with `policy` (DenseCache if None), then decode tokens[C:W-1] one step
-    at a time; no host sync inside the loop."""
-    W, C = tokens.shape[0], context_length
-    if not 0 < C < W:
-        raise ValueError(f"context_length {C} must lie in (0, {W})")
-    device = model.output.weight.device
-    tokens = tokens.to(device)
-    pos = torch.arange(W, device=device)[None]
-    model.setup_caches(1, W, policy)  # one slot to spare: a full cache is a special shape when compiled
-    with torch.inference_mode():
-        logits = [engine.run_prefill(model, tokens[None, :C], pos[:, :C], prefill)]
-        for i in range(W - C - 1):
-            logits.append(engine.run_decode(model, tokens[None, C + i:C + i + 1], pos[:, C + i:C + i + 1], i, decode))
-        logits = torch.cat(logits).float()                                  # [E, V]
-        return F.cross_entropy(logits, tokens[C:], reduction="none")
+    at a time; no host sync inside the loop (see `measure.forced_logits`)."""
+    logits = measure.forced_logits(model, tokens, context_length, policy, prefill, decode, usage)
+    return F.cross_entropy(logits, tokens[context_length:].to(logits.device), reduction="none")
 
 
 def text_windows(tokenizer, text: str, window: int, samples: int) -> list[tuple[int, list[int]]]:
@@ -62,6 +52,28 @@ def text_windows(tokenizer, text: str, window: int, samples: int) -> list[tuple[
         raise UsageError(f"the text has {len(ids)} tokens; {samples} sample(s) of {window} tokens need "
                          f"{samples * step}")
     return [(s * step, bos + ids[s * step:(s + 1) * step]) for s in range(samples)]
+
+
+def evaluate(loaded: common.Loaded, new_policy: Callable, windows: list[tuple[int, list[int]]], context_length: int,
+             progress: Optional[common.Progress] = None) -> dict:
+    """Every window with a fresh policy -> {score (perplexity), mean_nll, results, usage, and the
+    last policy's describe() and kv_bytes()}."""
+    results, nlls, usage = [], [], measure.Usage()
+    for i, (start, ids) in enumerate(windows):
+        policy = new_policy()
+        t0 = time.perf_counter()
+        nll = window_nll(loaded.model, torch.tensor(ids), context_length, policy, loaded.prefill, loaded.decode, usage)
+        seconds = time.perf_counter() - t0
+        nlls.append(nll)
+        mean = nll.double().mean().item()
+        if progress:
+            progress.finish(f"sample {i} (text tokens {start}..{start + len(ids)})",
+                            f"nll {mean:.4f} ppl {math.exp(mean):.3f}")
+        results.append({"sample": i, "start": start, "nll": mean, "perplexity": math.exp(mean),
+                        "seconds": round(seconds, 3), "kv_bytes": policy.kv_bytes()})
+    mean_nll = torch.cat(nlls).double().mean().item()
+    return {"score": math.exp(mean_nll), "metric": "perplexity", "mean_nll": mean_nll, "results": results,
+            "usage": usage.as_dict(), "describe": policy.describe(), "kv_bytes": policy.kv_bytes()}
 
 
 def build_parser():
@@ -84,28 +96,19 @@ def run(args) -> int:
     common.check_fits(loaded, window, f"--context-length {args.context_length} + --eval-tokens {args.eval_tokens}")
     windows = text_windows(loaded.tokenizer, text, window, args.samples)
 
-    results, nlls, progress = [], [], common.Progress(len(windows))
-    for i, (start, ids) in enumerate(windows):
-        policy = common.new_policy(args)
-        nll = window_nll(loaded.model, torch.tensor(ids), args.context_length, policy, loaded.prefill, loaded.decode)
-        nlls.append(nll)
-        mean = nll.double().mean().item()
-        seconds = progress.finish(f"sample {i} (text tokens {start}..{start + window})",
-                                  f"nll {mean:.4f} ppl {math.exp(mean):.3f}")
-        results.append({"sample": i, "start": start, "nll": mean, "perplexity": math.exp(mean),
-                        "seconds": round(seconds, 3), "kv_bytes": policy.kv_bytes()})
-    mean_nll = torch.cat(nlls).double().mean().item()
+    r = evaluate(loaded, lambda: common.new_policy(args), windows, args.context_length, common.Progress(len(windows)))
+    results, mean_nll = r["results"], r["mean_nll"]
     print(f"{'sample':>6}  {'nll':>8}  {'ppl':>9}")
-    for r in results:
-        print(f"{r['sample']:>6}  {r['nll']:8.4f}  {r['perplexity']:9.3f}")
+    for x in results:
+        print(f"{x['sample']:>6}  {x['nll']:8.4f}  {x['perplexity']:9.3f}")
     print(f"{'mean':>6}  {mean_nll:8.4f}  {math.exp(mean_nll):9.3f}   ({args.samples} x {args.context_length} context"
-          f" + {args.eval_tokens} decode tokens), policy {policy.describe()}")
+          f" + {args.eval_tokens} decode tokens), policy {r['describe']}")
     if args.json:
         common.write_json(args.json, {**common.report_header(args), "text": args.text or str(common.ESSAYS),
                                       "context_length": args.context_length, "eval_tokens": args.eval_tokens,
                                       "samples": args.samples, "mean_nll": mean_nll,
                                       "perplexity": math.exp(mean_nll), "results": results,
-                                      "describe": policy.describe(), "kv_bytes": policy.kv_bytes()})
+                                      "describe": r["describe"], "kv_bytes": r["kv_bytes"]})
     return 0
 
 
