@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from cache import PolicyError, make_policy, policy_names
+from cache.quantized import check_format, with_kv_bits
 from checkpoint import CheckpointError, build_model, read_checkpoint
 from model import Transformer
 from tokenizer import Tokenizer
@@ -156,6 +157,12 @@ def compiled_steps(device: torch.device):
     return _compiled[device.type]
 
 
+def warmup_length(policy=None) -> int:
+    """Prompt tokens of the compile warm-up: 4, or 2 G + 1 under KIVI storage, so that no count of key
+    groups is 1 there (the compiler specializes dimensions of size 1: the real request would recompile)."""
+    return max(4, 2 * getattr(policy, "kv_group", 0) + 1)
+
+
 def warm_up(model: Transformer, prefill, decode, tokens: torch.Tensor, policy=None, steps: int = 3) -> None:
     """Run the compiled steps once on a short prompt (tokens [B, T>=2]) so compilation happens
     before timing; the graphs are dynamic in lengths, so the real request reuses them."""
@@ -226,7 +233,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
     tokens, input_pos = tokens.to(device), input_pos.to(device)
     if compile:
         prefill, decode = compiled_steps(device)
-        warm_up(model, prefill, decode, tokens.new_full((B, 4), pad), policy)  # compile before timing
+        warm_up(model, prefill, decode, tokens.new_full((B, warmup_length(policy)), pad), policy)  # compile first
     else:
         prefill, decode = prefill_step, decode_step
     model.setup_caches(B, max_seq_length, policy)
@@ -326,8 +333,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-length", type=int, help="cache length (prompt + new tokens); default: just enough")
     p.add_argument("--policy", default="full", help=f"KV-cache policy: {', '.join(policy_names())}")
     p.add_argument("--policy-args", default="", help="policy parameters, k=v,k=v")
-    p.add_argument("--kv-bits", type=int, default=16, choices=[16, 4, 2], help="KV storage bits (16 = compute dtype)")
+    add_kv_flags(p)
     return p
+
+
+def add_kv_flags(p: argparse.ArgumentParser) -> None:
+    """--kv-bits / --kv-group-size / --kv-residual (the evals and the benchmark take them too)."""
+    p.add_argument("--kv-bits", type=int, default=16, choices=[16, 4, 2],
+                   help="KV storage bits: 16 = the compute dtype, 4 or 2 = KIVI-packed (any policy but pod and "
+                        "the sparse readers)")
+    p.add_argument("--kv-group-size", type=int, default=32, help="KIVI group G: keys per channel over G tokens, "
+                                                                 "values per token over G channels (default 32)")
+    p.add_argument("--kv-residual", type=int, default=32, help="KIVI residual R: the newest R tokens stay in full "
+                                                               "precision (a multiple of G; default 32)")
+
+
+def kv_policy(policy, args):
+    """The policy with --kv-bits/--kv-group-size/--kv-residual applied (UsageError for bad values or
+    a policy without packed storage)."""
+    try:
+        return with_kv_bits(policy, args.kv_bits, args.kv_group_size, args.kv_residual)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def check_kv_fits(args, model_args) -> None:
+    """UsageError unless the model's head_dim suits --kv-group-size (and the packing) at --kv-bits."""
+    if args.kv_bits != 16:
+        try:
+            check_format(model_args.head_dim, args.kv_bits, args.kv_group_size, args.kv_residual)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
 
 def collect_prompts(args) -> list[str]:
@@ -355,13 +391,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         prompts = collect_prompts(args)
-        if args.kv_bits != 16:
-            raise UsageError(f"--kv-bits {args.kv_bits}: KIVI quantized storage is not implemented yet; use 16")
         if args.max_new_tokens < 1:
             raise UsageError("--max-new-tokens must be at least 1")
-        policy = make_policy(args.policy, args.policy_args)
+        policy = kv_policy(make_policy(args.policy, args.policy_args), args)
         device = resolve_device(args.device)
         model, tokenizer = load_model(args.checkpoint, device, args.dtype)
+        check_kv_fits(args, model.args)
         result = generate(model, tokenizer, prompts, args.max_new_tokens, args.temperature, args.top_k,
                           args.top_p, args.seed, policy, args.max_seq_length, args.chat, args.compile)
     except (UsageError, CheckpointError, PolicyError, FileNotFoundError) as e:

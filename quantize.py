@@ -103,26 +103,38 @@ def _codes(x: Tensor, scale: Tensor, minimum: Tensor, bits: int) -> Tensor:
     return q.to(torch.uint8)
 
 
-def quantize_keys(k: Tensor, bits: int = 4, group: int = 32) -> QuantizedTensor:
-    """k [..., T, D] -> per-channel codes over groups of `group` consecutive tokens."""
+def quantize_keys(k: Tensor, bits: int = 4, group: int = 32, include: Optional[Tensor] = None,
+                  dtype: Optional[torch.dtype] = None) -> QuantizedTensor:
+    """k [..., T, D] -> per-channel codes over groups of `group` consecutive tokens.  `dtype`: of the
+    scale and minimum (default k's; an fp32 k with a narrower dtype avoids rounding k first).
+
+    include (bool, broadcastable to [..., T]): the tokens that set their group's min/max; the others
+    are don't-care rows (e.g. empty cache slots) coded against that range, clamped.  A group without
+    any included token gets scale 0 and minimum 0."""
     *lead, T, D = k.shape
     if T % group:
         raise ValueError(f"keys: T={T} is not a multiple of the group size {group}")
     x = k.float().reshape(*lead, T // group, group, D)
-    lo, hi = x.amin(-2), x.amax(-2)                                  # [..., T/G, D]
-    scale, minimum = _scale_min(lo, hi, bits, k.dtype)
+    if include is None:
+        lo, hi = x.amin(-2), x.amax(-2)                              # [..., T/G, D]
+    else:
+        inc = include.expand(*lead, T).reshape(*lead, T // group, group, 1)
+        none = ~inc.any(-2)                                          # [..., T/G, 1]
+        lo = torch.where(inc, x, math.inf).amin(-2).masked_fill(none, 0.0)
+        hi = torch.where(inc, x, -math.inf).amax(-2).masked_fill(none, 0.0)
+    scale, minimum = _scale_min(lo, hi, bits, dtype or k.dtype)
     codes = _codes(x, scale.unsqueeze(-2), minimum.unsqueeze(-2), bits).reshape(*lead, T, D)
     return QuantizedTensor(pack(codes, bits, -1), scale, minimum, bits, group)
 
 
-def quantize_values(v: Tensor, bits: int = 4, group: int = 32) -> QuantizedTensor:
-    """v [..., T, D] -> per-token codes over groups of `group` consecutive channels."""
+def quantize_values(v: Tensor, bits: int = 4, group: int = 32, dtype: Optional[torch.dtype] = None) -> QuantizedTensor:
+    """v [..., T, D] -> per-token codes over groups of `group` consecutive channels (`dtype`: as for keys)."""
     *lead, T, D = v.shape
     if D % group:
         raise ValueError(f"values: D={D} is not a multiple of the group size {group}")
     x = v.float().reshape(*lead, T, D // group, group)
     lo, hi = x.amin(-1), x.amax(-1)                                  # [..., T, D/G]
-    scale, minimum = _scale_min(lo, hi, bits, v.dtype)
+    scale, minimum = _scale_min(lo, hi, bits, dtype or v.dtype)
     codes = _codes(x, scale.unsqueeze(-1), minimum.unsqueeze(-1), bits).reshape(*lead, T, D)
     return QuantizedTensor(pack(codes, bits, -1), scale, minimum, bits, group)
 

@@ -159,6 +159,19 @@ def first_min(x: Tensor) -> Tensor:
     return torch.where(x == x.amin(-1, keepdim=True), index, x.shape[-1]).amin(-1)
 
 
+def cosine(a: Tensor, b: Tensor) -> Tensor:
+    """Cosine similarity of every row of a [B, H, T, D] with every row of b [B, H, n, D] -> [B, H, T, n]."""
+    return F.normalize(a.float(), dim=-1) @ F.normalize(b.float(), dim=-1).transpose(-1, -2)
+
+
+def joint_softmax(s_old: Tensor, s_new: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over the concatenation [s_old, s_new] of scores [..., C] and [..., 1], without making it."""
+    top = torch.maximum(s_old.amax(-1, keepdim=True), s_new)
+    e_old, e_new = (s_old - top).exp(), (s_new - top).exp()
+    z = e_old.sum(-1, keepdim=True) + e_new
+    return e_old / z, e_new / z
+
+
 def attend_with_new(q: Tensor, kc: Tensor, vc: Tensor, visible: Tensor, k: Tensor, v: Tensor):
     """Decode attention over cached slots plus the new token, one joint softmax in fp32.
 
@@ -171,10 +184,7 @@ def attend_with_new(q: Tensor, kc: Tensor, vc: Tensor, visible: Tensor, k: Tenso
     s_old = (qg @ kc.transpose(-1, -2)).float() / math.sqrt(D)                      # [B, Hkv, G, C]
     s_old = s_old.masked_fill(~visible[:, :, None, :], NEVER)
     s_new = (qg.float() * k.float()).sum(-1, keepdim=True) / math.sqrt(D)           # [B, Hkv, G, 1]
-    top = torch.maximum(s_old.amax(-1, keepdim=True), s_new)
-    e_old, e_new = (s_old - top).exp(), (s_new - top).exp()
-    z = e_old.sum(-1, keepdim=True) + e_new
-    p_old, p_new = e_old / z, e_new / z
+    p_old, p_new = joint_softmax(s_old, s_new)
     out = (p_old.to(vc.dtype) @ vc).float() + p_new * v.float()
     return out.to(q.dtype).reshape(B, Hq, 1, D), p_old, p_new
 
@@ -231,8 +241,10 @@ class EvictionPolicy:
     def on_evict(self, layer: int, slot: Tensor) -> None:
         """Called before the new token overwrites `slot` [B, H_kv] (D2O merges it away)."""
 
-    def on_compress(self, layer: int, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor, stats: dict) -> None:
-        """Called after a layer kept prompt tokens idx [B, H_kv, n] (D2O merges the others)."""
+    def on_compress(self, layer: int, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor, stats: dict,
+                    kc: Tensor, vc: Tensor) -> None:
+        """Called when a layer keeps prompt tokens idx [B, H_kv, n]: kc, vc [B, H_kv, n, D] are the kept
+        keys/values (full precision), stored after this hook; D2O merges the others into them in place."""
 
     # ----------------------------------------------------------------- contract
     def setup(self, args: ModelArgs, max_batch_size: int, max_seq_length: int, dtype, device) -> None:
@@ -306,17 +318,16 @@ class EvictionPolicy:
 
     def allocate(self, layer: int) -> None:
         """Allocate layer `layer`'s storage (host side, once the prompt length is known)."""
-        B, H, D, cap = self.batch, self.args.n_kv_heads, self.args.head_dim, self.capacity(layer)
+        B, H, cap = self.batch, self.args.n_kv_heads, self.capacity(layer)
         self.kept[layer] = min(self.layer_budget(layer), self.prompt_length)
-        self.k[layer] = torch.zeros(B, H, cap, D, dtype=self.dtype, device=self.device)
-        self.v[layer] = torch.zeros(B, H, cap, D, dtype=self.dtype, device=self.device)
+        self.allocate_kv(layer, cap)
         self.pos[layer] = torch.full((B, H, cap), -1, dtype=torch.long, device=self.device)
         if self.decode_attention:                                       # accumulated attention
             self.score[layer] = torch.zeros(B, H, cap, dtype=torch.float32, device=self.device)
 
     def used_slots(self, layer: int) -> int:
         """Slots any sequence may have filled so far (empty slots fill lowest index first)."""
-        return min(self.k[layer].shape[2], self.kept[layer] + self.n_filled - self.prompt_length)
+        return min(self.pos[layer].shape[2], self.kept[layer] + self.n_filled - self.prompt_length)
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = grouped_attention(q, k, v, self.mask)
@@ -341,17 +352,17 @@ class EvictionPolicy:
         idx, valid = select_top(self.keep_scores(layer, stats, self.q_pos, H), self.layer_budget(layer))
         n = idx.shape[-1]
         gather = idx[..., None].expand(-1, -1, -1, D)
-        self.k[layer][:, :, :n] = k.gather(2, gather)
-        self.v[layer][:, :, :n] = v.gather(2, gather)
+        kc, vc = k.gather(2, gather), v.gather(2, gather)
         pos = self.q_pos[:, None, :].expand(-1, H, -1).gather(2, idx)
         self.pos[layer][:, :, :n] = torch.where(valid, pos, -1)
         if self.decode_attention:
             self.score[layer][:, :, :n] = stats["acc"].gather(2, idx)
-        self.on_compress(layer, k, v, idx, valid, stats)
+        self.on_compress(layer, k, v, idx, valid, stats, kc, vc)
+        self.write_kept(layer, kc, vc)
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.decode_attention and not self.layer_appends[layer]:
-            out, p_old, p_new = attend_with_new(q, self.k[layer], self.v[layer], self.visible(layer), k, v)
+            out, p_old, p_new = self.attend_and_probs(layer, q, k, v)
             self.observe(layer, p_old, p_new)
             slot = self.store(layer, k, v)
             self.score[layer].scatter_(2, slot[:, :, None], p_new.mean(2))
@@ -361,13 +372,11 @@ class EvictionPolicy:
 
     def store(self, layer: int, k: Tensor, v: Tensor) -> Tensor:
         """Write the new token k, v [B, H_kv, 1, D] into its slot; returns the slot [B, H_kv]."""
-        kc, vc, pc = self.k[layer], self.v[layer], self.pos[layer]
+        pc = self.pos[layer]
         slot = self.first_empty(layer) if self.layer_appends[layer] else self.decode_victim(layer)
         self.on_evict(layer, slot)
-        at = slot[:, :, None, None].expand(-1, -1, 1, k.shape[-1])
-        kc.scatter_(2, at, k)
-        vc.scatter_(2, at, v)
         pc.scatter_(2, slot[:, :, None], self.q_pos[:, None, :].expand(-1, pc.shape[1], 1))
+        self.write_slots(layer, slot, k, v)
         return slot
 
     def attend(self, layer: int, q: Tensor) -> Tensor:
@@ -381,6 +390,49 @@ class EvictionPolicy:
         """Composition hook: (k, v [B, H_kv, C, D], visible [B, H_kv, C]) of the layer as the
         current query may read it; slots keep their index until overwritten."""
         return self.k[layer], self.v[layer], self.visible(layer)
+
+    # ----------------------------------------------------------------- K/V format
+    # How slots hold K/V: full-precision tensors here; cache/quantized.py overrides these hooks (and
+    # `attend`, `storage`) for KIVI-packed slots (--kv-bits).  Policies reach stored K/V only through them.
+    def allocate_kv(self, layer: int, capacity: int) -> None:
+        """K/V buffers of `capacity` slots for the layer (host side)."""
+        shape = (self.batch, self.args.n_kv_heads, capacity, self.args.head_dim)
+        self.k[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def write_kept(self, layer: int, kc: Tensor, vc: Tensor) -> None:
+        """The kept prompt tokens kc, vc [B, H_kv, n, D] into slots [0, n) (pos already written)."""
+        n = kc.shape[2]
+        self.k[layer][:, :, :n] = kc
+        self.v[layer][:, :, :n] = vc
+
+    def write_slots(self, layer: int, slot: Tensor, k: Tensor, v: Tensor, where: Tensor | None = None) -> None:
+        """k, v [B, H_kv, 1, D] into slot [B, H_kv] (pos already written); where [B, H_kv] bool: only there."""
+        at = slot[:, :, None, None].expand(-1, -1, 1, k.shape[-1])
+        kc, vc = self.k[layer], self.v[layer]
+        if where is not None:
+            keep = ~where[:, :, None, None]
+            k, v = torch.where(keep, kc.gather(2, at), k.to(kc.dtype)), torch.where(keep, vc.gather(2, at), v.to(vc.dtype))
+        kc.scatter_(2, at, k.to(kc.dtype))
+        vc.scatter_(2, at, v.to(vc.dtype))
+
+    def read_slots(self, layer: int, slot: Tensor) -> tuple[Tensor, Tensor]:
+        """(k, v) [B, H_kv, 1, D] held by slot [B, H_kv]."""
+        at = slot[:, :, None, None].expand(-1, -1, 1, self.args.head_dim)
+        return self.k[layer].gather(2, at), self.v[layer].gather(2, at)
+
+    def key_cosine(self, layer: int, k: Tensor) -> Tensor:
+        """Cosine similarity of k [B, H_kv, 1, D] with every slot's key -> [B, H_kv, C] fp32."""
+        return cosine(k, self.k[layer])[:, :, 0]
+
+    def attend_and_probs(self, layer: int, q: Tensor, k: Tensor, v: Tensor):
+        """`attend_with_new` over the layer's slots plus the new token -> (out, p_old, p_new)."""
+        return attend_with_new(q, self.k[layer], self.v[layer], self.visible(layer), k, v)
+
+    def dense_kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(k, v) [B, H_kv, C, D] of every slot in the compute dtype, for host-side one-off reads
+        (a packed format makes a copy here: never call it in the decode step)."""
+        return self.k[layer], self.v[layer]
 
     def visible(self, layer: int) -> Tensor:
         """Slots [B, H_kv, C] the current query may attend (filled, within a sliding window)."""

@@ -17,10 +17,9 @@ This happens at prefill compression and at every decode eviction.
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from cache.base import ALWAYS, NEVER, EvictionPolicy, column_scores, recent_and_sinks, split_integer
+from cache.base import ALWAYS, NEVER, EvictionPolicy, column_scores, cosine, recent_and_sinks, split_integer
 
 
 class D2OPolicy(EvictionPolicy):
@@ -77,11 +76,11 @@ class D2OPolicy(EvictionPolicy):
         always = recent_and_sinks(q_pos, self.n_sink, self.window(layer))[:, None, :]
         return stats["acc"].masked_fill(always, ALWAYS).masked_fill((q_pos < 0)[:, None, :], NEVER)
 
-    def on_compress(self, layer: int, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor, stats: dict) -> None:
-        """Merge the prompt tokens left out into their most similar kept token."""
+    def on_compress(self, layer: int, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor, stats: dict,
+                    kc: Tensor, vc: Tensor) -> None:
+        """Merge the prompt tokens left out into their most similar kept token (kc, vc, in place)."""
         B, H, T, D = k.shape
         n = idx.shape[-1]
-        kc, vc = self.k[layer][:, :, :n], self.v[layer][:, :, :n]
         sim = cosine(k, kc)                                                        # [B, H, T, n]
         sim = sim.masked_fill(~valid[:, :, None, :], NEVER)
         best, target = sim.max(-1)                                                 # [B, H, T]
@@ -104,22 +103,22 @@ class D2OPolicy(EvictionPolicy):
         return self.lowest(layer, self.score[layer], self.protected(layer, self.n_sink, self.window(layer)))
 
     def on_evict(self, layer: int, slot: Tensor) -> None:
-        """Merge the token leaving `slot` [B, H] into its most similar remaining slot."""
-        kc, vc, pc = self.k[layer], self.v[layer], self.pos[layer]
-        D = kc.shape[-1]
-        at = slot[:, :, None, None].expand(-1, -1, 1, D)
-        k_out, v_out = kc.gather(2, at), vc.gather(2, at)                         # [B, H, 1, D]
+        """Merge the token leaving `slot` [B, H] into its most similar remaining slot (through the
+        storage's slot reads/writes, so a packed target is requantized correctly)."""
+        pc = self.pos[layer]
+        k_out, v_out = self.read_slots(layer, slot)                               # [B, H, 1, D]
         real = pc.gather(2, slot[:, :, None])[..., 0] >= 0                         # evicting a token?
-        sim = cosine(k_out, kc)[:, :, 0]                                           # [B, H, C]
+        sim = self.key_cosine(layer, k_out)                                        # [B, H, C]
         others = (pc >= 0).scatter(2, slot[:, :, None], False)
         best, target = sim.masked_fill(~others, NEVER).max(-1)                     # [B, H]
         tau = self.beta * best + (1 - self.beta) * self.tau[layer]
         self.tau[layer] = torch.where(real, tau, self.tau[layer])
-        weight = torch.where(real & (best >= tau), best.exp(), 0.0)[..., None, None]
-        to = target[:, :, None, None].expand(-1, -1, 1, D)
-        for cache, src in ((kc, k_out), (vc, v_out)):
-            old = cache.gather(2, to).float()
-            cache.scatter_(2, to, ((math.e * old + weight * src.float()) / (math.e + weight)).to(cache.dtype))
+        merge = real & (best >= tau)
+        weight = torch.where(merge, best.exp(), 0.0)[..., None, None]
+        k_t, v_t = self.read_slots(layer, target)
+        k_new, v_new = ((math.e * old.float() + weight * src.float()) / (math.e + weight)
+                        for old, src in ((k_t, k_out), (v_t, v_out)))
+        self.write_slots(layer, target, k_new, v_new, where=merge)
 
     def describe(self) -> dict:
         d = super().describe()
@@ -128,7 +127,3 @@ class D2OPolicy(EvictionPolicy):
             d["layer_variances"] = [round(x, 3) for x in self.variances] if self.variances[0] is not None else None
         return d
 
-
-def cosine(a: Tensor, b: Tensor) -> Tensor:
-    """Cosine similarity of every row of a [B, H, T, D] with every row of b [B, H, n, D] -> [B, H, T, n]."""
-    return F.normalize(a.float(), dim=-1) @ F.normalize(b.float(), dim=-1).transpose(-1, -2)

@@ -111,14 +111,15 @@ class SimLayerKVPolicy(EvictionPolicy):
         out = super().decode(layer, q, k, v)
         if self.measuring:                      # the first generated token's attention
             pos = self.pos[layer]
-            probs = attention_probs(q, self.k[layer], self.q_pos, pos[:, 0], self.sliding_window)
+            probs = attention_probs(q, self.dense_kv(layer)[0], self.q_pos, pos[:, 0], self.sliding_window)
             self.masses[layer] = lazy_mass(probs, self.q_pos, pos, self.n_initial, self.window)
         return out
 
     def trim(self, layer: int) -> None:
         """Decode strategy: shrink a full layer to initial + recent ring (host, once)."""
         used = self.used_slots(layer)
-        k, v, pos = self.k[layer][:, :, :used], self.v[layer][:, :, :used], self.pos[layer][:, 0, :used]
+        k, v = (x[:, :, :used] for x in self.dense_kv(layer))
+        pos = self.pos[layer][:, 0, :used]
         q_pos, prompt_length = self.q_pos, self.prompt_length
         self.q_pos = pos                                   # the slots play the prompt's role
         self.prompt_length = self.n_filled

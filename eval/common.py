@@ -39,7 +39,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
                    help="HF/converted model directory or .gguf file (default: %(default)s)")
     p.add_argument("--policy", default="full", help=f"KV-cache policy: {', '.join(policy_names())}")
     p.add_argument("--policy-args", default="", help="policy parameters, k=v,k=v")
-    p.add_argument("--kv-bits", type=int, default=16, choices=[16, 4, 2], help="KV storage bits (16 = compute dtype)")
+    engine.add_kv_flags(p)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=list(engine.DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile the prefill and decode steps")
@@ -66,19 +66,11 @@ def parse_ints(text: str, flag: str) -> list[int]:
 
 # --------------------------------------------------------------------------- policy and model
 
-def with_kv_bits(policy, kv_bits: int):
-    """The policy with its K/V stored at `kv_bits` (16: the compute dtype, as allocated).
-
-    The one place KIVI storage (--kv-bits 4|2) gets wired into the evals once it lands."""
-    if kv_bits != 16:
-        raise UsageError(f"--kv-bits {kv_bits}: KIVI quantized storage is not implemented yet; use 16")
-    return policy
-
-
 def new_policy(args):
-    """A fresh policy object from --policy/--policy-args/--kv-bits (raises PolicyError/UsageError).
-    Every run gets its own, so no state leaks from one cell to the next."""
-    return with_kv_bits(make_policy(args.policy, args.policy_args), args.kv_bits)
+    """A fresh policy object from --policy/--policy-args and its storage from --kv-bits/--kv-group-size/
+    --kv-residual (raises PolicyError/UsageError).  Every run gets its own, so no state leaks from one
+    cell to the next."""
+    return engine.kv_policy(make_policy(args.policy, args.policy_args), args)
 
 
 @dataclass
@@ -99,11 +91,13 @@ def load(args) -> Loaded:
     new_policy(args)                        # fail on a bad policy before spending time loading
     device = engine.resolve_device(args.device)
     model, tokenizer = engine.load_model(args.checkpoint, device, args.dtype)
+    engine.check_kv_fits(args, model.args)
     loaded = Loaded(model, tokenizer, device)
     if args.compile:
         loaded.prefill, loaded.decode = engine.compiled_steps(device)
-        engine.warm_up(model, loaded.prefill, loaded.decode, torch.zeros(1, 4, dtype=torch.long, device=device),
-                       new_policy(args))
+        policy = new_policy(args)
+        engine.warm_up(model, loaded.prefill, loaded.decode,
+                       torch.zeros(1, engine.warmup_length(policy), dtype=torch.long, device=device), policy)
     return loaded
 
 
@@ -164,7 +158,7 @@ class Progress:
 def report_header(args) -> dict:
     """The fields every eval's JSON starts with."""
     return {"policy": args.policy, "policy_args": args.policy_args, "kv_bits": args.kv_bits,
-            "checkpoint": str(args.checkpoint)}
+            "kv_group_size": args.kv_group_size, "kv_residual": args.kv_residual, "checkpoint": str(args.checkpoint)}
 
 
 def write_json(path, obj: dict) -> None:

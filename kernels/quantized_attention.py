@@ -72,6 +72,8 @@ def _shapes(q, k_packed, k_scale, k_min, v_packed, v_scale, v_min, n, bits, grou
             raise ValueError(f"{name} must be {want[name]}, got {tuple(t.shape)}")
     if k_packed.dtype != torch.int32 or v_packed.dtype != torch.int32:
         raise TypeError("packed words must be int32")
+    if torch.compiler.is_compiling():   # (symbolic sizes: checked by the eager calls; a check here breaks the graph)
+        return q, B, Hq, H, D, P
     if mask is not None and (mask.dtype != torch.bool or mask.dim() != 3 or mask.shape[0] != B
                              or mask.shape[1] not in (1, H) or mask.shape[2] < n):
         raise ValueError(f"mask must be bool [B={B}, H_kv={H} or 1, >= n={n}], got "
@@ -93,9 +95,11 @@ def _codes_t(words_t: Tensor, bits: int) -> Tensor:
 
 def _valid(n: int, total: int, mask: Optional[Tensor], device) -> Tensor:
     """bool [B or 1, H or 1, 1, total]: slot < n and visible."""
-    ok = (torch.arange(total, device=device) < n)[None, None, None]
-    if mask is not None:   # (no branch on total > n: compiled graphs stay shape-generic)
-        m = torch.cat([mask[:, :, :n], mask.new_zeros(*mask.shape[:2], total - n)], dim=-1)
+    slots = torch.arange(total, device=device)
+    ok = (slots < n)[None, None, None]
+    if mask is not None:   # no branch on total > n, no tensor of size total - n: compiled graphs stay
+        # shape-generic (a size that may be 0 or 1 would be specialized, one graph per n % group)
+        m = mask.gather(2, slots.clamp(max=n - 1)[None, None].expand(*mask.shape[:2], total))
         ok = ok & m[:, :, None]
     return ok
 
@@ -107,37 +111,50 @@ def _softmax_stats(s: Tensor) -> tuple[Tensor, Tensor]:
     return p, lse
 
 
-def _torch_eager(qg, k_packed, k_scale, k_min, v_packed, v_scale, v_min, n, bits, G, mask, chunk):
-    """Blocks of `chunk` tokens, in the transposed domain (keys^T, values^T [D, tokens])."""
+def _scores_eager(qg, k_packed, k_scale, k_min, nt, bits, G, chunk):
+    """Scores [B, H, Gq, nt] of qg [B, H, Gq, D] (scale folded in) against the packed keys of the
+    first nt slots (whole groups), block by block in the transposed domain (keys^T [D, tokens])."""
     B, H, Gq, D = qg.shape
-    nt = -(-n // G) * G                                  # whole key groups covering [0, n)
     chunk = max(G, chunk // G * G)
-    kw, vw = k_packed.transpose(-1, -2), v_packed.transpose(-1, -2)        # [B, H, W, S]
+    kw = k_packed.transpose(-1, -2)                                        # [B, H, W, S]
     ks, km = k_scale.transpose(-1, -2), k_min.transpose(-1, -2)            # [B, H, D, S/G]
-    vs, vm = v_scale.transpose(-1, -2), v_min.transpose(-1, -2)            # [B, H, D/G, S]
     s = torch.empty(B, H, Gq, nt, device=qg.device, dtype=torch.float32)
-    for c0 in range(0, nt, chunk):   # keys: dequantize one block of whole groups, one GEMV
+    for c0 in range(0, nt, chunk):   # dequantize one block of whole groups, one GEMV
         c1 = min(c0 + chunk, nt)
         g0, g1 = c0 // G, c1 // G
         codes = _codes_t(kw[..., c0:c1], bits).view(B, H, D, g1 - g0, G)
         k_t = codes.mul_(ks[..., g0:g1, None]).add_(km[..., g0:g1, None])   # in place: no copy
         s[..., c0:c1] = torch.matmul(qg, k_t.view(B, H, D, c1 - c0))
-    s = s.masked_fill(~_valid(n, nt, mask, qg.device), float("-inf"))
-    p, lse = _softmax_stats(s)
-    out = torch.zeros(B, H, Gq, D, device=qg.device, dtype=torch.float32)
-    for c0 in range(0, n, chunk):    # values: the same, per-token scales over channel groups
+    return s
+
+
+def _values_eager(p, v_packed, v_scale, v_min, n, bits, G, chunk):
+    """sum_t p[..., t] v_t over the packed values of slots [0, n): p [B, H, Gq, >= n] -> [B, H, Gq, D]."""
+    B, H, Gq = p.shape[:3]
+    D = v_packed.shape[-1] * (32 // bits)
+    chunk = max(G, chunk // G * G)
+    vw = v_packed.transpose(-1, -2)                                        # [B, H, W, S]
+    vs, vm = v_scale.transpose(-1, -2), v_min.transpose(-1, -2)            # [B, H, D/G, S]
+    out = torch.zeros(B, H, Gq, D, device=p.device, dtype=torch.float32)
+    for c0 in range(0, n, chunk):    # per-token scales over channel groups
         c1 = min(c0 + chunk, n)
         codes = _codes_t(vw[..., c0:c1], bits).view(B, H, D // G, G, c1 - c0)
         v_t = codes.mul_(vs[:, :, :, None, c0:c1]).add_(vm[:, :, :, None, c0:c1])
         out += torch.matmul(p[..., c0:c1], v_t.view(B, H, D, c1 - c0).transpose(-1, -2))
-    return out, lse
+    return out
 
 
-def _torch_fused(qg, k_packed, k_scale, k_min, v_packed, v_scale, v_min, n, bits, G, mask):
-    """The compile-friendly formulation (see the module docstring): per bit-plane j, the codes
-    (word >> b*j) & mask are the channels [jW, (j+1)W) of W words, and scores / outputs are sums
-    of P reductions that Inductor fuses into one loop nest over the words, vectorized over
-    tokens when the words are token-contiguous (QuantizedKV's layout)."""
+def _torch_eager(qg, k_packed, k_scale, k_min, v_packed, v_scale, v_min, n, bits, G, mask, chunk):
+    """Blocks of `chunk` tokens, in the transposed domain (keys^T, values^T [D, tokens])."""
+    nt = -(-n // G) * G                                  # whole key groups covering [0, n)
+    s = _scores_eager(qg, k_packed, k_scale, k_min, nt, bits, G, chunk)
+    s = s.masked_fill(~_valid(n, nt, mask, qg.device), float("-inf"))
+    p, lse = _softmax_stats(s)
+    return _values_eager(p, v_packed, v_scale, v_min, n, bits, G, chunk), lse
+
+
+def _scores_fused(qg, k_packed, k_scale, k_min, n, bits, G):
+    """The compile-friendly scores [B, H, Gq, nt] (nt = n rounded up to whole groups)."""
     B, H, Gq, D = qg.shape
     P, lvl = 32 // bits, (1 << bits) - 1
     W = D // P
@@ -150,8 +167,15 @@ def _torch_fused(qg, k_packed, k_scale, k_min, v_packed, v_scale, v_min, n, bits
         cj = ((kw >> (bits * j)) & lvl).float()                          # [B, H, 1, W, ng, G]
         qj = qs[..., j * W:(j + 1) * W].transpose(-1, -2)[..., None]     # [B, H, Gq, W, ng, 1]
         s = s + (cj * qj).sum(3)
-    s = s.reshape(B, H, Gq, nt).masked_fill(~_valid(n, nt, mask, qg.device), float("-inf"))
-    p, lse = _softmax_stats(s)
+    return s.reshape(B, H, Gq, nt)
+
+
+def _values_fused(p, v_packed, v_scale, v_min, n, bits, G):
+    """The compile-friendly weighted sum over the packed values of slots [0, n) -> [B, H, Gq, D]."""
+    B, H = p.shape[:2]
+    P, lvl = 32 // bits, (1 << bits) - 1
+    W = v_packed.shape[-1]
+    D = W * P
     p = p[:, :, :, None, :n]                                             # [B, H, Gq, 1, n]
     vw = v_packed.transpose(-1, -2)[:, :, None, :, :n]                   # [B, H, 1, W, n]
     rep = (B, H, 1, D // G, G, n)
@@ -162,7 +186,38 @@ def _torch_fused(qg, k_packed, k_scale, k_min, v_packed, v_scale, v_min, n, bits
         cj = ((vw >> (bits * j)) & lvl).float()
         sl = slice(j * W, (j + 1) * W)
         outs.append((p * (cj * vs[:, :, :, sl] + vm[:, :, :, sl])).sum(-1))   # [B, H, Gq, W]
-    return torch.cat(outs, dim=-1), lse
+    return torch.cat(outs, dim=-1)
+
+
+def _torch_fused(qg, k_packed, k_scale, k_min, v_packed, v_scale, v_min, n, bits, G, mask):
+    """The compile-friendly formulation (see the module docstring): per bit-plane j, the codes
+    (word >> b*j) & mask are the channels [jW, (j+1)W) of W words, and scores / outputs are sums
+    of P reductions that Inductor fuses into one loop nest over the words, vectorized over
+    tokens when the words are token-contiguous (QuantizedKV's layout)."""
+    s = _scores_fused(qg, k_packed, k_scale, k_min, n, bits, G)
+    s = s.masked_fill(~_valid(n, s.shape[-1], mask, qg.device), float("-inf"))
+    p, lse = _softmax_stats(s)
+    return _values_fused(p, v_packed, v_scale, v_min, n, bits, G), lse
+
+
+def quantized_scores(qg: Tensor, k_packed: Tensor, k_scale: Tensor, k_min: Tensor, n: int, bits: int,
+                     group: int, chunk: int = 512) -> Tensor:
+    """Raw scores qg . k_t of every slot t < n (torch; the pieces of the twin, for callers that need
+    the probabilities themselves, e.g. H2O's accumulated attention over a packed cache).
+    qg [B, H_kv, Gq, D] fp32 (any softmax scale folded in) -> [B, H_kv, Gq, nt] fp32, nt = n rounded
+    up to whole key groups (the slots past n are whatever the words hold: mask them)."""
+    if torch.compiler.is_compiling():
+        return _scores_fused(qg, k_packed, k_scale, k_min, n, bits, group)
+    return _scores_eager(qg, k_packed, k_scale, k_min, -(-n // group) * group, bits, group, chunk)
+
+
+def quantized_weighted_values(p: Tensor, v_packed: Tensor, v_scale: Tensor, v_min: Tensor, n: int, bits: int,
+                              group: int, chunk: int = 512) -> Tensor:
+    """sum_t p[..., t] v_t over the packed values of slots t < n (torch): p [B, H_kv, Gq, >= n] fp32
+    -> [B, H_kv, Gq, D] fp32."""
+    if torch.compiler.is_compiling():
+        return _values_fused(p, v_packed, v_scale, v_min, n, bits, group)
+    return _values_eager(p, v_packed, v_scale, v_min, n, bits, group, chunk)
 
 
 def quantized_decode_attention_torch(q: Tensor, k_packed: Tensor, k_scale: Tensor, k_min: Tensor,

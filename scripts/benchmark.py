@@ -88,7 +88,9 @@ Memory rows (mode "memory"): policy, policy_args, kv_bits, context_length, decod
 CPU: set OMP_WAIT_POLICY=ACTIVE (recommended; the header prints the setting in effect): PyTorch's
 OpenMP threads otherwise sleep between ops, which costs milliseconds per op on small CPUs.  Run on
 an otherwise idle machine; the median of interleaved repeats damps but cannot remove noise.
---kv-bits 4|2 rows are reported as skipped until KIVI storage lands.
+--kv-bits 16,4 runs every configuration at both storage precisions (KIVI-packed with
+--kv-group-size/--kv-residual; policies without a packed format, pod and the sparse readers, are
+reported as skipped at 4 or 2 bits).
 """
 from __future__ import annotations
 
@@ -96,7 +98,6 @@ import argparse
 import csv
 import ctypes
 import gc
-import inspect
 import io
 import json
 import math
@@ -118,6 +119,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import engine  # noqa: E402
 from cache import PolicyError, make_policy, policy_names  # noqa: E402
+from cache.quantized import check_format, with_kv_bits  # noqa: E402
 from model import grouped_attention  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
@@ -399,6 +401,8 @@ class Config:
     policy_args: str
     kv_bits: int
     compile: bool
+    kv_group: int = 32          # KIVI G and R (used when kv_bits != 16)
+    kv_residual: int = 32
 
     @property
     def label(self) -> str:
@@ -409,13 +413,13 @@ class Config:
 
 
 def build_policy(cfg: Config):
-    """A fresh policy object for one run.  --kv-bits other than 16 is passed to make_policy once it
-    accepts `kv_bits` (the KIVI issue); until then such configurations are Unsupported."""
-    if cfg.kv_bits != 16:
-        if "kv_bits" not in inspect.signature(make_policy).parameters:
-            raise Unsupported(f"--kv-bits {cfg.kv_bits}: KIVI quantized storage is not implemented yet")
-        return make_policy(registry_name(cfg.policy), cfg.policy_args, kv_bits=cfg.kv_bits)
-    return make_policy(registry_name(cfg.policy), cfg.policy_args)
+    """A fresh policy object for one run, its K/V stored at cfg.kv_bits (a policy without a packed
+    format at 4 or 2 bits is Unsupported: its rows are reported as skipped)."""
+    policy = make_policy(registry_name(cfg.policy), cfg.policy_args)
+    try:
+        return with_kv_bits(policy, cfg.kv_bits, cfg.kv_group, cfg.kv_residual)
+    except ValueError as e:
+        raise Unsupported(str(e)) from None
 
 
 def skip_reason(cfg: Config) -> Optional[str]:
@@ -628,7 +632,8 @@ class Bench:
     def configs(self) -> list[Config]:
         o = self.opts
         compiles = {"off": [False], "on": [True], "both": [False, True]}[o.compile]
-        return [Config(p, a, bits, c) for (p, a) in o.policy_list for bits in o.kv_bits_list for c in compiles]
+        return [Config(p, a, bits, c, o.kv_group_size, o.kv_residual)
+                for (p, a) in o.policy_list for bits in o.kv_bits_list for c in compiles]
 
     def fits_context(self, context: int, extra: int) -> Optional[str]:
         limit = self.model.args.max_position_embeddings
@@ -1209,6 +1214,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "generated tokens)")
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before the timed ones")
     p.add_argument("--kv-bits", default="16", help="comma-separated KV storage bits: 16 (compute dtype), 4, 2")
+    p.add_argument("--kv-group-size", type=int, default=32, help="KIVI group G for --kv-bits 4|2 (default 32)")
+    p.add_argument("--kv-residual", type=int, default=32, help="KIVI full-precision residual R (default 32)")
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                    help="torch.compile the steps (Inductor on CPU, CUDA graphs on CUDA); 'both' = eager and "
                         "compiled rows side by side")
@@ -1251,6 +1258,11 @@ def check_options(o, parser) -> None:
     bad_bits = [b for b in o.kv_bits_list if b not in (16, 4, 2)]
     if bad_bits:
         raise BenchmarkError(f"--kv-bits {bad_bits[0]}: use 16, 4 or 2")
+    for bits in set(o.kv_bits_list) - {16}:
+        try:
+            check_format(None, bits, o.kv_group_size, o.kv_residual)
+        except ValueError as e:
+            raise BenchmarkError(str(e)) from None
     if o.verify_runs < 0:
         raise BenchmarkError("--verify-runs must be >= 0")
     for flag in ("decode_steps", "repeats", "prefill_chunk", "op_iters", "max_batch"):
@@ -1306,6 +1318,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_options(o, parser)
         device = engine.resolve_device(o.device)
         model, tokenizer = engine.load_model(o.checkpoint, device, o.dtype)
+        for bits in set(o.kv_bits_list) - {16}:
+            try:
+                check_format(model.args.head_dim, bits, o.kv_group_size, o.kv_residual)
+            except ValueError as e:
+                raise BenchmarkError(str(e)) from None
     except (BenchmarkError, engine.UsageError, engine.CheckpointError, PolicyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -66,7 +66,11 @@ def test_batch_of_prompts_and_stats(capsys, default_dir):
     (["--checkpoint", "{dir}", "--prompt", "hi", "--device", "cuda"], "no CUDA GPU"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--device", "tpu"], "unsupported device"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--dtype", "float64"], "invalid choice: 'float64'"),
-    (["--checkpoint", "{dir}", "--prompt", "hi", "--kv-bits", "4"], "not implemented yet"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--kv-bits", "4", "--kv-group-size", "48",
+      "--kv-residual", "96"], "head_dim 64 is not a multiple of --kv-group-size 48"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--kv-bits", "4", "--kv-residual", "40"],
+     "--kv-residual 40 must be a positive multiple of --kv-group-size 32"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--kv-bits", "4", "--policy", "pod"], "has no KIVI storage"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--max-new-tokens", "0"], "at least 1"),
 ])
 def test_bad_input_clear_message(capsys, tmp_path, default_dir, default_gguf, argv, message):

@@ -163,10 +163,11 @@ def test_perplexity_json(default_dir, essays, tmp_path, capsys):
     (needle, ["--haystack", "{tmp}"], "no non-empty .txt"),
     (needle, ["--policy", "nope"], "unknown policy 'nope'"),
     (needle, ["--policy", "streaming", "--policy-args", "bogus=1"], "has no parameter(s) bogus"),
-    (needle, ["--kv-bits", "4"], "--kv-bits 4: KIVI quantized storage is not implemented yet"),
+    (needle, ["--kv-bits", "4", "--policy", "hshare"], "--kv-bits 4: policy 'hshare' has no KIVI storage"),
     (needle, ["--depths", "0.5,2"], "--depths must lie in [0, 1]"),
     (needle, ["--lengths", "9000"], "exceeds the model's context length 8192"),
-    (perplexity, ["--kv-bits", "2"], "--kv-bits 2: KIVI quantized storage is not implemented yet"),
+    (perplexity, ["--kv-bits", "2", "--kv-group-size", "48", "--kv-residual", "48"],
+     "head_dim 64 is not a multiple of --kv-group-size 48"),
     (perplexity, ["--text", "{tmp}/nope.txt"], "cannot read --text"),
     (perplexity, ["--text", "{tmp}/empty.txt"], "is empty"),
     (perplexity, ["--context-length", "8000", "--eval-tokens", "500"], "exceeds the model's context length"),
@@ -180,6 +181,6 @@ def test_bad_input_is_one_line_exit_2(module, argv, message, default_dir, tmp_pa
 
 
 def test_runs_as_a_file(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "eval" / "perplexity.py"), "--kv-bits", "4"],
+    p = subprocess.run([sys.executable, str(ROOT / "eval" / "perplexity.py"), "--kv-bits", "4", "--kv-residual", "7"],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and p.stderr.startswith("error: --kv-bits 4") and "Traceback" not in p.stderr
+    assert p.returncode == 2 and p.stderr.startswith("error: --kv-residual 7") and "Traceback" not in p.stderr

@@ -178,7 +178,7 @@ def test_gguf_rope_freq_factors_equal_llama3_scaling():
     torch.testing.assert_close(model_module.rope_inv_freq(factors), scaled)
 
 
-@pytest.mark.parametrize("policy", ["full", "streaming", "snapkv", "h2o", "d2o"])
+@pytest.mark.parametrize("policy", ["full", "streaming", "snapkv", "h2o", "d2o", "full-kv4", "snapkv-kv4"])
 def test_generate_compiled_warms_up_and_never_recompiles(policy, tmp_path):
     """engine.generate(compile=True): compilation happens in the warm-up; a second request
     with another prompt length decodes with the same graphs and the same tokens as eager."""
@@ -201,6 +201,10 @@ def test_generate_compiled_warms_up_and_never_recompiles(policy, tmp_path):
     args = {"streaming": "budget=16,n_sink=2", "snapkv": "budget=12,window=4", "h2o": "budget=12,n_sink=2",
             "d2o": "budget=12,n_sink=2"}
     make = (lambda: make_policy(policy, args[policy])) if policy in args else (lambda: None)
+    if policy.endswith("-kv4"):      # KIVI storage (G 8, R 16: head_dim 16) under the same guarantees
+        from cache.quantized import with_kv_bits
+        name = policy[:-4]
+        make = lambda: with_kv_bits(make_policy(name, args.get(name)), 4, 8, 16)  # noqa: E731
     first = engine.generate(ours, Ids(), prompts, max_new_tokens=6, compile=True, policy=make())
     graphs = counters["stats"]["unique_graphs"]
     assert graphs == 2, "prefill and decode should each compile once, in the warm-up"

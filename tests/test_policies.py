@@ -393,12 +393,17 @@ def test_budget_256_allocates_a_tenth_of_full_at_4000_tokens(default_dir):
             assert allocated[name] * 10 <= allocated["full"], name
 
 
-@pytest.mark.parametrize("name,args", [("h2o", "budget=12,n_sink=2,window=4"), ("snapkv", "budget=12,window=4"),
-                                       ("d2o", "budget=14,n_sink=2"), ("simlayerkv", "strategy=decode,window=6")])
-def test_compiled_decode_matches_eager_without_recompiles(name, args, tmp_path):
+@pytest.mark.parametrize("name,args,bits", [
+    ("h2o", "budget=12,n_sink=2,window=4", 16), ("snapkv", "budget=12,window=4", 16), ("d2o", "budget=14,n_sink=2", 16),
+    ("simlayerkv", "strategy=decode,window=6", 16), ("full", "", 4), ("snapkv", "budget=12,window=4", 4),
+    ("d2o", "budget=14,n_sink=2", 4)])
+def test_compiled_decode_matches_eager_without_recompiles(name, args, bits, tmp_path):
     """Eviction, merging and joint-softmax decode are sync-free and shape-stable: one compiled
-    decode graph serves every step (the decode strategy's measuring step is its own variant)."""
+    decode graph serves every step (the decode strategy's measuring step is its own variant).
+    bits 4: KIVI storage (G 8, R 16), whose ring wraps and groups fill within the 12 steps; compiled
+    and eager scores differ in float rounding, which can move a 4-bit code by one step (1e-3)."""
     from torch._dynamo.utils import counters
+    from cache.quantized import with_kv_bits
     _, model = tiny_hf_model("tied_gqa3", tmp_path)
     tokens, pos = left_padded([30, 21])
     follow = torch.randint(0, 128, (2, 12))
@@ -406,7 +411,7 @@ def test_compiled_decode_matches_eager_without_recompiles(name, args, tmp_path):
     outs = {}
     for mode, decode in (("eager", engine.decode_step), ("compiled", step)):
         with torch.no_grad():
-            model.setup_caches(2, 48, make_policy(name, args))
+            model.setup_caches(2, 48, with_kv_bits(make_policy(name, args), bits, 8, 16))
             engine.run_prefill(model, tokens, pos)
             logits = []
             for s in range(12):
@@ -415,4 +420,5 @@ def test_compiled_decode_matches_eager_without_recompiles(name, args, tmp_path):
                 logits.append(engine.run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s, decode))
         outs[mode] = torch.stack(logits)
     assert counters["stats"]["unique_graphs"] == graphs, "decode recompiled while the cache evicted"
-    torch.testing.assert_close(outs["compiled"], outs["eager"], atol=1e-4, rtol=1e-4)
+    tol = 1e-4 if bits == 16 else 1e-3
+    torch.testing.assert_close(outs["compiled"], outs["eager"], atol=tol, rtol=tol)

@@ -1,0 +1,503 @@
+"""KIVI storage for every storage policy (`--kv-bits 4|2`): the policy decides *which* tokens are
+kept, this module decides *how* they are stored.
+
+    with_kv_bits(policy, bits, group=32, residual=32)   the policy with KIVI-packed slots (16: as is)
+    check_format(head_dim, bits, group, residual)        ValueError with a clear message when it cannot work
+
+`full` becomes `KIVIDenseCache`; every `EvictionPolicy` (streaming, h2o, snapkv, pyramidkv, d2o,
+simlayerkv) gets the `KIVIEviction` mixin, which overrides the K/V-format hooks of cache/base.py
+(`allocate_kv`, `write_kept`, `write_slots`, `read_slots`, `key_cosine`, `attend_and_probs`, `attend`,
+`dense_kv`).  Selection (what to keep, which slot to evict) is the policy's own code, unchanged; kept
+prompt tokens are selected (and D2O-merged) in full precision, then packed.  POD and the sparse
+readers are refused with a clear error (their needs: "Sparse readers" below).
+
+Layout (`SlotStore`, one layer; B rows, H KV heads, C slots rounded up to a multiple of G, D = head_dim,
+P = 32 // bits codes per int32 word, W = D // P; quantize.py's formats, token-contiguous like QuantizedKV):
+    k_packed [B, H, C, W] int32, k_scale / k_min [B, H, C // G, D]   keys per channel over the G slots
+                                                                   of a slot group (slots gG .. gG+G-1)
+    v_packed [B, H, C, W] int32, v_scale / v_min [B, H, C, D // G]   values per token over G channels
+    k_ring, v_ring [B, H, R, D] (compute dtype)                      the residual: full precision
+The policy's slot table `pos` ([B, H, S] per head, or [B, S] shared for `full`; S <= C) says which
+position each slot holds.  A token is *young* while its position is among the newest R (pos > now - R,
+now = the current query's position); a young token's K/V are read from ring row pos % R (so the ring
+is a FIFO by position: the token at `now` overwrites the one at now - R, which is old from then on),
+every other token from the packed words.  No per-slot flag and no flush step: the ring membership
+follows from the positions, and every store writes the packed copy too (write-through), so a token
+that ages out needs nothing.
+
+Writes (every one requantizes exactly the key groups it touches, from the best values at hand):
+- a slot write (decode store, D2O merge target): the slot's key group [gG, gG+G) is re-coded from
+  its members' values: the new key for the written slot, the ring (exact) for young members, the
+  dequantized codes for old ones; the group's min/max are taken over the members holding a token
+  (empty slots are don't-care).  The value is quantized on its own (per token).  A young slot's ring
+  row is written too.  So overwriting/evicting a packed token = dequantize its group, replace the
+  row, requantize (tested against exactly that reference), and appending layers, whose groups fill
+  one slot per step with all earlier members still young (G <= R), end each group with the codes of
+  one block quantization of exact keys, as KIVI's block-wise flush: old keys are never re-rounded
+  there.  Evicting layers re-round a group's old members when a new member changes its min/max
+  (the price of per-channel keys under arbitrary slot overwrites; nothing drifts otherwise).
+- prefill: the kept tokens (selected and merged in full precision) are block-quantized by slot
+  group in one call; the young ones also go to the ring.  `full` takes the prompt in chunks: a
+  later chunk attends the stored slots through a dequantized copy (prefill only).
+Decode reads (sync-free, fixed shapes, one compiled graph for every step):
+- attention: the old slots straight from the words (kernels.quantized_attention: Triton on CUDA, the
+  torch twin elsewhere; no dequantized copy of the cache) + the ring in full precision, merged by
+  log-sum-exp;
+- H2O/D2O need the step's probabilities per slot: packed scores (`quantized_scores`) with the young
+  slots' scores taken from the ring, one joint softmax with the new token, then the weighted sum of
+  packed values (`quantized_weighted_values`) + ring rows;
+- D2O's cosine similarity: packed scores with the evicted key as the query, over key norms
+  dequantized block by block.
+Memory (`kv_bytes`): packed words, scales, minimums and the ring, from the buffers; slot tables
+(`pos`) are not counted, as for 16-bit storage.  At 4 bits, G = R = 32, D = 64 a slot costs 80 bytes in
+bf16 (32 + 32 packed, 8 + 8 of scales/minimums) against 256, plus the ring's fixed 2 R D dtype bytes
+per (row, head, layer), and for `full` one spare slot group (reads cover whole groups of the live
+length, which must never reach the buffers' end: compiled graphs would change there): under 1/3
+once a layer holds more than ~2000 slots (`full` at 4000 tokens: 32.3%; snapkv 2048: 32.8%); at a
+256-token budget the ring alone is 12.5% of the 16-bit size (streaming 256: 44%).
+
+Sparse readers (HShare, DS, Quest) are not wired: they read `storage(layer)` as full-precision
+tensors, which a packed store refuses.  What they need, and what is here for them:
+`kv_store(layer) -> (store, pos, now)`; `store.gather(idx, pos, now)` returns full-precision K/V
+[B, H, N, D] of the N selected slots only (each key with its own group's scale/minimum, young ones
+from the ring: exact attention over the selection without a dequantized cache);
+`store.dequantized(pos, now, n)` once at end_prefill to build label caches / page bounds; the new
+token's key arrives unquantized in decode (update labels from it).  A reader's `InnerStorage` would
+switch on `kv_store` instead of `type(inner) is DenseCache`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from cache.base import NEVER, EvictionPolicy, joint_softmax
+from kernels.quantized_attention import (_softmax_stats, merge_partials, quantized_decode_attention,
+                                         quantized_scores, quantized_weighted_values)
+from model import DenseCache, grouped_attention
+from quantize import (QuantizedTensor, codes_per_word, dequantize_keys, dequantize_values, quantize_keys,
+                      quantize_values, unpack)
+
+BITS = (2, 4, 8)
+CHUNK = 512     # slots per block where packed keys are dequantized block by block (key norms)
+
+
+def check_format(head_dim: Optional[int], bits: int, group: int, residual: int) -> None:
+    """Raise ValueError (a one-line message naming the flag) unless the format can store head_dim."""
+    if bits not in BITS:
+        raise ValueError(f"--kv-bits {bits}: use 16 (the compute dtype), 4 or 2 (8 from Python)")
+    if group < 1:
+        raise ValueError(f"--kv-group-size must be positive, got {group}")
+    if residual < group or residual % group:
+        raise ValueError(f"--kv-residual {residual} must be a positive multiple of --kv-group-size {group}")
+    if head_dim is not None:
+        if head_dim % group:
+            raise ValueError(f"--kv-bits {bits}: head_dim {head_dim} is not a multiple of --kv-group-size "
+                             f"{group} (values are quantized per token over groups of G channels)")
+        if head_dim % codes_per_word(bits):
+            raise ValueError(f"--kv-bits {bits}: head_dim {head_dim} is not a multiple of "
+                             f"{codes_per_word(bits)} ({bits}-bit codes per int32 word)")
+
+
+# ------------------------------------------------------------------------------------ one layer
+class SlotStore:
+    """One layer's KIVI-packed slots plus the full-precision ring (layout and rules: module docstring).
+
+    Every method takes the policy's slot table `pos` [B, H or 1, S] (S <= C slots; -1 = empty) and
+    `now` [B] (the current query position); nothing syncs with the host, shapes never depend on data.
+    """
+
+    def __init__(self, batch: int, heads: int, head_dim: int, slots: int, bits: int = 4, group: int = 32,
+                 residual: int = 32, dtype: torch.dtype = torch.float32, device=None, backend: str = "auto"):
+        check_format(head_dim, bits, group, residual)
+        B, H, D, G, R = batch, heads, head_dim, group, residual
+        W, C = D // codes_per_word(bits), -(-max(slots, 1) // G) * G
+        self.bits, self.group, self.residual, self.dtype, self.backend = bits, G, R, dtype, backend
+        self.heads, self.head_dim = H, D
+        z = {"device": device}
+        self.k_packed = torch.zeros(B, H, W, C, dtype=torch.int32, **z).transpose(-1, -2)
+        self.k_scale = torch.zeros(B, H, C // G, D, dtype=dtype, **z)
+        self.k_min = torch.zeros(B, H, C // G, D, dtype=dtype, **z)
+        self.v_packed = torch.zeros(B, H, W, C, dtype=torch.int32, **z).transpose(-1, -2)
+        self.v_scale = torch.zeros(B, H, D // G, C, dtype=dtype, **z).transpose(-1, -2)
+        self.v_min = torch.zeros(B, H, D // G, C, dtype=dtype, **z).transpose(-1, -2)
+        self.k_ring = torch.zeros(B, H, R, D, dtype=dtype, **z)
+        self.v_ring = torch.zeros(B, H, R, D, dtype=dtype, **z)
+
+    # -------------------------------------------------------------- helpers
+    def young(self, pos: Tensor, now: Tensor) -> Tensor:
+        """bool like pos: the slot holds one of the newest R positions (its K/V live in the ring)."""
+        return (pos >= 0) & (pos > now[:, None, None] - self.residual)
+
+    def _slot_pos(self, pos: Tensor, idx: Tensor) -> Tensor:
+        """Positions [B, H, m] of slots idx [B, H, m] (-1 past the policy's S slots)."""
+        S = pos.shape[2]
+        got = pos.expand(idx.shape[0], idx.shape[1], S).gather(2, idx.clamp(max=S - 1))
+        return torch.where(idx < S, got, -1)
+
+    def _ring_rows(self, ring: Tensor, pos: Tensor) -> Tensor:
+        """ring rows pos % R for pos [B, H, m] -> [B, H, m, D] fp32."""
+        return ring.gather(2, pos.remainder(self.residual)[..., None].expand(-1, -1, -1, self.head_dim)).float()
+
+    def _whole_groups(self, t: Tensor, n: int, fill) -> tuple[Tensor, int]:
+        """t [..., >= n] -> ([..., ne], ne): its first n columns then `fill`, ne = n rounded up to whole
+        groups.  Reads go over whole groups, and no tensor is sized ne - n: a size that can be 0 or 1
+        would be specialized by torch.compile (a graph per n % G)."""
+        ne = -(-n // self.group) * self.group
+        idx = torch.arange(ne, device=t.device)
+        got = t.gather(-1, idx.clamp(max=n - 1).expand(*t.shape[:-1], ne))
+        return torch.where(idx < n, got, fill), ne
+
+    def _keys(self, a: int, b: int) -> Tensor:
+        """Dequantized keys of the whole groups of slots [a, b) -> [B, H, b - a, D] fp32."""
+        G = self.group
+        qt = QuantizedTensor(self.k_packed[:, :, a:b], self.k_scale[:, :, a // G:b // G],
+                             self.k_min[:, :, a // G:b // G], self.bits, G)
+        return dequantize_keys(qt, torch.float32)
+
+    # -------------------------------------------------------------- writes
+    def write_range(self, start: int, k: Tensor, v: Tensor, pos: Tensor, now: Tensor) -> None:
+        """k, v [B, H, T, D] into slots [start, start + T) (host int; pos already holds their
+        positions): the key groups they touch are requantized in one call, the values quantized per
+        token, the young ones written to the ring."""
+        B, H, T, D = k.shape
+        G, R = self.group, self.residual
+        end = start + T
+        a, b = start // G * G, -(-end // G) * G
+        idx = torch.arange(a, b, device=k.device)[None, None].expand(B, H, b - a)
+        pm = self._slot_pos(pos, idx)
+        young = self.young(pm, now)
+        x = torch.where(young[..., None], self._ring_rows(self.k_ring, pm), self._keys(a, b))
+        x = torch.cat([x[:, :, :start - a], k.float(), x[:, :, end - a:]], dim=2)
+        qk = quantize_keys(x, self.bits, G, include=pm >= 0, dtype=self.dtype)
+        self.k_packed[:, :, a:b] = qk.packed
+        self.k_scale[:, :, a // G:b // G] = qk.scale
+        self.k_min[:, :, a // G:b // G] = qk.minimum
+        qv = quantize_values(v, self.bits, G, dtype=self.dtype)
+        self.v_packed[:, :, start:end] = qv.packed
+        self.v_scale[:, :, start:end] = qv.scale
+        self.v_min[:, :, start:end] = qv.minimum
+        pn, yn = pm[:, :, start - a:end - a], young[:, :, start - a:end - a]
+        rows = torch.where(yn, pn.remainder(R), R)[..., None].expand(-1, -1, -1, D)   # row R: discarded
+        for ring, new in ((self.k_ring, k), (self.v_ring, v)):
+            spill = torch.cat([ring, ring.new_zeros(B, H, 1, D)], dim=2)
+            spill.scatter_(2, rows, new.to(self.dtype))
+            ring.copy_(spill[:, :, :R])
+
+    def write(self, slot: Tensor, k: Tensor, v: Tensor, pos: Tensor, now: Tensor,
+              where: Optional[Tensor] = None) -> None:
+        """One token per row and head: k, v [B, H, 1, D] into slot [B, H] (pos already holds its
+        position); where [B, H] bool: write only there (elsewhere nothing changes, not even a
+        requantization).  Requantizes the slot's key group (module docstring)."""
+        B, H, _, D = k.shape
+        G, R, W = self.group, self.residual, self.k_packed.shape[-1]
+        g = (slot // G)[..., None]                                                 # [B, H, 1]
+        idx = g * G + torch.arange(G, device=k.device)                             # [B, H, G]
+        at_w, at_g = idx[..., None].expand(-1, -1, -1, W), g[..., None].expand(-1, -1, -1, D)
+        old = (self.k_packed.gather(2, at_w), self.k_scale.gather(2, at_g), self.k_min.gather(2, at_g))
+        x = dequantize_keys(QuantizedTensor(*old, self.bits, G), torch.float32)  # [B, H, G, D]
+        pm = self._slot_pos(pos, idx)
+        me = idx == slot[..., None]
+        x = torch.where(self.young(pm, now)[..., None], self._ring_rows(self.k_ring, pm), x)
+        x = torch.where(me[..., None], k.float(), x)
+        qk = quantize_keys(x, self.bits, G, include=(pm >= 0) | me, dtype=self.dtype)
+        at_s = slot[:, :, None, None]
+        at_v, at_c = at_s.expand(-1, -1, 1, W), at_s.expand(-1, -1, 1, D // G)
+        qv = quantize_values(v, self.bits, G, dtype=self.dtype)
+        writes = [(self.k_packed, at_w, qk.packed, old[0]), (self.k_scale, at_g, qk.scale, old[1]),
+                  (self.k_min, at_g, qk.minimum, old[2]), (self.v_packed, at_v, qv.packed, None),
+                  (self.v_scale, at_c, qv.scale, None), (self.v_min, at_c, qv.minimum, None)]
+        p_slot = pm.gather(2, slot[..., None] - g * G)                            # [B, H, 1]
+        ring_ok = self.young(p_slot, now)[..., 0]
+        if where is not None:
+            ring_ok = ring_ok & where
+        row = p_slot.remainder(R)[..., None].expand(-1, -1, -1, D)
+        for ring, new in ((self.k_ring, k), (self.v_ring, v)):
+            writes.append((ring, row, new.to(self.dtype), None))
+        keep = None if where is None else ~where[:, :, None, None]
+        for buf, at, new, prev in writes:
+            if buf is self.k_ring or buf is self.v_ring:
+                new = torch.where(ring_ok[:, :, None, None], new, buf.gather(2, at))
+            elif keep is not None:
+                new = torch.where(keep, buf.gather(2, at) if prev is None else prev, new)
+            buf.scatter_(2, at, new)
+
+    # -------------------------------------------------------------- reads
+    def gather(self, idx: Tensor, pos: Tensor, now: Tensor) -> tuple[Tensor, Tensor]:
+        """(k, v) [B, H, N, D] fp32 of slots idx [B, H, N]: only those rows are dequantized (each key
+        with its group's scale/minimum), young ones come from the ring.  The sparse readers' hook."""
+        G, W, D = self.group, self.k_packed.shape[-1], self.head_dim
+        at_w = idx[..., None].expand(-1, -1, -1, W)
+        at_g = (idx // G)[..., None].expand(-1, -1, -1, D)
+        k = (unpack(self.k_packed.gather(2, at_w), self.bits, -1).float() * self.k_scale.gather(2, at_g).float()
+             + self.k_min.gather(2, at_g).float())
+        at_c = idx[..., None].expand(-1, -1, -1, D // G)
+        v = dequantize_values(QuantizedTensor(self.v_packed.gather(2, at_w), self.v_scale.gather(2, at_c),
+                                              self.v_min.gather(2, at_c), self.bits, G), torch.float32)
+        pm = self._slot_pos(pos, idx)
+        young = self.young(pm, now)[..., None]
+        return (torch.where(young, self._ring_rows(self.k_ring, pm), k),
+                torch.where(young, self._ring_rows(self.v_ring, pm), v))
+
+    def dequantized(self, pos: Tensor, now: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """(k, v) [B, H, n, D] fp32 of slots [0, n), exactly what attention reads.  A full copy: for
+        tests and host-side one-offs (a later prompt chunk, SimLayerKV's trim), never per decode step."""
+        G = self.group
+        k = self._keys(0, -(-n // G) * G)[:, :, :n]
+        v = dequantize_values(QuantizedTensor(self.v_packed[:, :, :n], self.v_scale[:, :, :n],
+                                              self.v_min[:, :, :n], self.bits, G), torch.float32)
+        p = pos[..., :n].expand(k.shape[0], k.shape[1], n)
+        young = self.young(p, now)[..., None]
+        return (torch.where(young, self._ring_rows(self.k_ring, p), k),
+                torch.where(young, self._ring_rows(self.v_ring, p), v))
+
+    def scores(self, qg: Tensor, pos: Tensor, now: Tensor, n: int) -> Tensor:
+        """qg . k_t for slots t < n: qg [B, H, Gq, D] fp32 (any scale folded in) -> [B, H, Gq, n]."""
+        p, ne = self._whole_groups(pos, n, -1)
+        return self._scores(qg, p, now, ne)[..., :n]
+
+    def _scores(self, qg: Tensor, p: Tensor, now: Tensor, ne: int) -> Tensor:
+        """Scores of the ne slots (whole groups) whose positions are p [B, H or 1, ne]."""
+        B, H, Gq, _ = qg.shape
+        s = quantized_scores(qg, self.k_packed, self.k_scale, self.k_min, ne, self.bits, self.group)
+        ring = qg @ self.k_ring.float().transpose(-1, -2)                          # [B, H, Gq, R]
+        rows = p.remainder(self.residual)[:, :, None, :].expand(B, H, Gq, ne)
+        return torch.where(self.young(p, now)[:, :, None], ring.gather(-1, rows), s)
+
+    def key_norms(self, pos: Tensor, now: Tensor, n: int) -> Tensor:
+        """|k_t| [B, H, n] fp32 of slots t < n (packed keys dequantized block by block)."""
+        nt = -(-n // self.group) * self.group
+        if torch.compiler.is_compiling():      # Inductor fuses the dequantization into the reduction
+            norms = self._keys(0, nt).norm(dim=-1)
+        else:
+            norms = torch.cat([self._keys(c, min(c + CHUNK, nt)).norm(dim=-1) for c in range(0, nt, CHUNK)], 2)
+        p = pos[..., :n].expand(norms.shape[0], norms.shape[1], n)
+        ring = self.k_ring.float().norm(dim=-1).gather(2, p.remainder(self.residual))
+        return torch.where(self.young(p, now), ring, norms[..., :n])
+
+    def cosine(self, k: Tensor, pos: Tensor, now: Tensor, n: int) -> Tensor:
+        """Cosine similarity of k [B, H, 1, D] with the key of every slot t < n -> [B, H, n] fp32
+        (as F.normalize: norms clamped at 1e-12)."""
+        dots = self.scores(k.float(), pos, now, n)[:, :, 0]
+        eps = 1e-12
+        return dots / (k.float().norm(dim=-1).clamp_min(eps) * self.key_norms(pos, now, n).clamp_min(eps))
+
+    def attend(self, q: Tensor, visible: Tensor, pos: Tensor, now: Tensor, n: int,
+               scale: Optional[float] = None) -> Tensor:
+        """q [B, H_q, 1, D] -> [B, H_q, 1, D]: softmax attention over the visible slots t < n
+        (visible, pos [B, H or 1, >= n]): old slots straight from the words, young ones from the
+        ring, merged by log-sum-exp."""
+        B, Hq, _, D = q.shape
+        H, R = self.heads, self.residual
+        scale = 1.0 / math.sqrt(D) if scale is None else scale
+        p, ne = self._whole_groups(pos, n, -1)
+        vis, _ = self._whole_groups(visible, n, False)
+        young = self.young(p, now) & vis
+        out, lse = quantized_decode_attention(q, self.k_packed, self.k_scale, self.k_min, self.v_packed,
+                                              self.v_scale, self.v_min, ne, self.bits, self.group, vis & ~young,
+                                              scale, backend=self.backend)
+        rows = torch.where(young, p.remainder(R), R)
+        alive = torch.zeros(B, young.shape[1], R + 1, dtype=torch.bool, device=q.device).scatter_(2, rows, True)
+        qg = q.float().view(B, H, Hq // H, D) * scale
+        s = (qg @ self.k_ring.float().transpose(-1, -2)).masked_fill(~alive[:, :, None, :R], float("-inf"))
+        p_ring, lse_ring = _softmax_stats(s)
+        out_ring = p_ring @ self.v_ring.float()
+        out, _ = merge_partials(out, lse, out_ring.view(B, Hq, D), lse_ring.view(B, Hq))
+        return out.to(q.dtype).view(B, Hq, 1, D)
+
+    def attend_and_probs(self, q: Tensor, visible: Tensor, pos: Tensor, now: Tensor, k: Tensor, v: Tensor,
+                         n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """cache.base.attend_with_new over the packed slots t < n plus the new token k, v [B, H, 1, D]:
+        (out [B, H_q, 1, D], p_old [B, H, Gq, n], p_new [B, H, Gq, 1]), one joint softmax in fp32."""
+        B, Hq, _, D = q.shape
+        H, R = self.heads, self.residual
+        Gq = Hq // H
+        qg = q.float().view(B, H, Gq, D) / math.sqrt(D)
+        p, ne = self._whole_groups(pos, n, -1)
+        vis, _ = self._whole_groups(visible, n, False)
+        s_old = self._scores(qg, p, now, ne).masked_fill(~vis[:, :, None], NEVER)
+        s_new = (qg * k.float()).sum(-1, keepdim=True)
+        p_old, p_new = joint_softmax(s_old, s_new)
+        young = self.young(p, now)[:, :, None].expand(B, H, Gq, ne)
+        out = quantized_weighted_values(p_old.masked_fill(young, 0.0), self.v_packed, self.v_scale, self.v_min,
+                                        ne, self.bits, self.group)
+        rows = torch.where(young, p.remainder(R)[:, :, None], R)
+        p_ring = p_old.new_zeros(B, H, Gq, R + 1).scatter_add_(-1, rows, p_old.masked_fill(~young, 0.0))
+        out = out + p_ring[..., :R] @ self.v_ring.float() + p_new * v.float()
+        return out.to(q.dtype).reshape(B, Hq, 1, D), p_old[..., :n], p_new
+
+    # -------------------------------------------------------------- memory
+    def nbytes(self, n: Optional[int] = None) -> int:
+        """Bytes of every buffer, or of what holds slots [0, n): their packed words, scales and
+        minimums (keys: whole groups) and min(n, R) ring rows of K and V."""
+        bufs = (self.k_packed, self.k_scale, self.k_min, self.v_packed, self.v_scale, self.v_min,
+                self.k_ring, self.v_ring)
+        if n is None:
+            return sum(t.numel() * t.element_size() for t in bufs)
+
+        def rows(t: Tensor, r: int) -> int:
+            return t[:, :, :r].numel() * t.element_size()
+        G, ng = self.group, -(-n // self.group)
+        return (rows(self.k_packed, ng * G) + rows(self.k_scale, ng) + rows(self.k_min, ng) + rows(self.v_packed, n)
+                + rows(self.v_scale, n) + rows(self.v_min, n) + 2 * rows(self.k_ring, min(n, self.residual)))
+
+
+# ------------------------------------------------------------------------------------ policies
+STORAGE_ERROR = ("{name} keeps KIVI-packed slots (--kv-bits {bits}): storage(layer) has no full-precision "
+                 "tensors; use kv_store(layer) and SlotStore.gather (see cache/quantized.py)")
+
+
+class KIVIDenseCache(DenseCache):
+    """`full` with KIVI-packed storage: every token kept, the newest R in the ring."""
+
+    name = "full"
+
+    def __init__(self, bits: int = 4, group: int = 32, residual: int = 32, backend: str = "auto"):
+        check_format(None, bits, group, residual)
+        self.kv_bits, self.kv_group, self.kv_residual, self.backend = bits, group, residual, backend
+
+    def setup(self, args, max_batch_size: int, max_seq_length: int, dtype: torch.dtype, device) -> None:
+        # one spare group: reads go over whole groups of the live length, which then never reaches
+        # the buffers' size (compiled graphs would otherwise change when it does)
+        spare = max_seq_length + self.kv_group
+        self.stores = [SlotStore(max_batch_size, args.n_kv_heads, args.head_dim, spare, self.kv_bits,
+                                 self.kv_group, self.kv_residual, dtype, device, self.backend)
+                       for _ in range(args.n_layers)]
+        self.k = self.v = self.stores
+        self.pos = torch.full((max_batch_size, max_seq_length), -1, dtype=torch.long, device=device)
+        self.group = args.n_heads // args.n_kv_heads
+        self.sliding_window = args.sliding_window
+        self.reset()
+
+    def begin(self, input_pos: Tensor) -> None:
+        super().begin(input_pos)
+        self.now = input_pos.amax(-1)       # [B] the newest position: the ring holds (now - R, now]
+
+    def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        store, pos = self.stores[layer], self.pos[:, None]
+        if self.start:      # a later prompt chunk reads the stored slots (a dequantized copy, prefill only)
+            kd, vd = store.dequantized(pos, self.pos[:, self.start - 1], self.start)
+            out = grouped_attention(q, torch.cat([kd.to(k.dtype), k], 2), torch.cat([vd.to(v.dtype), v], 2), self.mask)
+        else:
+            out = grouped_attention(q, k, v, self.mask)
+        store.write_range(self.start, k, v, pos, self.now)
+        return out
+
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        store, pos = self.stores[layer], self.pos[:, None]
+        store.write(pos.new_full(k.shape[:2], self.start), k, v, pos, self.now)
+        return store.attend(q, self.mask[:, :1], pos, self.now, self.n_filled)
+
+    def storage(self, layer: int):
+        raise NotImplementedError(STORAGE_ERROR.format(name=self.name, bits=self.kv_bits))
+
+    def kv_store(self, layer: int) -> tuple[SlotStore, Tensor, Tensor]:
+        """(store, pos [B, 1, n], now [B]): the packed slots a reader would gather from."""
+        return self.stores[layer], self.pos[:, None, :self.n_filled], self.now
+
+    def kept_positions(self, layer: int) -> Tensor:
+        return self.pos[:, None, :self.n_filled].expand(-1, self.stores[layer].heads, -1)
+
+    def kv_bytes(self) -> dict:
+        live = sum(s.nbytes(self.n_filled) for s in self.stores) if self.n_filled else 0
+        return {"allocated": sum(s.nbytes() for s in self.stores), "live": live, "read_per_step": live}
+
+    def describe(self) -> dict:
+        return {**super().describe(), **kv_describe(self)}
+
+
+class KIVIEviction:
+    """Mixin placed before an EvictionPolicy class (`with_kv_bits` builds the class): the K/V-format
+    hooks of cache/base.py over `SlotStore`s; the policy's selection code runs unchanged."""
+
+    kv_bits, kv_group, kv_residual, backend = 4, 32, 32, "auto"
+
+    def setup(self, args, max_batch_size, max_seq_length, dtype, device) -> None:
+        check_format(args.head_dim, self.kv_bits, self.kv_group, self.kv_residual)
+        super().setup(args, max_batch_size, max_seq_length, dtype, device)
+
+    def now(self) -> Tensor:
+        return self.q_pos.amax(-1)
+
+    def allocate_kv(self, layer: int, capacity: int) -> None:
+        self.k[layer] = self.v[layer] = SlotStore(
+            self.batch, self.args.n_kv_heads, self.args.head_dim, capacity, self.kv_bits, self.kv_group,
+            self.kv_residual, self.dtype, self.device, self.backend)
+
+    def write_kept(self, layer: int, kc: Tensor, vc: Tensor) -> None:
+        self.k[layer].write_range(0, kc, vc, self.pos[layer], self.now())
+
+    def write_slots(self, layer: int, slot: Tensor, k: Tensor, v: Tensor, where: Optional[Tensor] = None) -> None:
+        self.k[layer].write(slot, k, v, self.pos[layer], self.now(), where)
+
+    def read_slots(self, layer: int, slot: Tensor) -> tuple[Tensor, Tensor]:
+        return self.k[layer].gather(slot[..., None], self.pos[layer], self.now())
+
+    def key_cosine(self, layer: int, k: Tensor) -> Tensor:
+        pos = self.pos[layer]
+        return self.k[layer].cosine(k, pos, self.now(), pos.shape[2])
+
+    def attend_and_probs(self, layer: int, q: Tensor, k: Tensor, v: Tensor):
+        pos = self.pos[layer]
+        return self.k[layer].attend_and_probs(q, self.visible(layer), pos, self.now(), k, v, pos.shape[2])
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        pos = self.pos[layer]
+        return self.k[layer].attend(q, self.visible(layer), pos, self.now(), pos.shape[2])
+
+    def dense_kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        pos = self.pos[layer]
+        k, v = self.k[layer].dequantized(pos, self.now(), pos.shape[2])
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def storage(self, layer: int):
+        raise NotImplementedError(STORAGE_ERROR.format(name=self.name, bits=self.kv_bits))
+
+    def kv_store(self, layer: int) -> tuple[SlotStore, Tensor, Tensor]:
+        """(store, pos [B, H, S], now [B]): the packed slots a reader would gather from."""
+        return self.k[layer], self.pos[layer], self.now()
+
+    def kv_bytes(self) -> dict:
+        layers = [i for i, s in enumerate(self.k) if s is not None]
+        allocated = sum(self.k[i].nbytes() for i in layers)
+        live = sum(self.k[i].nbytes(self.used_slots(i)) for i in layers if self.used_slots(i) > 0)
+        return {"allocated": allocated, "live": live, "read_per_step": allocated}
+
+    def describe(self) -> dict:
+        return {**super().describe(), **kv_describe(self)}
+
+
+def kv_describe(policy) -> dict:
+    return {"kv_bits": policy.kv_bits, "kv_group_size": policy.kv_group, "kv_residual": policy.kv_residual}
+
+
+_CLASSES: dict = {}
+
+
+def with_kv_bits(policy, bits: int, group: int = 32, residual: int = 32, backend: str = "auto"):
+    """`policy` (not yet set up) with its K/V stored at `bits`: 16 returns it unchanged; 4 or 2 (8)
+    returns a policy with the same parameters over KIVI-packed slots (G = group, R = residual).
+    ValueError for a policy without a packed format (POD, the sparse readers) or bad arguments."""
+    if bits == 16:
+        return policy
+    check_format(None, bits, group, residual)
+    if type(policy) is DenseCache:
+        return KIVIDenseCache(bits, group, residual, backend)
+    if not isinstance(policy, EvictionPolicy) or isinstance(policy, KIVIEviction):
+        name = getattr(policy, "name", type(policy).__name__)
+        raise ValueError(f"--kv-bits {bits}: policy {name!r} has no KIVI storage yet (supported: full, "
+                         f"{', '.join(sorted(supported_names()))}; the sparse readers and pod keep their own storage)")
+    cls = type(policy)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__ + "KIVI", (KIVIEviction, cls), {"__module__": __name__})
+    quantized = _CLASSES[cls].__new__(_CLASSES[cls])
+    quantized.__dict__.update(policy.__dict__)          # the validated parameters
+    quantized.kv_bits, quantized.kv_group, quantized.kv_residual, quantized.backend = bits, group, residual, backend
+    return quantized
+
+
+def supported_names() -> list[str]:
+    from cache import POLICIES
+    return [name for name, cls in POLICIES.items() if isinstance(cls, type) and issubclass(cls, EvictionPolicy)]
