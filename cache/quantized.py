@@ -8,8 +8,8 @@ kept, this module decides *how* they are stored.
 simlayerkv) gets the `KIVIEviction` mixin, which overrides the K/V-format hooks of cache/base.py
 (`allocate_kv`, `write_kept`, `write_slots`, `read_slots`, `key_cosine`, `attend_and_probs`, `attend`,
 `dense_kv`).  Selection (what to keep, which slot to evict) is the policy's own code, unchanged; kept
-prompt tokens are selected (and D2O-merged) in full precision, then packed.  POD and the sparse
-readers are refused with a clear error (their needs: "Sparse readers" below).
+prompt tokens are selected (and D2O-merged) in full precision, then packed.  The sparse readers read
+packed storage ("Sparse readers" below); POD is refused with a clear error.
 
 Layout (`SlotStore`, one layer; B rows, H KV heads, C slots rounded up to a multiple of G, D = head_dim,
 P = 32 // bits codes per int32 word, W = D // P; quantize.py's formats, token-contiguous like QuantizedKV):
@@ -56,14 +56,13 @@ length, which must never reach the buffers' end: compiled graphs would change th
 once a layer holds more than ~2000 slots (`full` at 4000 tokens: 32.3%; snapkv 2048: 32.8%); at a
 256-token budget the ring alone is 12.5% of the 16-bit size (streaming 256: 44%).
 
-Sparse readers (HShare, DS, Quest) are not wired: they read `storage(layer)` as full-precision
-tensors, which a packed store refuses.  What they need, and what is here for them:
-`kv_store(layer) -> (store, pos, now)`; `store.gather(idx, pos, now)` returns full-precision K/V
-[B, H, N, D] of the N selected slots only (each key with its own group's scale/minimum, young ones
-from the ring: exact attention over the selection without a dequantized cache);
-`store.dequantized(pos, now, n)` once at end_prefill to build label caches / page bounds; the new
-token's key arrives unquantized in decode (update labels from it).  A reader's `InnerStorage` would
-switch on `kv_store` instead of `type(inner) is DenseCache`.
+Sparse readers (HShare, DS, Quest, alone or as STORAGE+READER) over packed storage: `with_kv_bits`
+packs the reader's storage policy, and the reader goes through `kv_store(layer) -> (store, pos, now)`
+(cache/sparse_read.py, `InnerStorage`): `store.gather(idx, pos, now)` returns full-precision K/V
+[B, H, N, D] of just the N selected slots (each key with its own group's scale/minimum, young ones
+from the ring), so exact attention over the selection needs no dequantized cache;
+`store.dequantized(pos, now, n)` builds the label cache / page bounds once after prefill; the new
+token's key arrives unquantized in decode (labels and page bounds update from it / from `gather`).
 """
 from __future__ import annotations
 
@@ -385,10 +384,14 @@ class KIVIDenseCache(DenseCache):
         store.write_range(self.start, k, v, pos, self.now)
         return out
 
+    def store(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Write the decode token k, v [B, H_kv, 1, D] into its slot (the next one)."""
+        pos = self.pos[:, None]
+        self.stores[layer].write(pos.new_full(k.shape[:2], self.start), k, v, pos, self.now)
+
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        store, pos = self.stores[layer], self.pos[:, None]
-        store.write(pos.new_full(k.shape[:2], self.start), k, v, pos, self.now)
-        return store.attend(q, self.mask[:, :1], pos, self.now, self.n_filled)
+        self.store(layer, k, v)
+        return self.stores[layer].attend(q, self.mask[:, :1], self.pos[:, None], self.now, self.n_filled)
 
     def storage(self, layer: int):
         raise NotImplementedError(STORAGE_ERROR.format(name=self.name, bits=self.kv_bits))
@@ -478,17 +481,24 @@ _CLASSES: dict = {}
 
 def with_kv_bits(policy, bits: int, group: int = 32, residual: int = 32, backend: str = "auto"):
     """`policy` (not yet set up) with its K/V stored at `bits`: 16 returns it unchanged; 4 or 2 (8)
-    returns a policy with the same parameters over KIVI-packed slots (G = group, R = residual).
-    ValueError for a policy without a packed format (POD, the sparse readers) or bad arguments."""
+    returns a policy with the same parameters over KIVI-packed slots (G = group, R = residual).  A
+    sparse reader (hshare, ds, quest, or STORAGE+READER) gets its storage policy packed and reads
+    it through `kv_store` (cache/sparse_read.py).  ValueError for POD or bad arguments."""
     if bits == 16:
         return policy
     check_format(None, bits, group, residual)
+    if getattr(policy, "is_sparse_reader", False):
+        from cache.sparse_read import InnerStorage
+        policy.inner = with_kv_bits(policy.inner, bits, group, residual, backend)
+        policy.storage_ = InnerStorage(policy.inner)
+        return policy
     if type(policy) is DenseCache:
         return KIVIDenseCache(bits, group, residual, backend)
     if not isinstance(policy, EvictionPolicy) or isinstance(policy, KIVIEviction):
         name = getattr(policy, "name", type(policy).__name__)
         raise ValueError(f"--kv-bits {bits}: policy {name!r} has no KIVI storage yet (supported: full, "
-                         f"{', '.join(sorted(supported_names()))}; the sparse readers and pod keep their own storage)")
+                         f"{', '.join(sorted(supported_names()))}, and the sparse readers over any of them; "
+                         f"pod keeps its own storage)")
     cls = type(policy)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__ + "KIVI", (KIVIEviction, cls), {"__module__": __name__})

@@ -62,23 +62,18 @@ class QuestPolicy(SparseReader):
         self.kmin[layer], self.kmax[layer] = self._bounds(k.view(B, H, n_pages, ps, D), ok.view(B, H, n_pages, ps))
 
     def update(self, layer: int, k: Tensor, slot) -> None:
-        """Recompute the bounds of the page holding the new token's slot."""
+        """Recompute the bounds of the page holding the new token's slot (int: the full cache's, the
+        same for every row and head; else [B, H])."""
         ps = self.page_size
-        keys = self.storage_.full_keys(layer)
-        B, H, cap, D = keys.shape
         pos = self.storage_.full_positions(layer)
-        if not isinstance(slot, Tensor):                      # full cache: one page for every row and head
-            page = slot // ps
-            ok = (pos[:, :, page * ps:page * ps + ps] >= 0).expand(B, H, -1)
-            mn, mx = self._bounds(keys[:, :, page * ps:page * ps + ps], ok)
-            self.kmin[layer][:, :, page] = mn
-            self.kmax[layer][:, :, page] = mx
-            return
+        B, H, cap = self.kmin[layer].shape[0], self.kmin[layer].shape[1], pos.shape[2]
+        if not isinstance(slot, Tensor):
+            slot = torch.full((B, H), slot, dtype=torch.long, device=pos.device)
         page = slot // ps                                                      # [B, H]
         slots = (page[..., None] * ps + torch.arange(ps, device=slot.device)).clamp(max=cap - 1)
         ok = pos.expand(B, H, cap).gather(2, slots) >= 0
-        mn, mx = self._bounds(keys.gather(2, slots[..., None].expand(B, H, ps, D)), ok)
-        at = page[:, :, None, None].expand(B, H, 1, D)
+        mn, mx = self._bounds(self.storage_.keys_at(layer, slots), ok)
+        at = page[:, :, None, None].expand(B, H, 1, mn.shape[-1])
         self.kmin[layer].scatter_(2, at, mn[:, :, None])
         self.kmax[layer].scatter_(2, at, mx[:, :, None])
 

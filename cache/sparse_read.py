@@ -141,11 +141,16 @@ class InnerStorage:
 
     DenseCache ("uniform": every layer and KV head holds the same tokens in the same slots, slot
     order = arrival order; the readable length is the host int n_filled) or an EvictionPolicy
-    (per layer and head slot tables, fixed capacity, `store` returns the slot)."""
+    (per layer and head slot tables, fixed capacity, `store` returns the slot).  Either may keep
+    KIVI-packed slots (`--kv-bits`, cache/quantized.py: `packed`): then the reader never sees K/V
+    tensors; attention gathers the N selected rows (`rows`), each dequantized with its own
+    group's scale and minimum (young ones from the full-precision ring), and the label cache / page
+    bounds are built once from a dequantized copy after prefill."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.uniform = type(inner) is DenseCache
+        self.uniform = isinstance(inner, DenseCache)
+        self.packed = hasattr(inner, "kv_store")
         if not self.uniform and not isinstance(inner, EvictionPolicy):
             raise ValueError(f"a sparse reader can wrap the full cache or an eviction policy, not {type(inner).__name__}")
 
@@ -153,42 +158,88 @@ class InnerStorage:
         """Write the decode token; returns its slot: an int (uniform) or LongTensor [B, H_kv]."""
         inner = self.inner
         if self.uniform:
-            inner.k[layer][:, :, inner.start:inner.n_filled] = k
-            inner.v[layer][:, :, inner.start:inner.n_filled] = v
+            if self.packed:
+                inner.store(layer, k, v)
+            else:
+                inner.k[layer][:, :, inner.start:inner.n_filled] = k
+                inner.v[layer][:, :, inner.start:inner.n_filled] = v
             return inner.n_filled - 1
         return inner.store(layer, k, v)
 
-    def read(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(k, v [B, H_kv, S, D], visible [B, 1 or H_kv, S], pos [B, 1 or H_kv, S]) readable now."""
+    def positions(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(visible [B, 1 or H_kv, S], pos [B, 1 or H_kv, S]) of the slots readable now."""
         inner = self.inner
         if self.uniform:
-            k, v, visible = inner.storage(layer)
-            return k, v, visible, inner.pos[:, None, :inner.n_filled]
-        k, v, visible = inner.storage(layer)
-        return k, v, visible, inner.pos[layer]
+            pos = inner.pos[:, None, :inner.n_filled]
+            return pos >= 0, pos
+        return inner.visible(layer), inner.pos[layer]
 
-    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
-        """(k, v) readable now, without computing visibility (the reader's index list decides)."""
+    def rows(self, layer: int, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """What attention over the slots idx [B, H_kv, N] reads: (k, v, idx) with k, v [B, H_kv, S, D]
+        and idx into them: the readable storage and idx itself, or, for packed slots, just the N
+        rows dequantized ([B, H_kv, N, D]) and idx = 0..N-1.  Entries of idx past the readable slots
+        (invalid selections) are read as some slot and ignored by the caller's valid mask."""
         inner = self.inner
+        if self.packed:
+            store, pos, now = inner.kv_store(layer)
+            k, v = store.gather(idx.clamp(max=pos.shape[2] - 1), pos, now)
+            arange = torch.arange(idx.shape[2], device=idx.device).expand(idx.shape)
+            return k.to(inner_dtype(inner)), v.to(inner_dtype(inner)), arange
         if self.uniform:
             n = inner.n_filled
-            return inner.k[layer][:, :, :n], inner.v[layer][:, :, :n]
-        return inner.k[layer], inner.v[layer]
+            return inner.k[layer][:, :, :n], inner.v[layer][:, :, :n], idx
+        return inner.k[layer], inner.v[layer], idx
+
+    def keys_at(self, layer: int, slots: Tensor) -> Tensor:
+        """Keys [B, H_kv, m, D] of slots [B, H_kv, m] (< capacity), in the compute dtype."""
+        if self.packed:
+            store, pos, now = self.inner.kv_store(layer)
+            return store.gather(slots, self.full_positions(layer), now)[0].to(inner_dtype(self.inner))
+        k = self.inner.k[layer]
+        return k.gather(2, slots[..., None].expand(*slots.shape, k.shape[3]))
 
     def full_positions(self, layer: int) -> Tensor:
         """Positions of every allocated slot [B, 1 or H_kv, capacity] (-1 = empty)."""
         return self.inner.pos[:, None] if self.uniform else self.inner.pos[layer]
 
     def full_keys(self, layer: int) -> Tensor:
+        """Keys of every allocated slot [B, H_kv, capacity, D] (packed: a dequantized copy, host-side
+        one-offs only)."""
+        if self.packed:
+            return self.dequantized_keys(layer, self.capacity(layer))
         return self.inner.k[layer]
 
     def filled_keys(self, layer: int) -> Tensor:
-        """Keys of the slots that may hold tokens [B, H_kv, S, D] (without computing visibility)."""
-        k = self.inner.k[layer]
-        return k[:, :, :self.inner.n_filled] if self.uniform else k
+        """Keys of the slots that may hold tokens [B, H_kv, S, D] (without computing visibility;
+        packed: a dequantized copy, for building index structures once after prefill)."""
+        n = self.inner.n_filled if self.uniform else self.capacity(layer)
+        if self.packed:
+            return self.dequantized_keys(layer, n)
+        return self.inner.k[layer][:, :, :n]
+
+    def dequantized_keys(self, layer: int, n: int) -> Tensor:
+        store, _, now = self.inner.kv_store(layer)
+        return store.dequantized(self.full_positions(layer), now, n)[0].to(inner_dtype(self.inner))
 
     def capacity(self, layer: int) -> int:
-        return self.inner.k[layer].shape[2]
+        return self.full_positions(layer).shape[2]
+
+    def row_bytes(self) -> int:
+        """Bytes of one token's K and V in one layer for the whole batch (all KV heads); packed: its
+        words, value scales/minimums and its share of the key group's scales/minimums."""
+        if self.packed:
+            store = self.inner.kv_store(0)[0]
+            per_slot = [store.k_packed, store.v_packed, store.v_scale, store.v_min]
+            shared = [store.k_scale, store.k_min]
+            return (sum(t[:, :, 0].numel() * t.element_size() for t in per_slot)
+                    + sum(t[:, :, 0].numel() * t.element_size() for t in shared) // store.group)
+        k = self.inner.k[0]
+        return 2 * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size()
+
+
+def inner_dtype(inner) -> torch.dtype:
+    """The compute dtype of a storage policy (DenseCache has no attribute for it)."""
+    return getattr(inner, "dtype", None) or inner.stores[0].dtype
 
 
 def check_composable(inner) -> None:
@@ -409,7 +460,7 @@ class SparseReader:
         self.q_pos = input_pos
         if self.decoding and self.storage_.uniform:
             # one bias per step shared by all layers (same slots, same positions)
-            _, _, visible, pos = self.storage_.read(0)
+            visible, pos = self.storage_.positions(0)
             self.step_bias = read_bias(pos, visible, input_pos, self.n_sink, self.n_recent, self.n_slots(),
                                        self.sliding_window)
 
@@ -453,7 +504,7 @@ class SparseReader:
         """Selection bias [B, 1 or h, S + N_c] of the layer at this step (heads: a head subset/order)."""
         if self.storage_.uniform:
             return self.step_bias
-        _, _, visible, pos = self.storage_.read(layer)
+        visible, pos = self.storage_.positions(layer)
         if heads is not None:
             visible, pos = visible.index_select(1, heads), pos.index_select(1, heads)
         return read_bias(pos, visible, self.q_pos, self.n_sink, self.n_recent, self.n_slots(),
@@ -469,9 +520,9 @@ class SparseReader:
 
     def attend(self, layer: int, q: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
         """Exact attention of q [B, H_q, 1, D] over the slots idx/valid [B, H_kv, N]."""
-        k, v = self.storage_.kv(layer)
         if self.record_reads:
             self.last_read[layer] = (idx, valid)
+        k, v, idx = self.storage_.rows(layer, idx)
         workspace = None if torch.compiler.is_compiling() else self.workspace
         return sparse_decode_attention(q, k, v, idx, valid, backend=self.backend, workspace=workspace)
 
@@ -515,8 +566,7 @@ class SparseReader:
 
     def kv_row_bytes(self) -> int:
         """Bytes of one token's K and V in one layer for the whole batch (all KV heads)."""
-        k = self.storage_.full_keys(0)
-        return 2 * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size()
+        return self.storage_.row_bytes()
 
     def describe(self) -> dict:
         d = {"policy": self.name, **{k: getattr(self, k) for k in self.params},

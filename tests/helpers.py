@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import engine
 from checkpoint import build_model, read_hf_dir
 
 
@@ -46,3 +47,21 @@ def left_padded(lengths, vocab=128, seed=0):
         tokens[b, T - n:] = torch.randint(0, vocab, (n,), generator=g)
         pos[b, T - n:] = torch.arange(n)
     return tokens, pos
+
+
+def greedy_logits(model, policy, tokens, pos, steps=6, decode=None, max_seq=64, on_step=None):
+    """Greedy decode under `policy` (None: the full cache) -> logits of each decode step [steps, B, V];
+    on_step(i, cache, positions) after each step."""
+    decode = decode or engine.decode_step
+    model.setup_caches(tokens.shape[0], max_seq, policy)
+    out = []
+    with torch.inference_mode():
+        logits = engine.run_prefill(model, tokens, pos)
+        token, p = logits.argmax(-1, keepdim=True), pos[:, -1:] + 1
+        for i in range(steps):
+            logits = engine.run_decode(model, token, p, i, decode)
+            if on_step:
+                on_step(i, model.cache, p)
+            out.append(logits)
+            token, p = logits.argmax(-1, keepdim=True), p + 1
+    return torch.stack(out)

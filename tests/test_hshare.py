@@ -15,7 +15,7 @@ from cache.sparse_read import (channel_importance, channels_path, n_sources, par
                                read_channels_file, write_channels_file)
 from kernels import dequantize_labels_4bit, quantize_labels_4bit
 from model import ModelArgs, Transformer
-from tests.helpers import left_padded, tiny_hf_model
+from tests.helpers import greedy_logits as run, left_padded, tiny_hf_model
 
 
 def made_up_args(layers=1, n_heads=4, n_kv_heads=2, head_dim=8):
@@ -195,21 +195,6 @@ def test_composition_routes_arguments_and_rejects_what_cannot_compose():
 
 
 # ------------------------------------------------------------------------------ tiny models, end to end
-
-def run(model, policy, tokens, pos, steps=6, decode=engine.decode_step, max_seq=64, on_step=None):
-    model.setup_caches(tokens.shape[0], max_seq, policy)
-    out = []
-    with torch.inference_mode():
-        logits = engine.run_prefill(model, tokens, pos)
-        token, p = logits.argmax(-1, keepdim=True), pos[:, -1:] + 1
-        for i in range(steps):
-            logits = engine.run_decode(model, token, p, i, decode)
-            if on_step:
-                on_step(i, model.cache, p)
-            out.append(logits)
-            token, p = logits.argmax(-1, keepdim=True), p + 1
-    return torch.stack(out)
-
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):

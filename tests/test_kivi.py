@@ -18,7 +18,7 @@ from cache import make_policy
 from cache.quantized import KIVIDenseCache, SlotStore, check_format, with_kv_bits
 from model import ModelArgs
 from quantize import QuantizedTensor, dequantize_keys, quantize_keys, quantize_values
-from tests.helpers import kept, left_padded, tiny_hf_model
+from tests.helpers import greedy_logits, kept, left_padded, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
 BUFFERS = ("k_packed", "k_scale", "k_min", "v_packed", "v_scale", "v_min", "k_ring", "v_ring")
@@ -326,6 +326,44 @@ def test_every_policy_reads_what_its_packed_store_holds(name, tmp_path):
     assert (logits[8] - logits[16]).abs().max() < 0.05
 
 
+READERS = [("full", "ds", "n_critical=64,n_sink=2,n_recent=4"),
+           ("full", "quest", "n_critical=64,n_sink=2,n_recent=4,page_size=4"),
+           ("full", "hshare", "n_critical=64,n_sink=2,n_recent=4,ratios=1/2-1/2-1/2,label_bits=4"),
+           ("snapkv", "hshare", "budget=20,window=4|n_critical=64,n_sink=2,n_recent=4,ratios=1-1-1/2"),
+           ("streaming", "quest", "budget=16|n_critical=64,quest.n_sink=2,n_recent=4")]
+
+
+@pytest.mark.parametrize("storage,reader,args", READERS)
+def test_sparse_readers_over_packed_storage(storage, reader, args, tmp_path):
+    """A reader over packed storage gathers and dequantizes only the selected rows: reading every
+    token it equals the packed storage's own attention (left-padded batch; streaming evicts packed
+    tokens mid-decode); with a small N_c it reads exactly N_c tokens, stays close to the 16-bit
+    reader, and its kv_bytes count packed rows."""
+    _, model = tiny_hf_model("tied_gqa3", tmp_path)
+    tokens, pos = left_padded([30, 19], seed=3)
+    storage_args, reader_args = args.split("|") if "|" in args else ("", args)
+    both = ",".join(a for a in (storage_args, reader_args) if a)
+    name = f"{storage}+{reader}" if storage != "full" else reader
+    ref = greedy_logits(model, with_kv_bits(make_policy(storage, storage_args), 4, 8, 16), tokens, pos)
+    got = greedy_logits(model, with_kv_bits(make_policy(name, both), 4, 8, 16), tokens, pos)
+    assert (got - ref).abs().max() < 1e-4
+
+    sparse = both.replace("n_critical=64", "n_critical=12")
+    policy = with_kv_bits(make_policy(name, sparse), 4, 8, 16)
+    policy.record_reads = True
+    got = greedy_logits(model, policy, tokens, pos)
+    assert policy.storage_.packed and policy.describe()["inner"]["kv_bits"] == 4
+    tail = getattr(policy, "a", 1) - 1               # hshare's reuse steps add the tokens since the select step
+    assert all(12 <= len(head) <= 12 + tail for row in policy.read_positions(1) for head in row)
+    wide = make_policy(name, sparse)
+    assert (got - greedy_logits(model, wide, tokens, pos)).abs().max() < 0.3
+    got_bytes, inner_bytes = policy.kv_bytes(), policy.inner.kv_bytes()
+    assert got_bytes["allocated"] == inner_bytes["allocated"] + policy.index_bytes(live=False)
+    D, G = model.args.head_dim, 8               # per token: packed K and V, value scales/minimums, 1/G of the key's
+    per_token = 2 * D // 2 + 2 * (D // G) * 4 + 2 * D * 4 // G
+    assert policy.kv_row_bytes() == 2 * model.args.n_kv_heads * per_token < wide.kv_row_bytes() / 2
+
+
 def test_full_in_prompt_chunks_then_decode_close_to_one_forward(tmp_path):
     """`full` at 8 bits fed in two prompt chunks (the second attends the packed first) and single
     decode tokens, against one full-precision forward pass."""
@@ -345,9 +383,10 @@ def test_with_kv_bits_composition_and_errors():
     p = kivi("h2o", "budget=64,window=8")
     assert type(p).__name__ == "H2OPolicyKIVI" and p.budget == 64 and p.window == 8 and p.name == "h2o"
     assert isinstance(with_kv_bits(make_policy("full"), 2), KIVIDenseCache)
-    for name in ("pod", "hshare", "snapkv+ds"):
-        with pytest.raises(ValueError, match="has no KIVI storage"):
-            with_kv_bits(make_policy(name), 4)
+    with pytest.raises(ValueError, match="has no KIVI storage"):
+        with_kv_bits(make_policy("pod"), 4)
+    reader = with_kv_bits(make_policy("snapkv+ds", "budget=64"), 4)
+    assert type(reader.inner).__name__ == "SnapKVPolicyKIVI" and reader.storage_.packed
     with pytest.raises(ValueError, match="--kv-residual 48 must be a positive multiple of --kv-group-size 32"):
         with_kv_bits(make_policy("full"), 4, 32, 48)
     with pytest.raises(ValueError, match="head_dim 48 is not a multiple of --kv-group-size 32"):
