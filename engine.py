@@ -340,8 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
 def add_kv_flags(p: argparse.ArgumentParser) -> None:
     """--kv-bits / --kv-group-size / --kv-residual (the evals and the benchmark take them too)."""
     p.add_argument("--kv-bits", type=int, default=16, choices=[16, 4, 2],
-                   help="KV storage bits: 16 = the compute dtype, 4 or 2 = KIVI-packed (any policy but pod and "
-                        "the sparse readers)")
+                   help="KV storage bits: 16 = the compute dtype, 4 or 2 = KIVI-packed (any policy but pod; "
+                        "sparse readers read packed storage)")
     p.add_argument("--kv-group-size", type=int, default=32, help="KIVI group G: keys per channel over G tokens, "
                                                                  "values per token over G channels (default 32)")
     p.add_argument("--kv-residual", type=int, default=32, help="KIVI residual R: the newest R tokens stay in full "

@@ -163,7 +163,7 @@ def test_perplexity_json(default_dir, essays, tmp_path, capsys):
     (needle, ["--haystack", "{tmp}"], "no non-empty .txt"),
     (needle, ["--policy", "nope"], "unknown policy 'nope'"),
     (needle, ["--policy", "streaming", "--policy-args", "bogus=1"], "has no parameter(s) bogus"),
-    (needle, ["--kv-bits", "4", "--policy", "hshare"], "--kv-bits 4: policy 'hshare' has no KIVI storage"),
+    (needle, ["--kv-bits", "4", "--policy", "pod"], "--kv-bits 4: policy 'pod' has no KIVI storage"),
     (needle, ["--depths", "0.5,2"], "--depths must lie in [0, 1]"),
     (needle, ["--lengths", "9000"], "exceeds the model's context length 8192"),
     (perplexity, ["--kv-bits", "2", "--kv-group-size", "48", "--kv-residual", "48"],

@@ -254,8 +254,7 @@ def test_suite_end_to_end_and_resume(suite_env, tmp_path, capsys):
             assert c["status"] == "ok" and c["score"] is not None and c["usage"]["kv_allocated"] > 0, c
     assert all(cells["nope", t]["status"] == "skipped" and "unknown policy 'nope'" in cells["nope", t]["error"]
                for t in tasks)
-    # 4-bit storage: skipped with the reason until KIVI lands, then a real row
-    assert {cells["full kv4", t]["status"] for t in tasks} <= {"skipped", "ok"}
+    assert all(cells["full kv4", t]["status"] == "ok" for t in tasks)            # 4-bit storage: a real row
     full, stream = (cells[row, "agreement"] for row in ("full", "streaming:budget=32"))
     assert full["score"] == 100.0 and full["first_divergence"] == 6 and full["kv_ratio"] == 1.0
     assert stream["kv_ratio"] > 1 and stream["usage"]["kv_allocated"] < full["usage"]["kv_allocated"]
