@@ -328,6 +328,14 @@ class SlotStore:
         return out.to(q.dtype).reshape(B, Hq, 1, D), p_old[..., :n], p_new
 
     # -------------------------------------------------------------- memory
+    def slot_bytes(self) -> int:
+        """Bytes one slot adds (all rows and heads): its packed K and V words, its value scales and
+        minimums, and 1/G of its key group's scales and minimums (the ring is a fixed extra)."""
+        def row(t: Tensor) -> int:
+            return t[:, :, 0].numel() * t.element_size()
+        return (row(self.k_packed) + row(self.v_packed) + row(self.v_scale) + row(self.v_min)
+                + (row(self.k_scale) + row(self.k_min)) // self.group)
+
     def nbytes(self, n: Optional[int] = None) -> int:
         """Bytes of every buffer, or of what holds slots [0, n): their packed words, scales and
         minimums (keys: whole groups) and min(n, R) ring rows of K and V."""

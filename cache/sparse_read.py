@@ -184,7 +184,7 @@ class InnerStorage:
             store, pos, now = inner.kv_store(layer)
             k, v = store.gather(idx.clamp(max=pos.shape[2] - 1), pos, now)
             arange = torch.arange(idx.shape[2], device=idx.device).expand(idx.shape)
-            return k.to(inner_dtype(inner)), v.to(inner_dtype(inner)), arange
+            return k.to(store.dtype), v.to(store.dtype), arange
         if self.uniform:
             n = inner.n_filled
             return inner.k[layer][:, :, :n], inner.v[layer][:, :, :n], idx
@@ -193,8 +193,8 @@ class InnerStorage:
     def keys_at(self, layer: int, slots: Tensor) -> Tensor:
         """Keys [B, H_kv, m, D] of slots [B, H_kv, m] (< capacity), in the compute dtype."""
         if self.packed:
-            store, pos, now = self.inner.kv_store(layer)
-            return store.gather(slots, self.full_positions(layer), now)[0].to(inner_dtype(self.inner))
+            store, _, now = self.inner.kv_store(layer)
+            return store.gather(slots, self.full_positions(layer), now)[0].to(store.dtype)
         k = self.inner.k[layer]
         return k.gather(2, slots[..., None].expand(*slots.shape, k.shape[3]))
 
@@ -219,7 +219,7 @@ class InnerStorage:
 
     def dequantized_keys(self, layer: int, n: int) -> Tensor:
         store, _, now = self.inner.kv_store(layer)
-        return store.dequantized(self.full_positions(layer), now, n)[0].to(inner_dtype(self.inner))
+        return store.dequantized(self.full_positions(layer), now, n)[0].to(store.dtype)
 
     def capacity(self, layer: int) -> int:
         return self.full_positions(layer).shape[2]
@@ -228,18 +228,9 @@ class InnerStorage:
         """Bytes of one token's K and V in one layer for the whole batch (all KV heads); packed: its
         words, value scales/minimums and its share of the key group's scales/minimums."""
         if self.packed:
-            store = self.inner.kv_store(0)[0]
-            per_slot = [store.k_packed, store.v_packed, store.v_scale, store.v_min]
-            shared = [store.k_scale, store.k_min]
-            return (sum(t[:, :, 0].numel() * t.element_size() for t in per_slot)
-                    + sum(t[:, :, 0].numel() * t.element_size() for t in shared) // store.group)
+            return self.inner.kv_store(0)[0].slot_bytes()
         k = self.inner.k[0]
         return 2 * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size()
-
-
-def inner_dtype(inner) -> torch.dtype:
-    """The compute dtype of a storage policy (DenseCache has no attribute for it)."""
-    return getattr(inner, "dtype", None) or inner.stores[0].dtype
 
 
 def check_composable(inner) -> None:
