@@ -140,7 +140,7 @@ def test_sigint_subprocess_keeps_rows(default_dir, tmp_path):
     out_json = tmp_path / "b.json"
     p = subprocess.Popen([sys.executable, str(benchmark.ROOT / "scripts" / "benchmark.py"), "--checkpoint",
                           str(default_dir), *FAST, "--policies", "full", "--context-lengths",
-                          ",".join(str(32 + i) for i in range(40)), "--json", str(out_json)],
+                          ",".join(str(32 + i) for i in range(400)), "--json", str(out_json)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
