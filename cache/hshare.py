@@ -336,7 +336,7 @@ class HSharePolicy(LabelReader):
         perm, hmap = self.perm[layer], self.head_map[layer]
         q_perm = q.reshape(B, H, self.group, D).index_select(1, perm).reshape(B, Hq, 1, D)
         scores = self.scores(layer, q_perm, heads=h)                           # [B, h, S]
-        idx, ok = select_slots(scores, self.bias(layer, perm[:h]), self.n_slots())
+        idx, ok = select_slots(scores, self.bias(layer, perm[:h]), self.n_slots(), self.backend)
         if translated:
             idx = self.slot_positions(layer, idx, perm[:h])
         return idx.index_select(1, hmap), ok.index_select(1, hmap)

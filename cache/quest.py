@@ -92,7 +92,7 @@ class QuestPolicy(SparseReader):
         return ub.expand(B, H, P, ps).reshape(B, H, P * ps)[:, :, :S]
 
     def select(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
-        return select_slots(self.scores(layer, q), self.bias(layer), self.n_critical)
+        return select_slots(self.scores(layer, q), self.bias(layer), self.n_critical, self.backend)
 
     def index_bytes(self, live: bool) -> int:
         if not self.built:

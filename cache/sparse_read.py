@@ -46,6 +46,7 @@ from torch import Tensor
 
 from cache.base import EvictionPolicy
 from kernels import approx_scores, dequantize_labels_4bit, quantize_labels_4bit, sparse_decode_attention
+from kernels.cpu import cpu_kernels_available, select_top_cpu, use_cpu_kernel
 from model import DenseCache, ModelArgs
 
 INF = float("inf")
@@ -263,11 +264,15 @@ def read_bias(pos: Tensor, visible: Tensor, q_pos: Tensor, n_sink: int, n_recent
     return F.pad(bias, (0, pad), value=-INF)
 
 
-def select_slots(scores: Tensor, bias: Tensor, n: int) -> tuple[Tensor, Tensor]:
+def select_slots(scores: Tensor, bias: Tensor, n: int, backend: str = "auto") -> tuple[Tensor, Tensor]:
     """Top-n slots of scores [B, h, S] + bias [B, 1 or h, S + n] -> (idx, valid) [B, h, n].
 
     valid is False for entries that had to take a -inf column (fewer than n readable slots); their
-    idx may point past S and must not be read (the attention kernel ignores them)."""
+    idx may point past S and must not be read (the attention kernel ignores them).  On fp32 CPU
+    tensors the C++ radix select (kernels/cpu.py) returns the same set (ties to the lower slot) in
+    ascending slot order; torch.topk otherwise."""
+    if use_cpu_kernel(backend, scores.device.type == "cpu" and scores.dtype == bias.dtype == torch.float32):
+        return select_top_cpu(scores, bias, n)
     s = F.pad(scores, (0, n)) + bias
     vals, idx = torch.topk(s, n, dim=-1, sorted=False)
     return idx, vals > -INF
@@ -375,7 +380,8 @@ class SparseReader:
         "n_critical": (int, 0, "N_c, tokens read per attention (0 = from preset)"),
         "n_sink": (int, -1, "x, first tokens always read (-1 = from preset)"),
         "n_recent": (int, -1, "y, most recent tokens always read, the current one included (-1 = from preset)"),
-        "backend": (str, "auto", "kernels: auto (Triton on CUDA, torch on CPU), torch or triton"),
+        "backend": (str, "auto", "kernels: auto (Triton on CUDA, C++ on CPU when built, else torch), torch, "
+                                 "triton or cpp"),
     }
     is_sparse_reader = True
 
@@ -405,8 +411,8 @@ class SparseReader:
         if self.n_sink < 0 or self.n_critical < self.n_sink + self.n_recent:
             raise ValueError(f"n_critical ({self.n_critical}) must hold n_sink ({self.n_sink}) + n_recent "
                              f"({self.n_recent})")
-        if self.backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"backend must be auto, torch or triton, got {self.backend!r}")
+        if self.backend not in ("auto", "torch", "triton", "cpp"):
+            raise ValueError(f"backend must be auto, torch, triton or cpp, got {self.backend!r}")
 
     # ----------------------------------------------------------------- delegated contract
     @property
@@ -429,6 +435,8 @@ class SparseReader:
         self.max_seq_length = max_seq_length
         self.batch, self.dtype, self.device = max_batch_size, dtype, device
         self.workspace: dict = {}
+        if self.backend in ("auto", "cpp") and torch.device(device).type == "cpu":
+            cpu_kernels_available()     # build (or find) the C++ kernels now, not inside a traced step
         self.reset()
 
     def reset(self) -> None:
@@ -662,7 +670,7 @@ class LabelReader(SparseReader):
         return approx_scores(self.query_labels(layer, q, channels), lab, sc, mn, group="kv", backend=self.backend)
 
     def select(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
-        return select_slots(self.scores(layer, q), self.bias(layer), self.n_slots())
+        return select_slots(self.scores(layer, q), self.bias(layer), self.n_slots(), self.backend)
 
     def index_bytes(self, live: bool) -> int:
         if not self.built:

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "cpp")
 
 
 def triton_available() -> bool:
@@ -30,11 +30,13 @@ def triton_available() -> bool:
 
 
 def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
-    """"triton" or "torch" for a call on `tensors` (shape/device checks only, never a host sync)."""
+    """"triton" or "torch" for a call on `tensors` (shape/device checks only, never a host sync).
+    "cpp" (the C++ CPU kernels, kernels/cpu.py) resolves to "torch" here: the dispatchers that have a
+    C++ kernel check for it first (`cpu.use_cpu_kernel`), the others run their twin."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     on_cuda = all(t.is_cuda for t in tensors if t is not None)
-    if backend == "torch":
+    if backend in ("torch", "cpp"):
         return "torch"
     if backend == "auto":
         return "triton" if on_cuda and triton_available() else "torch"

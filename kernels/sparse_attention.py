@@ -29,7 +29,8 @@ the Triton kernel runs a grid (B, H_idx, n_splits): each program loads its slice
 gathers K/V rows block by block and keeps an fp32 online softmax (max, sum, acc) for the query heads
 that share the list; with n_splits > 1 a second kernel combines the splits by log-sum-exp.
 GQA-shared lists put the G query heads in the rows of a tl.dot (padded to 16); per-query-head lists
-use a one-row elementwise path.
+use a one-row elementwise path.  On fp32 CPU tensors "auto" runs the C++ kernel of kernels/cpu.py
+(each selected row read once, in place), the twin's result within float rounding.
 """
 import math
 from functools import lru_cache
@@ -39,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import resolve_backend
+from .cpu import sparse_attention_supported, sparse_decode_attention_cpu, use_cpu_kernel
 
 triton = tl = None  # imported lazily by _kernels(): importing this module never imports Triton
 
@@ -318,8 +320,11 @@ def sparse_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, idx: Te
                             valid: Optional[Tensor] = None, scale: Optional[float] = None, *,
                             backend: str = "auto", n_splits: Optional[int] = None,
                             block_n: Optional[int] = None, workspace: Optional[dict] = None) -> Tensor:
-    """Dispatcher: Triton on CUDA tensors, the torch twin on CPU (see the module docstring).
+    """Dispatcher: Triton on CUDA tensors, the C++ kernel on fp32 CPU tensors (kernels/cpu.py; "auto"
+    when it is built, or backend="cpp"), the torch twin otherwise (see the module docstring).
     n_splits/block_n tune the Triton kernel; workspace (a caller-owned dict) is used by the twin."""
     if resolve_backend(backend, q, k_cache, v_cache, idx) == "triton":
         return sparse_decode_attention_triton(q, k_cache, v_cache, idx, valid, scale, n_splits, block_n)
+    if use_cpu_kernel(backend, sparse_attention_supported(q, k_cache, v_cache)):
+        return sparse_decode_attention_cpu(q, k_cache, v_cache, idx, valid, scale)
     return sparse_decode_attention_torch(q, k_cache, v_cache, idx, valid, scale, workspace)

@@ -1,17 +1,20 @@
-"""CPU micro-benchmark of the sparse-read kernels' torch twins (the CPU path) against dense attention.
+"""CPU micro-benchmark of the sparse-read kernels (C++ CPU kernels and torch twins) against dense attention.
 
     OMP_WAIT_POLICY=ACTIVE python scripts/bench_sparse_attention.py [--repeats 30] [--threads N]
 
 One decode step of one layer, fp32, B=8, H_q=9, H_kv=3 (SmolLM2-135M's heads), D=64, S=4096 cached
 tokens, N_c in {128, 512}:
   dense          model.grouped_attention(q, k, v, None): SDPA over all S slots
-  sparse/kv      sparse_decode_attention, one index list per KV head (GQA-shared gather)
-  sparse/q       sparse_decode_attention, one index list per query head
+  sparse/kv      sparse_decode_attention's torch twin, one index list per KV head (GQA-shared gather)
+  sparse/q       the same with one index list per query head
   ...+ws         the same with a caller-owned workspace dict (gather buffers reused across calls)
+  ... cpp        the C++ CPU kernel (kernels/cpu.py: selected rows read in place), when it builds
   gather         the two index_select gathers of sparse/kv alone
   scores C=..    approx_scores (group="kv", sink/recent masking fused) + torch.topk(N_c), fp32 labels
   scores4 C=..   the same from 4-bit packed labels
-  ds step        scores4 C=16 + sparse/kv+ws: a whole Double-Sparsity decode attention
+  topk / select  top-N_c of the masked scores alone: torch.topk, and the C++ radix select
+  ds step        scores4 C=16 + sparse/kv+ws: a whole Double-Sparsity decode attention (twins);
+                 "ds step cpp": the same with the C++ select and attention
 Repetitions are interleaved (round r times every op once; each sample is the mean of --inner calls)
 and medians are printed with the ratio dense / op (> 1: faster than dense).
 
@@ -30,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import (approx_scores, quantize_labels_4bit, select_critical,  # noqa: E402
                      sparse_decode_attention)
+from kernels.cpu import cpu_kernels_available, select_top_cpu  # noqa: E402
 from kernels.sparse_attention import _gather  # noqa: E402
 from model import grouped_attention  # noqa: E402
 
@@ -57,6 +61,7 @@ def main(argv=None):
     q4 = q[:, :, None]
     length = torch.full((B,), S)
     ops = {"dense": lambda: grouped_attention(q4, k, v, None)}
+    cpp = cpu_kernels_available()
     labels = {}
     for C in (8, 16):
         lab = torch.randn(B, Hkv, S, C, generator=g)
@@ -65,23 +70,37 @@ def main(argv=None):
         x, y = (8, 32) if n <= 128 else (16, 64)
         idx_kv = torch.stack([torch.randperm(S, generator=g)[:n] for _ in range(B * Hkv)]).view(B, Hkv, n)
         idx_q = torch.stack([torch.randperm(S, generator=g)[:n] for _ in range(B * Hq)]).view(B, Hq, n)
-        ops[f"sparse/kv N={n}"] = lambda i=idx_kv: sparse_decode_attention(q, k, v, i)
-        ops[f"sparse/q N={n}"] = lambda i=idx_q: sparse_decode_attention(q, k, v, i)
+        twin = dict(backend="torch")
+        ops[f"sparse/kv N={n}"] = lambda i=idx_kv: sparse_decode_attention(q, k, v, i, **twin)
+        ops[f"sparse/q N={n}"] = lambda i=idx_q: sparse_decode_attention(q, k, v, i, **twin)
         ws = {}
-        ops[f"sparse/kv+ws N={n}"] = lambda i=idx_kv, ws=ws: sparse_decode_attention(q, k, v, i, workspace=ws)
-        ops[f"sparse/q+ws N={n}"] = lambda i=idx_q, ws=ws: sparse_decode_attention(q, k, v, i, workspace=ws)
+        ops[f"sparse/kv+ws N={n}"] = lambda i=idx_kv, ws=ws: sparse_decode_attention(q, k, v, i, workspace=ws, **twin)
+        ops[f"sparse/q+ws N={n}"] = lambda i=idx_q, ws=ws: sparse_decode_attention(q, k, v, i, workspace=ws, **twin)
+        if cpp:
+            ops[f"sparse/kv cpp N={n}"] = lambda i=idx_kv: sparse_decode_attention(q, k, v, i, backend="cpp")
+            ops[f"sparse/q cpp N={n}"] = lambda i=idx_q: sparse_decode_attention(q, k, v, i, backend="cpp")
         ops[f"gather N={n}"] = lambda i=idx_kv: (_gather(k, i), _gather(v, i))
         for C, (ql, lab, (pk, sc, mn)) in labels.items():
             ops[f"scores C={C} N={n}"] = lambda ql=ql, lab=lab, n=n, x=x, y=y: select_critical(
                 approx_scores(ql, lab, length=length, n_sink=x, n_recent=y), n)
             ops[f"scores4 C={C} N={n}"] = lambda ql=ql, pk=pk, sc=sc, mn=mn, n=n, x=x, y=y: select_critical(
                 approx_scores(ql, pk, sc, mn, length=length, n_sink=x, n_recent=y), n)
-        ql, _, (pk, sc, mn) = labels[16]
+        ql, lab, (pk, sc, mn) = labels[16]
+        masked = approx_scores(ql, lab, length=length, n_sink=x, n_recent=y)
+        no_bias = torch.zeros(B, 1, S + n)
+        ops[f"topk N={n}"] = lambda m=masked, n=n: torch.topk(m, n, dim=-1, sorted=False)
+        if cpp:
+            ops[f"select cpp N={n}"] = lambda m=masked, n=n, nb=no_bias: select_top_cpu(m, nb, n)
 
         def ds_step(ql=ql, pk=pk, sc=sc, mn=mn, n=n, x=x, y=y):
             idx = select_critical(approx_scores(ql, pk, sc, mn, length=length, n_sink=x, n_recent=y), n)
-            return sparse_decode_attention(q, k, v, idx, workspace=ws)
+            return sparse_decode_attention(q, k, v, idx, workspace=ws, **twin)
         ops[f"ds step C=16/4b N={n}"] = ds_step
+        if cpp:
+            def ds_step_cpp(ql=ql, pk=pk, sc=sc, mn=mn, n=n, x=x, y=y, nb=no_bias):
+                idx, ok = select_top_cpu(approx_scores(ql, pk, sc, mn, length=length, n_sink=x, n_recent=y), nb, n)
+                return sparse_decode_attention(q, k, v, idx, ok, backend="cpp")
+            ops[f"ds step cpp N={n}"] = ds_step_cpp
         if args.compile:
             from kernels import sparse_decode_attention_torch
             comp = torch.compile(sparse_decode_attention_torch, dynamic=False)

@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -88,31 +89,34 @@ def test_sparse_twin_equals_masked_dense(dtype, D, shared):
     torch.testing.assert_close(out.float(), dense_oracle(q, k, v, idx, valid), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
 @pytest.mark.parametrize("shared", [True, False], ids=["Hidx=Hkv", "Hidx=Hq"])
-def test_sparse_twin_layouts(shared):
-    """int32 indices, a strided cache view, q as [B, H_q, 1, D], no valid mask, MHA (G = 1)."""
+def test_sparse_attention_layouts(shared, backend):
+    """int32 indices, a strided cache view, q as [B, H_q, 1, D], no valid mask, MHA (G = 1); the torch
+    twin and the C++ CPU kernel."""
     q, k, v, idx, valid = make_attn(Hidx=3 if shared else 9, idx_dtype=torch.int32, strided=True)
     assert not k.is_contiguous()
     ref = dense_oracle(q, k, v, idx, valid)
-    torch.testing.assert_close(sparse_decode_attention(q, k, v, idx, valid), ref, atol=2e-5, rtol=1e-5)
-    out4 = sparse_decode_attention(q[:, :, None], k, v, idx, valid)
+    attend = partial(sparse_decode_attention, backend=backend)
+    torch.testing.assert_close(attend(q, k, v, idx, valid), ref, atol=2e-5, rtol=1e-5)
+    out4 = attend(q[:, :, None], k, v, idx, valid)
     assert out4.shape == (2, 9, 1, 64)
     torch.testing.assert_close(out4[:, :, 0], ref, atol=2e-5, rtol=1e-5)
-    ws = {}                                               # caller-owned gather buffers, reused
+    ws = {}                                               # caller-owned gather buffers, reused by the twin
     for seed in (1, 2):
         q2, k2, v2, idx2, valid2 = make_attn(Hidx=3 if shared else 9, seed=seed)
-        torch.testing.assert_close(sparse_decode_attention(q2, k2, v2, idx2, valid2, workspace=ws),
+        torch.testing.assert_close(attend(q2, k2, v2, idx2, valid2, workspace=ws),
                                    dense_oracle(q2, k2, v2, idx2, valid2), atol=2e-5, rtol=1e-5)
-    assert len(ws) == 2
+    assert len(ws) == (2 if backend == "torch" else 0)
     q, k, v, idx, _ = make_attn(Hq=4, Hkv=4, Hidx=4, p_invalid=0)
-    torch.testing.assert_close(sparse_decode_attention(q, k, v, idx), dense_oracle(q, k, v, idx, None),
-                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(attend(q, k, v, idx), dense_oracle(q, k, v, idx, None), atol=2e-5, rtol=1e-5)
 
 
-def test_sparse_twin_empty_rows_and_duplicates():
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_sparse_attention_empty_rows_and_duplicates(backend):
     q, k, v, idx, valid = make_attn(dup=True, p_invalid=0.3)
     valid[1, 2] = False                                   # a row with nothing to attend to -> 0
-    out = sparse_decode_attention_torch(q, k, v, idx, valid)
+    out = sparse_decode_attention(q, k, v, idx, valid, backend=backend)
     assert torch.isfinite(out).all()
     assert out[1, 6:9].abs().max() == 0
     # documented semantics: a duplicated index counts once per occurrence

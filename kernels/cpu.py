@@ -1,0 +1,114 @@
+"""The C++ CPU kernels (kernels/cpu_kernels.cpp): the sparse readers' fast path on CPU, beside the
+Triton kernels on CUDA and the torch twins everywhere.
+
+    cpu_kernels_available()            builds the extension on first call (torch.utils.cpp_extension,
+                                       -O3 -march=native, ~40 s once; cached under
+                                       ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), then True;
+                                       False with one warning if it cannot be built (no compiler)
+    sparse_decode_attention_cpu(...)   == kernels.sparse_decode_attention_torch (fp32, D 64 or 128)
+    select_top_cpu(scores, bias, n)    == torch.topk of F.pad(scores, (0, n)) + bias, as a set per row
+
+Why: on CPU the torch twin of sparse attention copies the N selected K and V rows (index_select)
+and runs two batched matmuls over the copies, so every selected byte crosses memory three times;
+the kernel reads each selected row once, in place, with the scores, an exact softmax and the
+weighted sum in registers.  torch.topk runs a generic partial sort per row; the radix select touches
+each score three times.  `scripts/bench_sparse_attention.py` times both next to their twins.
+
+Set KVC_CPU_KERNELS=0 to never build or use them (the twins then run; results are the same within
+float rounding, and the selected sets are the same up to ties).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+
+
+def _cpu_tag() -> str:
+    """A short hash of the CPU's feature flags: -march=native code must not be reused on another CPU."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+_available: Optional[bool] = None       # a plain global, not lru_cache: torch.compile reads it as a constant
+
+
+def cpu_kernels_available() -> bool:
+    global _available
+    if _available is None:
+        _available = os.environ.get("KVC_CPU_KERNELS", "1") != "0" and _build()
+    return _available
+
+
+def use_cpu_kernel(backend: str, supported: bool) -> bool:
+    """Whether a dispatcher runs the C++ kernel: backend "cpp" demands it (error if it cannot), "auto"
+    takes it on CPU tensors it supports when it is built."""
+    if backend == "cpp":
+        if not supported:
+            raise ValueError("backend='cpp' needs fp32 CPU tensors (and head_dim 64 or 128 for attention)")
+        if not cpu_kernels_available():
+            raise RuntimeError("backend='cpp' but the C++ CPU kernels are not available (KVC_CPU_KERNELS=0 "
+                               "or the build failed, see the warning)")
+        return True
+    return backend == "auto" and supported and cpu_kernels_available()
+
+
+def _build() -> bool:
+    try:
+        from torch.utils.cpp_extension import load
+        load(name=f"kvc_cpu_kernels_{_cpu_tag()}", sources=[str(SOURCE)],
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:                                              # no compiler, no headers, ...
+        warnings.warn(f"the C++ CPU kernels could not be built ({type(e).__name__}: {str(e)[:200]}); "
+                      f"using the torch twins (slower on CPU)", RuntimeWarning, stacklevel=2)
+        return False
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile's tracing (the ops run as extern calls in the compiled graph)."""
+    @torch.library.register_fake("kvc::sparse_attention")
+    def _(q, k, v, idx, valid, scale):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("kvc::select_top")
+    def _(scores, bias, n):
+        B, H = scores.shape[:2]
+        return (scores.new_empty((B, H, n), dtype=torch.long), scores.new_empty((B, H, n), dtype=torch.bool))
+
+
+def sparse_attention_supported(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether the kernel takes these tensors (fp32 CPU, head_dim 64 or 128, contiguous rows)."""
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and q.shape[-1] in (64, 128) and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
+
+
+def sparse_decode_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, idx: Tensor,
+                                valid: Optional[Tensor] = None, scale: Optional[float] = None) -> Tensor:
+    """The C++ kernel; contract of kernels.sparse_decode_attention (q [B, H_q, D] or [B, H_q, 1, D])."""
+    squeeze = q.dim() == 4
+    if squeeze:
+        q = q.squeeze(2)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    no_valid = torch.empty(0, dtype=torch.bool, device=q.device)
+    out = torch.ops.kvc.sparse_attention(q.contiguous(), k_cache, v_cache, idx.long().contiguous(),
+                                         no_valid if valid is None else valid.contiguous(), scale)
+    return out.unsqueeze(2) if squeeze else out
+
+
+def select_top_cpu(scores: Tensor, bias: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """Top-n slots of scores [B, h, S] + bias [B, 1 or h, S + n] (fp32) -> (idx, valid) [B, h, n],
+    idx in ascending slot order (see cache.sparse_read.select_slots for the contract)."""
+    return torch.ops.kvc.select_top(scores.contiguous(), bias.contiguous(), n)

@@ -1,0 +1,267 @@
+// CPU kernels of the sparse readers (the CPU counterpart of the Triton kernels; built on first use by
+// kernels/cpu.py with torch.utils.cpp_extension, -O3 -march=native).  Two ops, fp32:
+//
+//   kvc::sparse_attention(q [B, Hq, D], k, v [B, Hkv, S, D] (rows contiguous), idx [B, Hidx, N] long,
+//                         valid [B, Hidx, N] bool (or an empty tensor: all valid), scale) -> [B, Hq, D]
+//       exact attention of each decode query over its index list, reading the selected K/V rows in
+//       place (no gathered copy): per list, scores q.k for the G query heads sharing it (Hidx = Hkv)
+//       or for the one head owning it (Hidx = Hq), softmax, weighted sum of V rows.  D % 16 == 0.
+//   kvc::select_top(scores [B, h, S], bias [B, 1 or h, S + n], n) -> (idx, valid) [B, h, n]
+//       the n largest of scores + bias per row (torch.topk's set; ties go to the lower slot), in
+//       ascending slot order; where fewer than n entries exceed -inf, the rest are marked invalid
+//       (idx = S + j, never to be read).  Exact: a 3-pass radix select on the floats' order-preserving
+//       integer keys, then one pass collecting the slots.
+//
+// Both parallelise over the B * heads lists with at::parallel_for (torch's thread pool).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int v16i __attribute__((vector_size(64)));
+
+static inline float hsum(v16 x) {
+  x += __builtin_shuffle(x, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  x += __builtin_shuffle(x, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  x += __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  x += __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return x[0];
+}
+
+// exp of 16 floats: 2^n * p(r) with a degree-6 polynomial (Cephes expf, relative error < 2e-7);
+// exactly 0 below -87.3 (so -inf, a masked score, gives 0)
+static inline v16 vexp(v16 x) {
+  const v16 zero = {};
+  const auto underflow = x < -87.3f;
+  x = x > 88.3f ? zero + 88.3f : x;
+  x = underflow ? zero : x;
+  const v16 t = x * 1.44269504088896341f + 0.5f;
+  v16i n = __builtin_convertvector(t, v16i);                   // truncates toward zero
+  n -= (v16i)(__builtin_convertvector(n, v16) > t) & 1;          // -> floor
+  const v16 nf = __builtin_convertvector(n, v16);
+  x = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  v16 y = 1.9875691500E-4f * x + 1.3981999507E-3f;
+  y = y * x + 8.3334519073E-3f;
+  y = y * x + 4.1665795894E-2f;
+  y = y * x + 1.6666665459E-1f;
+  y = y * x + 5.0000001201E-1f;
+  y = y * x * x + x + 1.f;
+  const v16 r = y * (v16)((n + 127) << 23);
+  return underflow ? zero : r;
+}
+
+constexpr int64_t PREFETCH = 8;      // rows ahead: the selected rows are random DRAM reads
+
+// GB query rows (qr, consecutive, D = 16 * DV floats each) over the rows il[0..N) of kb / vb: each
+// selected K and V row is loaded once for the GB rows (their q and accumulators stay in registers)
+template <int DV, int GB>
+static void attend_rows(const float* __restrict qr, const float* kb, int64_t k_row, const float* vb,
+                        int64_t v_row, const int64_t* il, const bool* vl, int64_t N, float scale,
+                        float* __restrict s, float* __restrict out) {
+  constexpr int D = DV * 16;
+  v16 q[GB][DV];
+#pragma GCC unroll 16
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; ++c) std::memcpy(&q[g][c], qr + g * D + c * 16, sizeof(v16));
+  float m[GB];
+#pragma GCC unroll 16
+  for (int g = 0; g < GB; ++g) m[g] = -INFINITY;
+  for (int64_t n = 0; n < N; ++n) {                              // scores s[g * N + n]
+    if (vl && !vl[n]) {
+#pragma GCC unroll 16
+      for (int g = 0; g < GB; ++g) s[g * N + n] = -INFINITY;
+      continue;
+    }
+    if (n + PREFETCH < N) {
+      const char* kf = (const char*)(kb + il[n + PREFETCH] * k_row);
+      const char* vf = (const char*)(vb + il[n + PREFETCH] * v_row);
+#pragma GCC unroll 16
+      for (int c = 0; c < DV; ++c) { __builtin_prefetch(kf + 64 * c); __builtin_prefetch(vf + 64 * c); }
+    }
+    const v16* k = (const v16*)(kb + il[n] * k_row);
+#pragma GCC unroll 16
+    for (int g = 0; g < GB; ++g) {
+      v16 a = q[g][0] * k[0];
+#pragma GCC unroll 16
+      for (int c = 1; c < DV; ++c) a += q[g][c] * k[c];
+      const float d = hsum(a) * scale;
+      s[g * N + n] = d;
+      m[g] = d > m[g] ? d : m[g];
+    }
+  }
+  float inv[GB];
+#pragma GCC unroll 16
+  for (int g = 0; g < GB; ++g) {                                 // softmax numerators, in place
+    float* sg = s + g * N;
+    const float mg = std::isinf(m[g]) ? 0.f : m[g];             // no valid entry: output 0
+    v16 lv = {};
+    int64_t n = 0;
+    for (; n + 16 <= N; n += 16) {
+      v16 x;
+      std::memcpy(&x, sg + n, sizeof x);
+      x = vexp(x - mg);
+      std::memcpy(sg + n, &x, sizeof x);
+      lv += x;
+    }
+    float l = hsum(lv);
+    for (; n < N; ++n) { sg[n] = std::exp(sg[n] - mg); l += sg[n]; }
+    inv[g] = l > 0.f ? 1.f / l : 0.f;
+  }
+  v16 acc[GB][DV] = {};
+  for (int64_t n = 0; n < N; ++n) {
+    if (vl && !vl[n]) continue;
+    const v16* v = (const v16*)(vb + il[n] * v_row);
+#pragma GCC unroll 16
+    for (int g = 0; g < GB; ++g) {
+      const float p = s[g * N + n];
+#pragma GCC unroll 16
+      for (int c = 0; c < DV; ++c) acc[g][c] += p * v[c];
+    }
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; ++c) {
+      const v16 o = acc[g][c] * inv[g];
+      std::memcpy(out + g * D + c * 16, &o, sizeof o);
+    }
+}
+
+// one index list read by GL query rows, in register blocks of up to 4 (D 64) or 2 (D 128) rows
+template <int DV>
+static void attend_list(const float* qr, int64_t GL, const float* kb, int64_t k_row, const float* vb,
+                        int64_t v_row, const int64_t* il, const bool* vl, int64_t N, float scale, float* s,
+                        float* out) {
+  constexpr int D = DV * 16, MAX_GB = DV == 4 ? 4 : 2;
+  for (int64_t g = 0; g < GL;) {
+    const int64_t gb = std::min<int64_t>(MAX_GB, GL - g);
+    const float* q = qr + g * D;
+    float* o = out + g * D;
+    if (gb >= 4) attend_rows<DV, MAX_GB>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o);
+    else if (gb == 3) attend_rows<DV, 3>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o);
+    else if (gb == 2) attend_rows<DV, 2>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o);
+    else attend_rows<DV, 1>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o);
+    g += gb;
+  }
+}
+
+torch::Tensor sparse_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor idx,
+                               torch::Tensor valid, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat && k.dtype() == torch::kFloat && v.dtype() == torch::kFloat,
+              "kvc::sparse_attention: fp32 only");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
+  TORCH_CHECK(idx.dim() == 3 && idx.is_contiguous() && idx.dtype() == torch::kLong, "idx must be a contiguous long [B, H, N]");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k/v rows must be contiguous");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = k.size(1), Hidx = idx.size(1), N = idx.size(2), G = Hq / Hkv;
+  TORCH_CHECK(D == 64 || D == 128, "kvc::sparse_attention: head_dim 64 or 128");
+  const bool has_valid = valid.numel() > 0;
+  TORCH_CHECK(!has_valid || (valid.is_contiguous() && valid.sizes() == idx.sizes()), "valid must be shaped like idx");
+  const int64_t GL = Hidx == Hkv ? G : 1;                        // query rows per list
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const bool* vap = has_valid ? valid.data_ptr<bool>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  at::parallel_for(0, B * Hidx, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(4 * N);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / Hidx, h = r % Hidx;
+      const int64_t hk = Hidx == Hkv ? h : h / G, hq = Hidx == Hkv ? h * G : h;
+      const float* kb = kp + b * ks0 + hk * ks1;
+      const float* vb = vp + b * vs0 + hk * vs1;
+      const float* qr = qp + (b * Hq + hq) * D;
+      float* o = op + (b * Hq + hq) * D;
+      const bool* vl = vap ? vap + r * N : nullptr;
+      if (D == 64)
+        attend_list<4>(qr, GL, kb, ks2, vb, vs2, ip + r * N, vl, N, (float)scale, s.data(), o);
+      else
+        attend_list<8>(qr, GL, kb, ks2, vb, vs2, ip + r * N, vl, N, (float)scale, s.data(), o);
+    }
+  });
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> select_top(torch::Tensor scores, torch::Tensor bias, int64_t n) {
+  TORCH_CHECK(scores.dtype() == torch::kFloat && bias.dtype() == torch::kFloat, "kvc::select_top: fp32 only");
+  TORCH_CHECK(scores.dim() == 3 && bias.dim() == 3 && scores.stride(2) == 1 && bias.stride(2) == 1,
+              "scores [B, h, S] and bias [B, 1 or h, S + n] with contiguous rows");
+  const int64_t B = scores.size(0), H = scores.size(1), S = scores.size(2);
+  TORCH_CHECK(bias.size(0) == B && (bias.size(1) == 1 || bias.size(1) == H) && bias.size(2) >= S,
+              "bias must be [B, 1 or h, >= S]");
+  auto idx = torch::empty({B, H, n}, scores.options().dtype(torch::kLong));
+  auto ok = torch::empty({B, H, n}, scores.options().dtype(torch::kBool));
+  const float* sp = scores.data_ptr<float>();
+  const float* bp = bias.data_ptr<float>();
+  const int64_t ss0 = scores.stride(0), ss1 = scores.stride(1);
+  const int64_t bs0 = bias.stride(0), bs1 = bias.size(1) == 1 ? 0 : bias.stride(1);
+  int64_t* ip = idx.data_ptr<int64_t>();
+  bool* okp = ok.data_ptr<bool>();
+  const uint32_t NEG_INF_KEY = 0x007FFFFFu;                      // the key of -inf: nothing below it matters
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> key(S), hist(2048);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* s = sp + (r / H) * ss0 + (r % H) * ss1;
+      const float* b = bp + (r / H) * bs0 + (r % H) * bs1;
+      int64_t finite = 0;                                         // entries above -inf
+      for (int64_t j = 0; j < S; ++j) {
+        const float x = s[j] + b[j];
+        uint32_t u;
+        std::memcpy(&u, &x, 4);
+        const uint32_t kj = (u & 0x80000000u) ? ~u : (u | 0x80000000u);   // larger float, larger key
+        key[j] = kj;
+        finite += kj > NEG_INF_KEY;
+      }
+      int64_t* o = ip + r * n;
+      int64_t w = 0;
+      if (finite <= n) {
+        for (int64_t j = 0; j < S; ++j)
+          if (key[j] > NEG_INF_KEY) o[w++] = j;
+      } else {
+        // the n-th largest key, 11 + 11 + 10 bits at a time; `remaining` ends as the number of
+        // entries equal to it that belong to the top n
+        uint32_t prefix = 0, mask = 0;
+        int64_t remaining = n;
+        const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
+        for (int p = 0; p < 3; ++p) {
+          const int sh = shifts[p];
+          const uint32_t bins = 1u << widths[p];
+          std::fill(hist.begin(), hist.begin() + bins, 0u);
+          for (int64_t j = 0; j < S; ++j)
+            if ((key[j] & mask) == prefix) hist[(key[j] >> sh) & (bins - 1)]++;
+          int64_t bin = bins - 1;
+          for (; bin > 0 && (int64_t)hist[bin] < remaining; --bin) remaining -= hist[bin];
+          prefix |= (uint32_t)bin << sh;
+          mask |= (bins - 1) << sh;
+        }
+        for (int64_t j = 0; j < S && w < n; ++j) {
+          if (key[j] > prefix) o[w++] = j;
+          else if (key[j] == prefix && remaining > 0) { o[w++] = j; --remaining; }
+        }
+      }
+      bool* okr = okp + r * n;
+      for (int64_t j = 0; j < n; ++j) okr[j] = j < w;
+      for (; w < n; ++w) o[w] = S + w;
+    }
+  });
+  return {idx, ok};
+}
+
+TORCH_LIBRARY(kvc, m) {
+  m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor idx, Tensor valid, float scale) -> Tensor");
+  m.def("select_top(Tensor scores, Tensor bias, int n) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kvc, CPU, m) {
+  m.impl("sparse_attention", &sparse_attention);
+  m.impl("select_top", &select_top);
+}

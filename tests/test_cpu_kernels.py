@@ -1,0 +1,112 @@
+"""kernels/cpu.py: the C++ CPU kernels against their torch twins (sparse attention) and torch.topk
+(the radix select), on random cases and the edge cases the policies produce."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from cache.sparse_read import select_slots  # noqa: E402
+from kernels import sparse_decode_attention, sparse_decode_attention_torch  # noqa: E402
+from kernels.cpu import cpu_kernels_available, select_top_cpu, sparse_decode_attention_cpu  # noqa: E402
+
+INF = float("inf")
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="C++ CPU kernels not built (see warning)")
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,S,N,D", [(1, 9, 3, 300, 37, 64), (3, 8, 2, 513, 130, 128), (2, 4, 4, 70, 70, 64),
+                                            (2, 12, 3, 1000, 512, 64)])
+@pytest.mark.parametrize("shared", [True, False], ids=["Hidx=Hkv", "Hidx=Hq"])
+def test_sparse_attention_equals_twin(B, Hq, Hkv, S, N, D, shared):
+    """GQA 3:1 and 4:1, MHA, N not a power of two, N not a multiple of 16 (the exp tail), D 64/128."""
+    g = torch.Generator().manual_seed(B * 100 + N)
+    q = torch.randn(B, Hq, D, generator=g) * 3          # large logits: the exp must hold up
+    k, v = torch.randn(2, B, Hkv, S, D, generator=g)
+    Hidx = Hkv if shared else Hq
+    idx = torch.stack([torch.randperm(S, generator=g)[:N] for _ in range(B * Hidx)]).view(B, Hidx, N)
+    valid = torch.rand(B, Hidx, N, generator=g) > 0.25
+    idx = idx.masked_fill(~valid, -7)                  # invalid entries are never read
+    out = sparse_decode_attention_cpu(q, k, v, idx, valid)
+    torch.testing.assert_close(out, sparse_decode_attention_torch(q, k, v, idx, valid), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sparse_decode_attention_cpu(q, k, v, idx.clamp(min=0)),
+                               sparse_decode_attention_torch(q, k, v, idx.clamp(min=0)), atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_attention_dispatch():
+    """auto takes the kernel for fp32 CPU tensors, the twin for the dtypes it lacks; cpp insists."""
+    q, k, v = torch.randn(1, 3, 64), torch.randn(1, 3, 20, 64), torch.randn(1, 3, 20, 64)
+    idx = torch.arange(5).view(1, 1, 5).expand(1, 3, 5)
+    ref = sparse_decode_attention_torch(q, k, v, idx)
+    torch.testing.assert_close(sparse_decode_attention(q, k, v, idx), ref)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    assert sparse_decode_attention(qb, kb, vb, idx).dtype == torch.bfloat16     # twin
+    with pytest.raises(ValueError, match="fp32"):
+        sparse_decode_attention(qb, kb, vb, idx, backend="cpp")
+
+
+def reference_select(scores, bias, n):
+    vals, idx = torch.topk(F.pad(scores, (0, n)) + bias, n, dim=-1)
+    return idx, vals > -INF
+
+
+def as_sets(idx, ok):
+    return [[sorted(i[o].tolist()) for i, o in zip(ib, ob)] for ib, ob in zip(idx, ok)]
+
+
+@pytest.mark.parametrize("S,n", [(4096 + 37, 512), (300, 128), (129, 128), (40, 64)])
+@pytest.mark.parametrize("per_head_bias", [False, True])
+def test_select_top_equals_topk(S, n, per_head_bias):
+    """Random scores, forced (+inf) sinks/recent, hidden (-inf) slots, fewer readable slots than n."""
+    g = torch.Generator().manual_seed(S + n)
+    B, H = 2, 3
+    scores = torch.randn(B, H, S, generator=g)
+    bias = torch.zeros(B, H if per_head_bias else 1, S)
+    bias[..., :4] = INF
+    bias[..., -8:] = INF
+    bias[1, ..., S // 2:S // 2 + 20] = -INF
+    bias[..., 10:12] = -INF
+    bias = F.pad(bias, (0, n), value=-INF)
+    idx, ok = select_top_cpu(scores, bias, n)
+    ref_idx, ref_ok = reference_select(scores, bias, n)
+    assert idx.shape == ok.shape == (B, H, n) and idx.dtype == torch.long
+    assert as_sets(idx, ok) == as_sets(ref_idx, ref_ok)
+    assert (idx[ok] < S).all() and (ok.sum(-1) == ref_ok.sum(-1)).all()
+    assert (idx.diff(dim=-1) > 0).all()                                     # ascending slots
+
+
+def test_select_top_ties_and_signs():
+    """Equal scores (ties go to the lower slots, as many as fit), negative and zero values, -0.0."""
+    S, n = 50, 10
+    scores = torch.zeros(1, 2, S)
+    scores[0, 0, 30:] = -1.0                            # 30 zeros above 20 negatives: 10 of the zeros
+    scores[0, 1] = torch.tensor([-0.0, 0.0] * 25)
+    scores[0, 1, 45] = -3.0
+    scores[0, 1, 7] = 2.5
+    bias = torch.full((1, 1, S + n), -INF)
+    bias[..., :S] = 0
+    idx, ok = select_top_cpu(scores, bias, n)
+    assert ok.all()
+    assert idx[0, 0].tolist() == list(range(10))
+    assert 7 in idx[0, 1].tolist() and 45 not in idx[0, 1].tolist()
+    # the same set as torch.topk whenever the n-th value is not tied
+    scores = torch.randn(1, 2, S).round(decimals=1)
+    ref_idx, ref_ok = reference_select(scores, bias, n)
+    idx, ok = select_top_cpu(scores, bias, n)
+    kth = (F.pad(scores, (0, n)) + bias).topk(n, -1).values[..., -1:]
+    above = lambda i, o, s: sorted(int(x) for x in i[o] if s[int(x)] > kth[0, h, 0])   # noqa: E731
+    for h in range(2):
+        assert above(idx[0, h], ok[0, h], scores[0, h]) == above(ref_idx[0, h], ref_ok[0, h], scores[0, h])
+
+
+def test_select_slots_dispatch():
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(2, 3, 200, generator=g)
+    bias = F.pad(torch.zeros(2, 1, 200), (0, 64), value=-INF)
+    a = select_slots(scores, bias, 64)                                      # C++ (auto)
+    b = select_slots(scores, bias, 64, backend="torch")
+    assert as_sets(*a) == as_sets(*b)
