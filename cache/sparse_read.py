@@ -661,13 +661,20 @@ class LabelReader(SparseReader):
         return gather_channels(q.view(B, H, Hq // H, D), channels).reshape(B, Hq, -1)
 
     def scores(self, layer: int, q: Tensor, heads: Optional[int] = None) -> Tensor:
-        """Approximate scores [B, h, S] of the first `heads` KV heads (label cache order)."""
+        """Approximate scores [B, h, S] of the first `heads` KV heads (label cache order).
+
+        On CPU every head is scored and the first `heads` rows returned: a head slice of the label
+        cache is not one strided batch, so torch.matmul would first copy it (2 MB per layer at 4096
+        tokens), which costs more than the extra heads' dot products.  The Triton kernel takes the
+        slice as it is."""
         channels = self.label_channels[layer]
-        if heads is not None:
+        sliced = heads is not None and heads < channels.shape[0] and q.is_cuda
+        if sliced:
             channels = channels[:heads]
             q = q[:, :heads * self.group]
-        lab, sc, mn = self.labels.view(layer, self.readable_length(layer), heads)
-        return approx_scores(self.query_labels(layer, q, channels), lab, sc, mn, group="kv", backend=self.backend)
+        lab, sc, mn = self.labels.view(layer, self.readable_length(layer), heads if sliced else None)
+        s = approx_scores(self.query_labels(layer, q, channels), lab, sc, mn, group="kv", backend=self.backend)
+        return s if heads is None or sliced else s[:, :heads]
 
     def select(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
         return select_slots(self.scores(layer, q), self.bias(layer), self.n_slots(), self.backend)

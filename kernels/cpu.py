@@ -111,4 +111,9 @@ def sparse_decode_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, idx
 def select_top_cpu(scores: Tensor, bias: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """Top-n slots of scores [B, h, S] + bias [B, 1 or h, S + n] (fp32) -> (idx, valid) [B, h, n],
     idx in ascending slot order (see cache.sparse_read.select_slots for the contract)."""
-    return torch.ops.kvc.select_top(scores.contiguous(), bias.contiguous(), n)
+    return torch.ops.kvc.select_top(_unit_stride_rows(scores), _unit_stride_rows(bias), n)
+
+
+def _unit_stride_rows(t: Tensor) -> Tensor:
+    """t itself when its last dim is contiguous (the kernels take the other strides as they are)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
