@@ -25,6 +25,7 @@ from kernels import (approx_scores, approx_scores_torch, dequantize_labels_4bit,
                      mask_sink_recent, pack_4bit, quantize_labels_4bit, resolve_backend,
                      select_critical, sparse_decode_attention, sparse_decode_attention_torch,
                      unpack_4bit)
+from kernels.cpu import cpu_kernels_available  # noqa: E402
 from model import grouped_attention  # noqa: E402
 
 # (atol, rtol) of a low-precision result against an fp32 reference / of two backends
@@ -89,7 +90,10 @@ def test_sparse_twin_equals_masked_dense(dtype, D, shared):
     torch.testing.assert_close(out.float(), dense_oracle(q, k, v, idx, valid), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
+CPP = pytest.param("cpp", marks=pytest.mark.skipif(not cpu_kernels_available(), reason="C++ CPU kernels not built"))
+
+
+@pytest.mark.parametrize("backend", ["torch", CPP])
 @pytest.mark.parametrize("shared", [True, False], ids=["Hidx=Hkv", "Hidx=Hq"])
 def test_sparse_attention_layouts(shared, backend):
     """int32 indices, a strided cache view, q as [B, H_q, 1, D], no valid mask, MHA (G = 1); the torch
@@ -112,7 +116,7 @@ def test_sparse_attention_layouts(shared, backend):
     torch.testing.assert_close(attend(q, k, v, idx), dense_oracle(q, k, v, idx, None), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("backend", ["torch", CPP])
 def test_sparse_attention_empty_rows_and_duplicates(backend):
     q, k, v, idx, valid = make_attn(dup=True, p_invalid=0.3)
     valid[1, 2] = False                                   # a row with nothing to attend to -> 0
