@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cache.base import EvictionPolicy
-from kernels import approx_scores, dequantize_labels_4bit, quantize_labels_4bit, sparse_decode_attention
+from kernels import (approx_scores, dequantize_labels_4bit, quantize_labels_4bit, resolve_backend,
+                     sparse_decode_attention)
 from kernels.cpu import cpu_kernels_available, select_top_cpu, use_cpu_kernel
 from model import DenseCache, ModelArgs
 
@@ -663,12 +664,13 @@ class LabelReader(SparseReader):
     def scores(self, layer: int, q: Tensor, heads: Optional[int] = None) -> Tensor:
         """Approximate scores [B, h, S] of the first `heads` KV heads (label cache order).
 
-        On CPU every head is scored and the first `heads` rows returned: a head slice of the label
-        cache is not one strided batch, so torch.matmul would first copy it (2 MB per layer at 4096
-        tokens), which costs more than the extra heads' dot products.  The Triton kernel takes the
-        slice as it is."""
+        The Triton kernel scores the head slice of the label cache as it is.  The torch twin scores
+        every head and returns the first `heads` rows: the slice is not one strided batch, so
+        torch.matmul would first copy it (2 MB per layer at 4096 tokens), which costs more than the
+        extra heads' dot products."""
         channels = self.label_channels[layer]
-        sliced = heads is not None and heads < channels.shape[0] and q.is_cuda
+        sliced = (heads is not None and heads < channels.shape[0]
+                  and resolve_backend(self.backend, q) == "triton")
         if sliced:
             channels = channels[:heads]
             q = q[:, :heads * self.group]

@@ -2,7 +2,7 @@
 Triton kernels on CUDA and the torch twins everywhere.
 
     cpu_kernels_available()            builds the extension on first call (torch.utils.cpp_extension,
-                                       -O3 -march=native, ~40 s once; cached under
+                                       -O3 -march=native, ~30 s once; cached under
                                        ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), then True;
                                        False with one warning if it cannot be built (no compiler)
     sparse_decode_attention_cpu(...)   == kernels.sparse_decode_attention_torch (fp32, D 64 or 128)
