@@ -1,23 +1,38 @@
-# Fresh machine:  make run  (install + fetch the default model + demo chat)
-#                 make test (install + fetch the default model + test suite)
+# Fresh machine (only python3 >= 3.10 and make):
+#   make run   install into .venv, fetch the default model, answer one chat prompt
+#   make test  install into .venv (with test extras), fetch the default model, run the test suite
+# Override the interpreter used to create the venv with PYTHON=, the venv itself with VENV=.
 PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
 CHECKPOINT ?= checkpoints/SmolLM2-135M-Instruct
 PROMPT ?= What is the capital of France?
 
-.PHONY: install install-test model run test
+.PHONY: venv install install-test model run test test-fast clean-venv
 
-install:
-	$(PYTHON) -m pip install --quiet -e .
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
 
-install-test:
-	$(PYTHON) -m pip install --quiet -e ".[test]"
+venv: $(PY)
 
-model:
-	$(PYTHON) scripts/fetch_default_model.py
-	test -f $(CHECKPOINT)/heavy_channels.json || $(PYTHON) scripts/calibrate_channels.py --checkpoint $(CHECKPOINT)
+install: $(PY)
+	$(PY) -m pip install --quiet -e .
+
+install-test: $(PY)
+	$(PY) -m pip install --quiet -e ".[test]"
+
+model: $(PY)
+	$(PY) scripts/fetch_default_model.py
 
 run: install model
-	$(PYTHON) engine.py --checkpoint $(CHECKPOINT) --chat --prompt "$(PROMPT)" --max-new-tokens 64
+	$(PY) engine.py --checkpoint $(CHECKPOINT) --chat --prompt "$(PROMPT)" --max-new-tokens 64
 
 test: install-test model
-	$(PYTHON) -m pytest -q tests
+	$(PY) -m pytest -q tests
+
+test-fast: install-test model
+	$(PY) -m pytest -q -m "not slow" tests
+
+clean-venv:
+	rm -rf $(VENV)
