@@ -66,7 +66,7 @@ def load_model(checkpoint, device="cpu", dtype=None) -> tuple[Transformer, Token
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     args, tensors, tokenizer = read_checkpoint(checkpoint)
-    args.checkpoint_path = str(checkpoint)   # lets policies find per-checkpoint calibration files
+    args.checkpoint = str(checkpoint)
     model = build_model(args, tensors, device, dtype)
     return model, tokenizer
 
@@ -125,7 +125,7 @@ def run_prefill(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
     compress it) and tell the cache it is complete -> last-position logits [B, V]."""
     T = tokens.shape[1]
     model.cache.before_prefill(input_pos)
-    if getattr(model.cache, "prefill_in_one_pass", False):  # compressing policies see the whole prompt
+    if model.cache.prefill_in_one_pass:  # compressing policies see the whole prompt
         chunk = T
     for s in range(0, T, chunk):
         logits = prefill(model, tokens[:, s:s + chunk], input_pos[:, s:s + chunk], s)
@@ -160,7 +160,7 @@ def compiled_steps(device: torch.device):
 def warmup_length(policy=None) -> int:
     """Prompt tokens of the compile warm-up: 4, or 2 G + 1 under KIVI storage, so that no count of key
     groups is 1 there (the compiler specializes dimensions of size 1: the real request would recompile)."""
-    return max(4, 2 * getattr(policy, "kv_group", 0) + 1)
+    return max(4, 2 * (policy.kv_group if policy is not None else 0) + 1)
 
 
 def warm_up(model: Transformer, prefill, decode, tokens: torch.Tensor, policy=None, steps: int = 3) -> None:
@@ -231,6 +231,8 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
         tokens[b, T - len(x):] = torch.tensor(x)
         input_pos[b, T - len(x):] = torch.arange(len(x))
     tokens, input_pos = tokens.to(device), input_pos.to(device)
+    if policy is not None:
+        policy.prepare(model, tokenizer)        # calibration files it needs, made on first use
     if compile:
         prefill, decode = compiled_steps(device)
         warm_up(model, prefill, decode, tokens.new_full((B, warmup_length(policy)), pad), policy)  # compile first
@@ -331,8 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile prefill and decode steps")
     p.add_argument("--max-seq-length", type=int, help="cache length (prompt + new tokens); default: just enough")
-    p.add_argument("--policy", default="full", help=f"KV-cache policy: {', '.join(policy_names())}")
-    p.add_argument("--policy-args", default="", help="policy parameters, k=v,k=v")
+    p.add_argument("--policy", default="full", help=f"KV-cache policy spec NAME[:key=value,...], e.g. snapkv:budget=128 "
+                                                    f"or snapkv+hshare:preset=short; NAME one of {', '.join(policy_names())}")
+    p.add_argument("--policy-args", default="", help="more policy parameters, k=v,k=v (--policy X --policy-args k=v "
+                                                     "is the same as --policy X:k=v)")
     add_kv_flags(p)
     return p
 

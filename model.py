@@ -46,6 +46,8 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     sliding_window: Optional[int] = None   # Mistral: keys older than this are not attended
     attention_bias: bool = False
+    checkpoint: Optional[str] = None       # where it was loaded from (not architecture): policies look
+                                           # for per-checkpoint calibration files beside it
 
     def __post_init__(self):
         if not self.head_dim:
@@ -189,6 +191,9 @@ class DenseCache:
     """The full-cache policy: every token kept, stored in preallocated per-layer buffers.
 
     Contract (what `Transformer` calls, and what every policy implements):
+      prepare(model, tokenizer)    host side, before the first setup: make per-checkpoint side data
+                                   that is missing (calibration files beside model.args.checkpoint;
+                                   engine.generate calls it; a policy that needs none does nothing)
       setup(args, max_batch_size, max_seq_length, dtype, device)  allocate storage once
       reset()                      forget all sequences (storage stays allocated)
       before_prefill(input_pos)    host-side, once per request before the prompt's first
@@ -207,6 +212,9 @@ class DenseCache:
       kv_bytes()                   {"allocated", "live", "read_per_step"}: bytes from the buffers;
                                    read_per_step = K/V bytes one decode step reads (all layers)
       describe()                   resolved hyper-parameters
+    and declares its capabilities as class attributes (prefill_in_one_pass, is_sparse_reader,
+    decode_attention, kv_bits, kv_group) and `full_cache_args(n)`: the project's cache/contract.py
+    is the annotated version of this contract.
 
     Slots fill left to right with a host-side counter `n_filled` (an int, never a tensor:
     the live length is a shape).  A compiled decode step should pass it in and assign it,
@@ -214,6 +222,21 @@ class DenseCache:
     """
 
     name = "full"
+    params: dict = {}
+    renamed: dict = {}              # old parameter name -> new one (refused with a message naming it)
+    prefill_in_one_pass = False     # prompts may come in chunks
+    is_sparse_reader = False
+    decode_attention = False
+    kv_bits, kv_group = 16, 0       # compute-dtype storage
+    reader_composable = True        # a sparse reader may replace its decode attention
+    n_filled = 0                    # live length (set per forward; see below)
+
+    @classmethod
+    def full_cache_args(cls, n_tokens: int):
+        return {}
+
+    def prepare(self, model, tokenizer) -> None:
+        pass
 
     def setup(self, args: ModelArgs, max_batch_size: int, max_seq_length: int,
               dtype: torch.dtype, device) -> None:

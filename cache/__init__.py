@@ -1,11 +1,11 @@
-"""KV-cache policies: the registry behind `--policy NAME --policy-args k=v,...`.
+"""KV-cache policies: the registry behind `--policy NAME[:k=v,...]` (spec syntax: cache/spec.py).
 
 Every policy follows the contract documented on `model.DenseCache` (the `full` policy) and
 declares its hyper-parameters in a `params` dict: name -> (type, default, help).
 
 Composition: `--policy STORAGE+READER` puts a sparse reader (ds, quest, hshare: it replaces decode
 attention) on top of a storage policy (full or an eviction policy: it decides what is kept), e.g.
-`--policy snapkv+hshare --policy-args budget=1024,preset=short`.  Each argument goes to the policy
+`--policy snapkv+hshare:budget=1024,preset=short`.  Each argument goes to the policy
 that declares it; a name both declare must be prefixed (`snapkv.n_sink=4`, `hshare.n_sink=8`).
 A reader alone (`hshare`) reads the full cache.
 """
@@ -21,33 +21,35 @@ from cache.pyramidkv import PyramidKVPolicy
 from cache.quest import QuestPolicy
 from cache.simlayerkv import SimLayerKVPolicy
 from cache.snapkv import SnapKVPolicy
+from cache.spec import PolicyError, PolicySpec, parse_spec, parse_spec_list
 from cache.streaming import StreamingPolicy
+from cache.tova import TOVAPolicy
 
 
-class PolicyError(ValueError):
-    """Unknown policy or malformed/unknown policy arguments."""
+POLICIES: dict[str, type] = {}
 
 
-POLICIES: dict[str, type] = {cls.name: cls for cls in (
-    DenseCache, StreamingPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy, D2OPolicy, SimLayerKVPolicy,
-    DSPolicy, QuestPolicy, HSharePolicy, PODPolicy)}
+def register(cls: type) -> type:
+    """Add a policy class (it follows cache/contract.py) under `cls.name`; usable as a decorator.  A
+    registered policy is reachable from every command's spec and joins tests/test_policy_matrix.py."""
+    missing = [m for m in ("name", "params", "renamed", "prefill_in_one_pass", "is_sparse_reader",
+                           "decode_attention", "reader_composable", "kv_bits", "kv_group", "full_cache_args")
+               if not hasattr(cls, m)]
+    if missing:
+        raise TypeError(f"{cls.__name__} does not declare {', '.join(missing)} (see cache/contract.py)")
+    if cls.name in POLICIES and POLICIES[cls.name] is not cls:
+        raise ValueError(f"a policy named {cls.name!r} is already registered ({POLICIES[cls.name].__name__})")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+for _cls in (DenseCache, StreamingPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy, D2OPolicy, SimLayerKVPolicy,
+             TOVAPolicy, DSPolicy, QuestPolicy, HSharePolicy, PODPolicy):
+    register(_cls)
 
 
 def policy_names() -> list[str]:
     return sorted(POLICIES)
-
-
-def parse_policy_args(text: str) -> dict[str, str]:
-    """'k=v,k2=v2' -> {'k': 'v', 'k2': 'v2'} (values still strings)."""
-    out = {}
-    for item in filter(None, (s.strip() for s in (text or "").split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise PolicyError(f"malformed --policy-args item {item!r}: expected key=value")
-        if key.strip() in out:
-            raise PolicyError(f"--policy-args sets {key.strip()!r} twice")
-        out[key.strip()] = value.strip()
-    return out
 
 
 def _convert(name: str, value: str, kind: type):
@@ -62,12 +64,15 @@ def _convert(name: str, value: str, kind: type):
 
 
 def is_sparse_reader(name: str) -> bool:
-    return getattr(POLICIES.get(name), "is_sparse_reader", False)
+    return name in POLICIES and POLICIES[name].is_sparse_reader
 
 
 def _build(name: str, given: dict, inner=None):
     cls = POLICIES[name]
-    declared = getattr(cls, "params", {})
+    declared = cls.params
+    old = sorted(set(given) & set(cls.renamed))
+    if old:
+        raise PolicyError(f"policy {name!r}: " + "; ".join(f"parameter {k!r} is now {cls.renamed[k]!r}" for k in old))
     unknown = sorted(set(given) - set(declared))
     if unknown:
         valid = ", ".join(f"{k} ({t.__name__}, default {d})" for k, (t, d, _) in declared.items()) or "none"
@@ -91,7 +96,7 @@ def _route(names: list[str], given: dict) -> dict[str, dict]:
                 raise PolicyError(f"argument {key!r}: {prefix!r} is not one of {' + '.join(names)}")
             routed[prefix][bare] = value
             continue
-        owners = [n for n in names if key in getattr(POLICIES[n], "params", {})]
+        owners = [n for n in names if key in POLICIES[n].params or key in POLICIES[n].renamed]
         if len(owners) > 1:
             raise PolicyError(f"argument {key!r} is a parameter of both {owners[0]} and {owners[1]}: "
                               f"write {owners[0]}.{key}=... or {owners[1]}.{key}=...")
@@ -99,23 +104,24 @@ def _route(names: list[str], given: dict) -> dict[str, dict]:
     return routed
 
 
-def make_policy(name: str, args: str | dict | None = None):
-    """A policy instance from its registry name ('snapkv', or 'snapkv+hshare' for a sparse reader
-    over a storage policy) and 'k=v,...' (or dict) arguments."""
-    given = parse_policy_args(args) if isinstance(args, str) or args is None else dict(args)
-    names = [n.strip() for n in name.split("+")]
+def make_policy(spec: "str | PolicySpec", args: "str | dict | None" = None):
+    """A policy instance from a spec ('snapkv:budget=128', 'snapkv+hshare:preset=short', or a
+    PolicySpec) plus optional extra arguments ('k=v,...' or a dict: `--policy-args`)."""
+    spec = spec if isinstance(spec, PolicySpec) else parse_spec(spec)
+    given = spec.with_args(args).arg_dict if args else spec.arg_dict
+    names = spec.name.split("+")
     unknown = [n for n in names if n not in POLICIES]
     if unknown or len(names) > 2:
-        raise PolicyError(f"unknown policy {name!r}; available: {', '.join(policy_names())} "
+        raise PolicyError(f"unknown policy {spec.name!r}; available: {', '.join(policy_names())} "
                           f"(or STORAGE+READER, e.g. snapkv+hshare)")
     routed = _route(names, given)
     if len(names) == 1:
-        return _build(name, routed[name])
+        return _build(spec.name, routed[spec.name])
     storage, reader = names
     if not is_sparse_reader(reader) or is_sparse_reader(storage):
         readers = ", ".join(n for n in policy_names() if is_sparse_reader(n))
-        raise PolicyError(f"cannot compose {name!r}: write STORAGE+READER with a sparse reader ({readers}) "
+        raise PolicyError(f"cannot compose {spec.name!r}: write STORAGE+READER with a sparse reader ({readers}) "
                           f"after a storage policy (full or an eviction policy)")
     if storage == reader:
-        raise PolicyError(f"cannot compose {name!r} with itself")
+        raise PolicyError(f"cannot compose {spec.name!r} with itself")
     return _build(reader, routed[reader], inner=_build(storage, routed[storage]))

@@ -199,10 +199,21 @@ class EvictionPolicy:
 
     name = "eviction"
     params: dict = {"budget": (int, 256, "tokens kept per layer and KV head, window included")}
+    renamed: dict = {}              # old parameter name -> new one (refused with a message naming it)
     prefill_in_one_pass = True
+    is_sparse_reader = False
+    decode_attention = False       # decode needs the step's attention probabilities
+    kv_bits, kv_group = 16, 0      # compute-dtype slots (cache/quantized.py: KIVI-packed)
+    reader_composable = True       # a sparse reader may replace decode attention (decode_attention: never)
     defer_compression = False      # budgets need every layer's statistics (see module doc)
     appending = False              # default layer mode: append decode tokens instead of evicting
-    decode_attention = False       # decode needs the step's attention probabilities
+    prompt_length = 0              # set per request (before_prefill); 0 before setup
+    n_filled = 0                   # tokens seen so far (prompt + generated), a host int
+
+    @classmethod
+    def full_cache_args(cls, n_tokens: int):
+        """A budget of every token keeps them all (policies with more rules override)."""
+        return {"budget": n_tokens}
 
     def __init__(self, **kwargs):
         for key, (kind, default, _) in self.params.items():
@@ -247,6 +258,9 @@ class EvictionPolicy:
         keys/values (full precision), stored after this hook; D2O merges the others into them in place."""
 
     # ----------------------------------------------------------------- contract
+    def prepare(self, model, tokenizer) -> None:
+        """Host side, before the first setup: make missing per-checkpoint side data (none here)."""
+
     def setup(self, args: ModelArgs, max_batch_size: int, max_seq_length: int, dtype, device) -> None:
         self.args = args
         self.batch, self.dtype, self.device = max_batch_size, dtype, device

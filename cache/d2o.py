@@ -2,14 +2,14 @@
 
 Layer level: the variance of each layer's column-summed prompt attention (mean over heads and
 batch) measures its density; layers above the `gate` (sparse attention) get budget S, the
-dense layers alpha * S, with S chosen so the budgets sum exactly to n_layers * budget (the same
+dense layers dense_factor * S (the paper's alpha), with S chosen so the budgets sum exactly to n_layers * budget (the same
 total memory as the other policies at this budget; `conserve_total=false` gives the paper's
 literal S = budget).  Budgets need every layer, so compression waits for `end_prefill`.
 
 Token level (per KV head): H2O-style eviction keeping `n_sink` sinks + the recent window M + the
 top N by accumulated attention, N:M = 3:1; an evicted token is merged into its most similar
 kept token (cosine similarity of keys) when that similarity reaches the EMA threshold
-    tau_t = beta * max_sim_t + (1 - beta) * tau_{t-1},  tau_0 = mean max similarity at prefill,
+    tau_t = ema_beta * max_sim_t + (1 - ema_beta) * tau_{t-1} (the paper's beta),  tau_0 = mean max similarity at prefill,
 with weights from exp(similarity) (the kept token's own weight is e = exp(1), its self-similarity):
     k_j <- (e k_j + sum_i exp(u_ij) k_i) / (e + sum_i exp(u_ij)),  values with the same weights.
 This happens at prefill compression and at every decode eviction.
@@ -26,11 +26,12 @@ class D2OPolicy(EvictionPolicy):
     name = "d2o"
     params = {**EvictionPolicy.params,
               "n_sink": (int, 4, "first tokens always kept"),
-              "gate": (float, 100.0, "variance gate: layers at or below it are dense and get alpha * S"),
-              "alpha": (float, 2.0, "budget factor of the dense layers (paper: 2 to 4)"),
-              "beta": (float, 0.7, "EMA smoothing of the merge threshold (paper: 0.5 to 0.9)"),
+              "gate": (float, 100.0, "variance gate: layers at or below it are dense and get dense_factor * S"),
+              "dense_factor": (float, 2.0, "the paper's alpha: budget factor of the dense layers (paper: 2 to 4)"),
+              "ema_beta": (float, 0.7, "the paper's beta: EMA smoothing of the merge threshold (paper: 0.5 to 0.9)"),
               "recent_share": (float, 0.25, "share of the non-sink budget for the recent window (N:M = 3:1)"),
               "conserve_total": (bool, True, "budgets sum to n_layers * budget (else S = budget)")}
+    renamed = {"alpha": "dense_factor", "beta": "ema_beta"}
     decode_attention = True
     defer_compression = True
 
@@ -38,8 +39,8 @@ class D2OPolicy(EvictionPolicy):
         super().validate()
         if self.n_sink < 0 or self.budget < self.n_sink + 2:
             raise ValueError(f"budget ({self.budget}) must be at least n_sink ({self.n_sink}) + 2")
-        if self.alpha < 1 or not 0 < self.beta <= 1 or not 0 < self.recent_share < 1:
-            raise ValueError("need alpha >= 1, 0 < beta <= 1, 0 < recent_share < 1")
+        if self.dense_factor < 1 or not 0 < self.ema_beta <= 1 or not 0 < self.recent_share < 1:
+            raise ValueError("need dense_factor >= 1, 0 < ema_beta <= 1, 0 < recent_share < 1")
 
     def setup(self, args, max_batch_size, max_seq_length, dtype, device) -> None:
         super().setup(args, max_batch_size, max_seq_length, dtype, device)
@@ -58,7 +59,7 @@ class D2OPolicy(EvictionPolicy):
 
     def plan(self, stats: list[dict]) -> None:
         self.variances = torch.stack([s["variance"] for s in stats]).tolist()      # one host sync
-        weights = [1.0 if var > self.gate else self.alpha for var in self.variances]
+        weights = [1.0 if var > self.gate else self.dense_factor for var in self.variances]
         if self.conserve_total:
             self.budgets = split_integer(len(weights) * self.budget, weights)
         else:
@@ -68,12 +69,12 @@ class D2OPolicy(EvictionPolicy):
     def layer_budget(self, layer: int) -> int:
         return self.budgets[layer]
 
-    def window(self, layer: int) -> int:
+    def recent_window(self, layer: int) -> int:
         return max(1, round((self.budgets[layer] - self.n_sink) * self.recent_share))
 
     # ---------------------------------------------------------------- token level
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
-        always = recent_and_sinks(q_pos, self.n_sink, self.window(layer))[:, None, :]
+        always = recent_and_sinks(q_pos, self.n_sink, self.recent_window(layer))[:, None, :]
         return stats["acc"].masked_fill(always, ALWAYS).masked_fill((q_pos < 0)[:, None, :], NEVER)
 
     def on_compress(self, layer: int, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor, stats: dict,
@@ -100,7 +101,7 @@ class D2OPolicy(EvictionPolicy):
         self.score[layer] += p_old.mean(2)
 
     def decode_victim(self, layer: int) -> Tensor:
-        return self.lowest(layer, self.score[layer], self.protected(layer, self.n_sink, self.window(layer)))
+        return self.lowest(layer, self.score[layer], self.protected(layer, self.n_sink, self.recent_window(layer)))
 
     def on_evict(self, layer: int, slot: Tensor) -> None:
         """Merge the token leaving `slot` [B, H] into its most similar remaining slot (through the
@@ -111,8 +112,8 @@ class D2OPolicy(EvictionPolicy):
         sim = self.key_cosine(layer, k_out)                                        # [B, H, C]
         others = (pc >= 0).scatter(2, slot[:, :, None], False)
         best, target = sim.masked_fill(~others, NEVER).max(-1)                     # [B, H]
-        tau = self.beta * best + (1 - self.beta) * self.tau[layer]
-        self.tau[layer] = torch.where(real, tau, self.tau[layer])
+        tau = self.ema_beta * best + (1 - self.ema_beta) * self.tau[layer]
+        self.tau[layer].copy_(torch.where(real, tau, self.tau[layer]))      # in place: no decode allocation
         merge = real & (best >= tau)
         weight = torch.where(merge, best.exp(), 0.0)[..., None, None]
         k_t, v_t = self.read_slots(layer, target)

@@ -341,6 +341,10 @@ class HSharePolicy(LabelReader):
             idx = self.slot_positions(layer, idx, perm[:h])
         return idx.index_select(1, hmap), ok.index_select(1, hmap)
 
+    def max_reads(self) -> int:
+        """N_c + a - 1: a reuse step also reads the tokens generated since the last select step."""
+        return self.n_critical + self.a - 1
+
     def n_slots(self):
         """N_c, from the index cache's shape when there is one: compiled with dynamic shapes, an int
         attribute becomes an unbounded symbol while a tensor size is known to be positive, and

@@ -28,10 +28,12 @@ attention rows of the last q prompt tokens of each layer and query head; similar
 = mean over rows (and samples, and the query heads of a KV head) of 1 - JSD(row_a, row_b), with
 the Jensen-Shannon divergence in log base 2 (so it lies in [0, 1] and 1 means identical rows);
 greedy grouping of consecutive layers: a layer joins the current block when its similarity to
-*every* layer of the block is >= delta.  `blocks=auto` regroups the similarities stored in
-`pod_calibration.json` next to the checkpoint with this policy's delta, or calibrates on the
-prompt's own last `cal_queries` queries when there is no such file (`blocks=prompt` forces that,
-`blocks=layers` makes every layer its own block, `blocks=PATH` reads another file).
+*every* layer of the block is >= sim_threshold (the paper's delta).  `blocks=auto` regroups the similarities stored in
+`pod_calibration.json` next to the checkpoint with this policy's sim_threshold; `prepare` (engine.generate,
+the evals and the benchmark call it) calibrates that file on data/calibration/ the first time it is
+needed (cache/calibration.py).  Without the file, and with `blocks=prompt`, the blocks come from the
+prompt's own last `cal_queries` queries; `blocks=layers` makes every layer its own block,
+`blocks=PATH` reads another file.
 
 Storage per layer l (B rows, H KV heads, D head_dim; every token's K and V stored once):
     ring_k, ring_v [B, H, R, D]        proximal tokens: slots [0, n_sink) hold positions 0..n_sink-1,
@@ -49,7 +51,7 @@ is the full cache's), then the prompt's K/V are filed into ring and distant stor
 POD.  Prompts must be left-padded with positions 0..len-1 per row (what engine.generate and the
 evals pass).  With `budget` > 0 (the paper's POD+SnapKV) the distant *prompt* tokens are also
 selected SnapKV-style: per KV head, the block's first layer scores them (observation window of the
-last `window` queries, fp32 softmax, group mean, pooling) and the whole block keeps the same top
+last `obs_window` queries, fp32 softmax, group mean, pooling) and the whole block keeps the same top
 budget - R of them, so shared logits and per-layer values stay aligned slot for slot.
 
 Decode is sync-free and shape-stable: the configuration (which layer starts a block for which
@@ -62,8 +64,8 @@ layers, q . K) and `dist_read` (probabilities x values, with its log-sum-exp) ar
 of it, and `_store` is its only write (one exiting token per step, in order).  A quantized store
 must offer exactly these two reads; KIVI's `attend` fuses them, so it needs splitting first.
 
-    python engine.py --checkpoint C --policy pod --policy-args delta=0.5
-    python engine.py --checkpoint C --policy pod --policy-args delta=0.5,budget=2048   # POD+SnapKV
+    python engine.py --checkpoint C --policy pod:sim_threshold=0.5
+    python engine.py --checkpoint C --policy pod:sim_threshold=0.5,budget=2048   # POD+SnapKV
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from cache.calibration import ensure_pod
 from cache.base import NEVER, EvictionPolicy, attention_probs, column_scores, last_rows, pool1d, select_top
 from model import ModelArgs, grouped_attention
 
@@ -224,18 +227,31 @@ class PODPolicy:
         "n_sink": (int, 16, "n_s: first tokens always attended by every layer (proximal)"),
         "n_recent": (int, -1, "n_r: last tokens attended by every layer, the current one included "
                               "(-1: context/8 - n_sink, the paper's 16 + 4080 of 32K scaled)"),
-        "delta": (float, 0.5, "layer-similarity threshold of the greedy grouping (> 1: every layer its own block)"),
+        "sim_threshold": (float, 0.5, "the paper's delta: layer-similarity threshold of the greedy grouping (> 1: every "
+                                         "layer its own block)"),
         "tau": (float, -1.0, "skip distant attention in non-first layers when the gate g >= tau (-1: off)"),
-        "blocks": (str, "auto", f"auto ({BLOCKS_FILE} next to the checkpoint, else the prompt), prompt, "
+        "blocks": (str, "auto", f"auto ({BLOCKS_FILE} next to the checkpoint, calibrated on first use), prompt, "
                                 f"layers (no sharing), or a path to a calibration JSON"),
         "cal_queries": (int, 16, "last prompt queries whose attention rows calibrate blocks=prompt"),
         "budget": (int, 0, "POD+SnapKV: prompt tokens kept per layer and KV head, proximal included "
                            "(0: keep every token)"),
-        "window": (int, 32, "SnapKV observation window (with budget)"),
+        "obs_window": (int, 32, "SnapKV observation window (with budget)"),
         "kernel": (int, 7, "SnapKV pooling kernel (odd; with budget)"),
         "pooling": (str, "max", "SnapKV pooling: max or avg (with budget)"),
     }
+    renamed = {"window": "obs_window", "delta": "sim_threshold"}
     prefill_in_one_pass = True
+    is_sparse_reader = False
+    decode_attention = False
+    reader_composable = False    # keeps storage of its own (ring + distant store)
+    kv_bits, kv_group = 16, 0
+    n_filled = 0
+
+    @classmethod
+    def full_cache_args(cls, n_tokens: int):
+        """Every layer its own block: every layer keeps its own distant keys (tested equal to full)."""
+        return {"blocks": "layers"}
+
     defer_compression = True     # EvictionPolicy.before_prefill/begin (reused) leave allocation to us
 
     def __init__(self, **kwargs):
@@ -247,8 +263,8 @@ class PODPolicy:
             raise ValueError(f"need n_sink >= 0 and n_recent >= 1 (or -1), got {self.n_sink}, {self.n_recent}")
         if self.tau > 1:
             raise ValueError(f"tau must be in [0, 1] (or negative: off), got {self.tau}")
-        if self.cal_queries < 1 or self.window < 1 or self.budget < 0:
-            raise ValueError("cal_queries and window must be at least 1, budget at least 0")
+        if self.cal_queries < 1 or self.obs_window < 1 or self.budget < 0:
+            raise ValueError("cal_queries and obs_window must be at least 1, budget at least 0")
         if self.kernel < 1 or self.kernel % 2 == 0 or self.pooling not in ("max", "avg"):
             raise ValueError(f"kernel must be odd and positive and pooling max or avg, got {self.kernel}, {self.pooling!r}")
         if self.blocks not in ("auto", "prompt", "layers") and not Path(self.blocks).exists():
@@ -270,6 +286,11 @@ class PODPolicy:
         self.ring_k = self.ring_v = self.dist_k = self.dist_v = None
         self.reset()
 
+    def prepare(self, model, tokenizer) -> None:
+        """blocks=auto: make the checkpoint's pod_calibration.json (on data/calibration/) if it is missing."""
+        if self.blocks == "auto" and model.args.checkpoint is not None:
+            ensure_pod(model, tokenizer, model.args.checkpoint)
+
     def load_blocks(self, args: ModelArgs):
         """(blocks or None = calibrate on the prompt, similarity or None, description of the source)."""
         L, H = args.n_layers, args.n_kv_heads
@@ -278,13 +299,12 @@ class PODPolicy:
         if self.blocks == "prompt":
             return None, None, "prompt"
         if self.blocks == "auto":
-            checkpoint = getattr(args, "checkpoint_path", None)
-            if checkpoint is None or not calibration_path(checkpoint).exists():
+            if args.checkpoint is None or not calibration_path(args.checkpoint).exists():
                 return None, None, "prompt"
-            path = calibration_path(checkpoint)
+            path = calibration_path(args.checkpoint)
         else:
             path = Path(self.blocks)
-        blocks, sim = read_blocks(path, args, self.delta)
+        blocks, sim = read_blocks(path, args, self.sim_threshold)
         return blocks, sim, str(path)
 
     def reset(self) -> None:
@@ -366,7 +386,7 @@ class PODPolicy:
         out = grouped_attention(q, k, v, self.mask)
         obs = None
         if self.budget and (not self.configured or self.first_heads[layer]):    # SnapKV scores
-            obs = column_scores(q, k, self.q_pos, self.window, self.sliding_window)
+            obs = column_scores(q, k, self.q_pos, self.obs_window, self.sliding_window)
         if self.configured:
             self.file_prompt(layer, k, v, obs)
         else:
@@ -382,7 +402,7 @@ class PODPolicy:
         valid = torch.nn.functional.pad(self.q_pos, (self.cal_queries, 0), value=-1)[:, -self.cal_queries:] >= 0
         sums, count = similarity_sums([self.rows.pop(layer) for layer in range(L)], valid)
         self.similarity = sums / max(count, 1)
-        self.configure(group_heads(self.similarity, self.delta))
+        self.configure(group_heads(self.similarity, self.sim_threshold))
         for layer in range(L):
             self.file_prompt(layer, *self.pending.pop(layer))
 

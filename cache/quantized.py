@@ -495,7 +495,7 @@ def with_kv_bits(policy, bits: int, group: int = 32, residual: int = 32, backend
     if bits == 16:
         return policy
     check_format(None, bits, group, residual)
-    if getattr(policy, "is_sparse_reader", False):
+    if policy.is_sparse_reader:
         from cache.sparse_read import InnerStorage
         policy.inner = with_kv_bits(policy.inner, bits, group, residual, backend)
         policy.storage_ = InnerStorage(policy.inner)

@@ -1,13 +1,13 @@
 """SimLayerKV (Zhang et al., 2024): trim the KV cache of "lazy" layers only.
 
-A layer is lazy when its attention mass on the first `n_initial` tokens plus the `window` most
-recent (relative to each query), averaged over heads and queries, exceeds `delta`.  Strategy
-`prefill` measures it on the last `w_last` prompt queries; strategy `decode` on the first
+A layer is lazy when its attention mass on the first `n_sink` tokens plus the `n_recent` most
+recent (relative to each query), averaged over heads and queries, exceeds `lazy_threshold` (the
+paper's delta).  Strategy `prefill` measures it on the last `obs_window` prompt queries; strategy `decode` on the first
 generated token's query.  A layer is trimmed only when every sequence of the batch finds it
 lazy (its capacity is a shape shared by the batch).  Lazy layers keep the initial tokens plus a
 ring of recent tokens (StreamingLLM-style eviction); the other layers keep everything.
 
-delta defaults per model family as in the paper: Llama-3 0.9, Llama-2 0.65, Mistral 0.8,
+lazy_threshold defaults per model family as in the paper: Llama-3 0.9, Llama-2 0.65, Mistral 0.8,
 Qwen 0.85 (guessed from the config: vocab >= 128000 -> Llama-3, a sliding window or 32768
 vocab -> Mistral, 32000 vocab with MHA -> Llama-2, 151k vocab -> Qwen; otherwise 0.9).
 """
@@ -31,7 +31,7 @@ def model_family(args) -> str:
     return "other"
 
 
-def lazy_mass(probs: Tensor, q_pos: Tensor, k_pos: Tensor, n_initial: int, window: int) -> Tensor:
+def lazy_mass(probs: Tensor, q_pos: Tensor, k_pos: Tensor, n_sink: int, n_recent: int) -> Tensor:
     """Attention mass on initial + recent keys, mean over heads and valid queries -> [B].
 
     probs [B, H_kv, G, T, L] for queries at q_pos [B, T] over keys at k_pos [B, L] (or
@@ -39,7 +39,7 @@ def lazy_mass(probs: Tensor, q_pos: Tensor, k_pos: Tensor, n_initial: int, windo
     if k_pos.dim() == 2:
         k_pos = k_pos[:, None]
     kp, qp = k_pos[:, :, None, None, :], q_pos[:, None, None, :, None]
-    near = (kp >= 0) & ((kp < n_initial) | (kp > qp - window))
+    near = (kp >= 0) & ((kp < n_sink) | (kp > qp - n_recent))
     mass = (probs * near).sum(-1).mean((1, 2))                                   # [B, T]
     valid = (q_pos >= 0).float()
     return (mass * valid).sum(-1) / valid.sum(-1).clamp(min=1)
@@ -48,24 +48,36 @@ def lazy_mass(probs: Tensor, q_pos: Tensor, k_pos: Tensor, n_initial: int, windo
 class SimLayerKVPolicy(EvictionPolicy):
     name = "simlayerkv"
     params = {"strategy": (str, "prefill", "where lazy layers are found: prefill or decode"),
-              "delta": (float, -1.0, "laziness threshold (-1: the paper's value for the model family)"),
-              "n_initial": (int, 4, "initial tokens lazy layers keep"),
-              "window": (int, 1024, "recent tokens lazy layers keep"),
-              "w_last": (int, 32, "prompt queries measured by the prefill strategy")}
+              "lazy_threshold": (float, -1.0, "the paper's delta: laziness threshold (-1: the paper's value for the "
+                                                 "model family)"),
+              "n_sink": (int, 4, "initial tokens lazy layers keep"),
+              "n_recent": (int, 1024, "recent tokens lazy layers keep"),
+              "obs_window": (int, 32, "last prompt queries measured by the prefill strategy")}
+    renamed = {"delta": "lazy_threshold", "n_initial": "n_sink", "window": "n_recent", "w_last": "obs_window"}
     appending = True
     defer_compression = True
+    decided_masses = None
+
+    @property
+    def reader_composable(self) -> bool:
+        """The decode strategy measures the first decode step's full attention: no reader over it."""
+        return self.strategy == "prefill"
+
+    @classmethod
+    def full_cache_args(cls, n_tokens: int):
+        return {"n_recent": n_tokens}
 
     def validate(self) -> None:
         if self.strategy not in ("prefill", "decode"):
             raise ValueError(f"strategy must be prefill or decode, got {self.strategy!r}")
-        if self.n_initial < 0 or self.window < 1 or self.w_last < 1:
-            raise ValueError("need n_initial >= 0, window >= 1, w_last >= 1")
-        if self.delta != -1.0 and not 0 < self.delta <= 1:
-            raise ValueError(f"delta must be in (0, 1], got {self.delta}")
+        if self.n_sink < 0 or self.n_recent < 1 or self.obs_window < 1:
+            raise ValueError("need n_sink >= 0, n_recent >= 1, obs_window >= 1")
+        if self.lazy_threshold != -1.0 and not 0 < self.lazy_threshold <= 1:
+            raise ValueError(f"lazy_threshold must be in (0, 1], got {self.lazy_threshold}")
 
     def setup(self, args, max_batch_size, max_seq_length, dtype, device) -> None:
-        if self.delta == -1.0:
-            self.delta = DELTA_BY_FAMILY[model_family(args)]
+        if self.lazy_threshold == -1.0:
+            self.lazy_threshold = DELTA_BY_FAMILY[model_family(args)]
         super().setup(args, max_batch_size, max_seq_length, dtype, device)
         self.lazy = [False] * args.n_layers
         self.masses: list = [None] * args.n_layers
@@ -78,15 +90,15 @@ class SimLayerKVPolicy(EvictionPolicy):
         self.decided_masses = None
 
     def layer_budget(self, layer: int) -> int:
-        return self.n_initial + self.window if self.lazy[layer] else self.prompt_length
+        return self.n_sink + self.n_recent if self.lazy[layer] else self.prompt_length
 
     # ---------------------------------------------------------------- finding lazy layers
     def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
         if self.strategy != "prefill":
             return {}
-        q_last, pos_last = last_rows(q, q_pos, self.w_last)
+        q_last, pos_last = last_rows(q, q_pos, self.obs_window)
         probs = attention_probs(q_last, k, pos_last, q_pos, self.sliding_window)
-        return {"mass": lazy_mass(probs, pos_last, q_pos, self.n_initial, self.window)}
+        return {"mass": lazy_mass(probs, pos_last, q_pos, self.n_sink, self.n_recent)}
 
     def plan(self, stats: list[dict]) -> None:
         if self.strategy == "prefill":
@@ -95,7 +107,7 @@ class SimLayerKVPolicy(EvictionPolicy):
     def decide(self, masses: Tensor) -> None:
         """masses [n_layers, B] -> lazy flags (one host sync per request)."""
         self.decided_masses = masses.tolist()
-        self.lazy = [all(m > self.delta for m in row) for row in self.decided_masses]
+        self.lazy = [all(m > self.lazy_threshold for m in row) for row in self.decided_masses]
         self.layer_appends = [not lazy for lazy in self.lazy]
 
     def before_decode_step(self, step: int) -> None:
@@ -112,7 +124,7 @@ class SimLayerKVPolicy(EvictionPolicy):
         if self.measuring:                      # the first generated token's attention
             pos = self.pos[layer]
             probs = attention_probs(q, self.dense_kv(layer)[0], self.q_pos, pos[:, 0], self.sliding_window)
-            self.masses[layer] = lazy_mass(probs, self.q_pos, pos, self.n_initial, self.window)
+            self.masses[layer] = lazy_mass(probs, self.q_pos, pos, self.n_sink, self.n_recent)
         return out
 
     def trim(self, layer: int) -> None:
@@ -132,7 +144,7 @@ class SimLayerKVPolicy(EvictionPolicy):
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
         keep = q_pos >= 0
         if self.lazy[layer]:
-            keep = recent_and_sinks(q_pos, self.n_initial, self.window)
+            keep = recent_and_sinks(q_pos, self.n_sink, self.n_recent)
         scores = q_pos.float().masked_fill(~keep, NEVER)
         if not self.lazy[layer]:
             scores = scores.masked_fill(keep, ALWAYS)
@@ -140,12 +152,11 @@ class SimLayerKVPolicy(EvictionPolicy):
 
     def decode_victim(self, layer: int) -> Tensor:
         pos = self.pos[layer]
-        return self.lowest(layer, pos.float(), pos < self.n_initial)   # the oldest non-initial
+        return self.lowest(layer, pos.float(), pos < self.n_sink)   # the oldest non-initial
 
     def describe(self) -> dict:
         d = super().describe()
-        d["delta"] = self.delta
-        if getattr(self, "decided_masses", None):
+        if self.decided_masses:
             d["lazy_layers"] = [i for i, lazy in enumerate(self.lazy) if lazy]
             d["lazy_mass"] = [round(sum(m) / len(m), 3) for m in self.decided_masses]
         return d

@@ -1,8 +1,8 @@
-"""SnapKV (Li et al., 2024): the prompt's last `window` queries vote for the keys to keep.
+"""SnapKV (Li et al., 2024): the prompt's last `obs_window` queries vote for the keys to keep.
 
 Scores: softmax in fp32 of the window queries over all keys, summed over the window queries,
 averaged over the query heads of each KV head, then 1-D pooled (max, kernel 7) over the past
-tokens.  Per KV head the cache keeps the top (budget - window) past tokens plus the window.
+tokens.  Per KV head the cache keeps the top (budget - obs_window) past tokens plus the window.
 Generated tokens are appended (the cache grows by one slot per step; nothing is evicted).
 """
 import torch
@@ -14,27 +14,28 @@ from cache.base import ALWAYS, NEVER, EvictionPolicy, column_scores, pool1d
 class SnapKVPolicy(EvictionPolicy):
     name = "snapkv"
     params = {**EvictionPolicy.params,
-              "window": (int, 32, "observation window: the last prompt queries, always kept"),
+              "obs_window": (int, 32, "observation window w: the last prompt queries, always kept"),
               "kernel": (int, 7, "pooling kernel (odd; 1 = no pooling)"),
               "pooling": (str, "max", "pooling kind: max or avg")}
+    renamed = {"window": "obs_window"}
     appending = True
 
     def validate(self) -> None:
         super().validate()
-        if self.window < 1 or self.budget < self.window:
-            raise ValueError(f"budget ({self.budget}) must be at least the window ({self.window}), window >= 1")
+        if self.obs_window < 1 or self.budget < self.obs_window:
+            raise ValueError(f"budget ({self.budget}) must be at least the obs_window ({self.obs_window}), obs_window >= 1")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd and positive, got {self.kernel}")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"pooling must be max or avg, got {self.pooling!r}")
 
     def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
-        return {"obs": column_scores(q, k, q_pos, self.window, self.sliding_window)}
+        return {"obs": column_scores(q, k, q_pos, self.obs_window, self.sliding_window)}
 
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
         obs = stats["obs"]
         T = obs.shape[-1]
-        # the last `window` columns (left padding ends every row at column T - 1)
-        window = torch.arange(T, device=obs.device) >= T - self.window
+        # the last `obs_window` columns (left padding ends every row at column T - 1)
+        window = torch.arange(T, device=obs.device) >= T - self.obs_window
         scores = pool1d(obs, self.kernel, self.pooling, within=~window).masked_fill(window, ALWAYS)
         return scores.masked_fill((q_pos < 0)[:, None, :], NEVER)

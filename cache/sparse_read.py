@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cache.base import EvictionPolicy
+from cache.calibration import channel_importance, channels_path, ensure_channels, rank_channels, read_channels_file
 from kernels import (approx_scores, dequantize_labels_4bit, quantize_labels_4bit, resolve_backend,
                      sparse_decode_attention)
 from kernels.cpu import cpu_kernels_available, select_top_cpu, use_cpu_kernel
@@ -52,8 +53,6 @@ from model import DenseCache, ModelArgs
 
 INF = float("inf")
 PRESETS = {"short": (128, 8, 32), "long": (512, 16, 64)}   # (n_critical, n_sink, n_recent), HShare sec. 5
-CHANNELS_FILE = "heavy_channels.json"
-CHANNELS_FORMAT = "heavy-channels/1"
 
 
 # --------------------------------------------------------------------------- parameter parsing
@@ -82,60 +81,6 @@ def n_sources(share_ratio: float, n: int) -> int:
 
 # --------------------------------------------------------------------------- heavy channels
 
-def channels_path(checkpoint) -> Path:
-    """Where the heavy-channel calibration of a checkpoint lives: `<dir>/heavy_channels.json` for a
-    checkpoint directory, `<file stem>.heavy_channels.json` beside a .gguf file."""
-    p = Path(checkpoint)
-    if p.suffix == ".gguf":
-        return p.with_name(p.stem + "." + CHANNELS_FILE)
-    return p / CHANNELS_FILE
-
-
-def channel_importance(q: Tensor, k: Tensor, q_pos: Tensor) -> Tensor:
-    """Sum over the real tokens and the group's query heads of |q_d * k_d| (same token, post-RoPE):
-    q [B, H_q, T, D], k [B, H_kv, T, D], q_pos [B, T] (negative = padding) -> [H_kv, D] fp32.
-    (Divide by the number of (token, query head) terms for the mean; the ranking does not need it.)"""
-    B, Hq, T, D = q.shape
-    H = k.shape[1]
-    prod = (q.float().view(B, H, Hq // H, T, D) * k.float()[:, :, None]).abs()
-    return torch.einsum("bhgtd,bt->hd", prod, (q_pos >= 0).float())
-
-
-def rank_channels(importance: Tensor) -> Tensor:
-    """[..., D] importance -> channel ids [..., D], most important first (ties: lower id first)."""
-    return torch.sort(importance, dim=-1, descending=True, stable=True).indices
-
-
-def write_channels_file(path, ranking: Tensor, importance: Tensor, meta: dict) -> Path:
-    """ranking, importance [L, H_kv, D] -> JSON (see scripts/calibrate_channels.py)."""
-    path = Path(path)
-    L, H, D = ranking.shape
-    data = {"format": CHANNELS_FORMAT, "n_layers": L, "n_kv_heads": H, "head_dim": D,
-            "metric": "mean |q_d * k_d| over calibration tokens and the query heads of each KV head "
-                      "(post-RoPE, same token)",
-            **meta, "channels": ranking.tolist(),
-            "importance": [[[round(float(x), 6) for x in h] for h in layer] for layer in importance]}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
-    return path
-
-
-def read_channels_file(path, args: ModelArgs) -> Tensor:
-    """Channel ranking [L, H_kv, D] (long) from a calibration file, checked against the model."""
-    data = json.loads(Path(path).read_text())
-    if data.get("format") != CHANNELS_FORMAT:
-        raise ValueError(f"{path}: not a heavy-channel file (format {data.get('format')!r})")
-    shape = (data.get("n_layers"), data.get("n_kv_heads"), data.get("head_dim"))
-    if shape != (args.n_layers, args.n_kv_heads, args.head_dim):
-        raise ValueError(f"{path} was calibrated for (layers, kv heads, head_dim) = {shape}, the model has "
-                         f"{(args.n_layers, args.n_kv_heads, args.head_dim)}: re-run scripts/calibrate_channels.py")
-    ranking = torch.tensor(data["channels"], dtype=torch.long)
-    if ranking.shape != shape or not all((r.sort().values == torch.arange(shape[2])).all() for r in ranking.flatten(0, 1)):
-        raise ValueError(f"{path}: every (layer, head) entry must rank all {shape[2]} channels")
-    return ranking
-
-
 # --------------------------------------------------------------------------- inner storage adapter
 
 class InnerStorage:
@@ -152,7 +97,7 @@ class InnerStorage:
     def __init__(self, inner):
         self.inner = inner
         self.uniform = isinstance(inner, DenseCache)
-        self.packed = hasattr(inner, "kv_store")
+        self.packed = inner.kv_bits != 16
         if not self.uniform and not isinstance(inner, EvictionPolicy):
             raise ValueError(f"a sparse reader can wrap the full cache or an eviction policy, not {type(inner).__name__}")
 
@@ -237,13 +182,13 @@ class InnerStorage:
 
 def check_composable(inner) -> None:
     """Readers replace decode attention; policies whose decode needs that attention cannot be read sparsely."""
-    name = getattr(inner, "name", type(inner).__name__)
-    if getattr(inner, "decode_attention", False):
+    name = inner.name
+    if inner.decode_attention:
         raise ValueError(f"{name} cannot be combined with a sparse reader: its decode eviction needs every "
                          f"step's attention probabilities over all kept tokens, which a sparse reader never computes")
-    if getattr(inner, "strategy", None) == "decode" and type(inner).decode is not EvictionPolicy.decode:
-        raise ValueError(f"{name} with strategy=decode measures the first decode step's full attention; "
-                         f"use strategy=prefill to combine it with a sparse reader")
+    if not inner.reader_composable:
+        raise ValueError(f"{name} with these arguments measures a decode step's full attention "
+                         f"({inner.describe()}); it cannot be combined with a sparse reader")
     InnerStorage(inner)
 
 
@@ -384,7 +329,24 @@ class SparseReader:
         "backend": (str, "auto", "kernels: auto (Triton on CUDA, C++ on CPU when built, else torch), torch, "
                                  "triton or cpp"),
     }
+    renamed: dict = {}
     is_sparse_reader = True
+    decode_attention = False
+    reader_composable = False       # one reader per policy
+
+    @classmethod
+    def full_cache_args(cls, n_tokens: int):
+        """Reading N_c >= every token reads them all (sinks + recent of the default preset fit in it)."""
+        nc, x, y = PRESETS["long"]
+        return {"n_critical": max(n_tokens, x + y)}
+
+    @property
+    def kv_bits(self) -> int:
+        return self.inner.kv_bits
+
+    @property
+    def kv_group(self) -> int:
+        return self.inner.kv_group
 
     def __init__(self, inner=None, **kwargs):
         self.inner = inner if inner is not None else DenseCache()
@@ -426,7 +388,10 @@ class SparseReader:
 
     @property
     def prefill_in_one_pass(self) -> bool:
-        return getattr(self.inner, "prefill_in_one_pass", False)
+        return self.inner.prefill_in_one_pass
+
+    def prepare(self, model, tokenizer) -> None:
+        self.inner.prepare(model, tokenizer)
 
     def setup(self, args: ModelArgs, max_batch_size: int, max_seq_length: int, dtype, device) -> None:
         self.inner.setup(args, max_batch_size, max_seq_length, dtype, device)
@@ -514,6 +479,10 @@ class SparseReader:
         """N_c as the selection's shape (HShare reads it from a tensor's shape, see there)."""
         return self.n_critical
 
+    def max_reads(self) -> int:
+        """Most tokens one decode attention reads per (row, KV head)."""
+        return self.n_critical
+
     def readable_length(self, layer: int):
         """Slots the selection scores cover: n_filled (uniform) or the layer's capacity."""
         return self.inner.n_filled if self.storage_.uniform else self.storage_.capacity(layer)
@@ -586,8 +555,8 @@ class LabelReader(SparseReader):
     params = {**SparseReader.params,
               "heavy_channels": (int, 0, "C, heavy channels per KV head in the label cache (0 = head_dim / 8)"),
               "label_bits": (int, 16, "label precision: 16 (the key dtype) or 4 (packed, per-token scale/min)"),
-              "channels": (str, "auto", "heavy-channel source: auto (heavy_channels.json next to the checkpoint "
-                                        "if present, else the prompt), prompt, or a path to a calibration JSON")}
+              "channels": (str, "auto", "heavy-channel source: auto (the checkpoint's heavy_channels.json, calibrated "
+                                        "on first use), prompt, or a path to a calibration JSON")}
 
     def validate(self) -> None:
         super().validate()
@@ -607,16 +576,22 @@ class LabelReader(SparseReader):
         self.calibrated = self.load_calibration(args)
         super().setup(args, max_batch_size, max_seq_length, dtype, device)
 
+    def prepare(self, model, tokenizer) -> None:
+        """channels=auto: make the checkpoint's heavy_channels.json (on data/calibration/) if it is missing."""
+        super().prepare(model, tokenizer)
+        if self.channels == "auto" and model.args.checkpoint is not None:
+            ensure_channels(model, tokenizer, model.args.checkpoint)
+
     def load_calibration(self, args) -> Optional[Tensor]:
-        """Channel ranking [L, H_kv, D] from the calibration file, or None (prompt statistics)."""
+        """Channel ranking [L, H_kv, D] from the calibration file, or None (prompt statistics: channels=prompt,
+        or channels=auto without a calibration file beside the checkpoint)."""
         self.channels_source = "prompt"
         if self.channels == "prompt":
             return None
         if self.channels == "auto":
-            checkpoint = getattr(args, "checkpoint_path", None)
-            if checkpoint is None or not channels_path(checkpoint).exists():
+            if args.checkpoint is None or not channels_path(args.checkpoint).exists():
                 return None
-            path = channels_path(checkpoint)
+            path = channels_path(args.checkpoint)
         else:
             path = Path(self.channels)
             if not path.exists():

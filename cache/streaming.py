@@ -1,7 +1,7 @@
 """StreamingLLM (Xiao et al., 2023): the first `n_sink` tokens plus the most recent ones.
 
-budget = n_sink + window slots per layer and KV head.  At prefill the prompt's first n_sink
-and last `window` tokens are kept; at every decode step the oldest non-sink token is evicted,
+budget = n_sink + n_recent slots per layer and KV head.  At prefill the prompt's first n_sink
+and last `n_recent` tokens are kept; at every decode step the oldest non-sink token is evicted,
 so memory stays flat for any generation length.  Keys keep their original positions.
 """
 from torch import Tensor
@@ -20,11 +20,11 @@ class StreamingPolicy(EvictionPolicy):
             raise ValueError(f"budget ({self.budget}) must exceed n_sink ({self.n_sink})")
 
     @property
-    def window(self) -> int:
+    def n_recent(self) -> int:
         return self.budget - self.n_sink
 
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
-        keep = recent_and_sinks(q_pos, self.n_sink, self.window)
+        keep = recent_and_sinks(q_pos, self.n_sink, self.n_recent)
         return q_pos.float().masked_fill(~keep, NEVER)[:, None, :].expand(-1, n_heads, -1)
 
     def decode_victim(self, layer: int) -> Tensor:

@@ -27,7 +27,8 @@ from checkpoint import CheckpointError  # noqa: E402
 from engine import UsageError  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
-ESSAYS = ROOT.parent / "shared" / "data" / "paul_graham_essays"
+DATA = ROOT / "data"                        # data shipped with the repository (data/README.md)
+ESSAYS = DATA / "paul_graham_essays"
 
 
 # --------------------------------------------------------------------------- flags
@@ -37,8 +38,10 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT),
                    help="HF/converted model directory or .gguf file (default: %(default)s)")
-    p.add_argument("--policy", default="full", help=f"KV-cache policy: {', '.join(policy_names())}")
-    p.add_argument("--policy-args", default="", help="policy parameters, k=v,k=v")
+    p.add_argument("--policy", default="full", help=f"KV-cache policy spec NAME[:key=value,...], e.g. snapkv:budget=128 "
+                                                    f"or snapkv+hshare:preset=short; NAME one of {', '.join(policy_names())}")
+    p.add_argument("--policy-args", default="", help="more policy parameters, k=v,k=v (--policy X --policy-args k=v "
+                                                     "is the same as --policy X:k=v)")
     engine.add_kv_flags(p)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=list(engine.DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
@@ -93,6 +96,7 @@ def load(args) -> Loaded:
     model, tokenizer = engine.load_model(args.checkpoint, device, args.dtype)
     engine.check_kv_fits(args, model.args)
     loaded = Loaded(model, tokenizer, device)
+    new_policy(args).prepare(model, tokenizer)          # calibration files the policy needs, made once
     if args.compile:
         loaded.prefill, loaded.decode = engine.compiled_steps(device)
         policy = new_policy(args)

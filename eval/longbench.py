@@ -5,7 +5,8 @@
 
 Rows are JSON objects with `input`, `context`, `answers` (a list), `all_classes` and `dataset`
 (LongBench's own files; `length` and `_id` are ignored).  --data is a .jsonl path or a dataset
-name looked up in --data-dir (default ../shared/data/longbench).  The dataset's template,
+name looked up in --data-dir (default: data/downloaded/longbench, where `python scripts/download.py
+longbench` puts every task, then data/longbench, the 30-row multi_news sample in the repository).  The dataset's template,
 maximum generation length, metric and chat/first-line rules come from eval/longbench_tasks.json
 (the 16 English tasks); a file named like `hotpotqa_e.jsonl` (LongBench-E) uses hotpotqa's.
 
@@ -40,7 +41,8 @@ from eval import common, measure, metrics, prompts  # noqa: E402
 from eval.common import UsageError  # noqa: E402
 
 TASKS_FILE = Path(__file__).resolve().parent / "longbench_tasks.json"
-DATA_DIR = common.ROOT.parent / "shared" / "data" / "longbench"
+DATA_DIR = common.DATA / "longbench"                      # the sample bundled with the repository
+DOWNLOADED_DIR = common.DATA / "downloaded" / "longbench"   # what scripts/download.py longbench fetches
 NEWLINE_CHAR = "NEWLINE_CHAR"
 
 
@@ -67,14 +69,20 @@ class Task:
         return cls(key, t["prompt"], t["max_new_tokens"], t["metric"], t["chat"], t["first_line"])
 
 
-def resolve_data(spec: str, data_dir=DATA_DIR) -> Path:
-    """A .jsonl path, or a dataset name in data_dir."""
+def resolve_data(spec: str, data_dir=None) -> Path:
+    """A .jsonl path, or a dataset name looked up in data_dir (default: the tasks scripts/download.py
+    fetched, then the sample bundled in data/longbench)."""
     path = Path(spec)
-    if path.suffix != ".jsonl":
-        path = Path(data_dir) / f"{spec}.jsonl"
-    if not path.is_file():
-        raise UsageError(f"LongBench data {path} does not exist")
-    return path
+    if path.suffix == ".jsonl":
+        if not path.is_file():
+            raise UsageError(f"LongBench data {path} does not exist")
+        return path
+    dirs = [Path(data_dir)] if data_dir else [DOWNLOADED_DIR, DATA_DIR]
+    for d in dirs:
+        if (d / f"{spec}.jsonl").is_file():
+            return d / f"{spec}.jsonl"
+    raise UsageError(f"no LongBench task {spec!r} in {' or '.join(map(str, dirs))}: fetch it with "
+                     f"`python scripts/download.py longbench --tasks {spec}`")
 
 
 def read_jsonl(path, limit: Optional[int], required: Sequence[str]) -> list[dict]:
@@ -165,7 +173,7 @@ def default_max_context(loaded: common.Loaded, task: Task, max_new_tokens: Optio
 def build_parser():
     p = common.base_parser(__doc__)
     p.add_argument("--data", required=True, help="a LongBench .jsonl, or a dataset name in --data-dir")
-    p.add_argument("--data-dir", default=str(DATA_DIR), help="where dataset names are looked up (default: %(default)s)")
+    p.add_argument("--data-dir", help=f"where dataset names are looked up (default: {DOWNLOADED_DIR}, then {DATA_DIR})")
     p.add_argument("--dataset", help="task settings to use (default: the rows' `dataset` field, else the file name)")
     p.add_argument("--limit", type=int, help="first N rows only")
     p.add_argument("--max-context", type=int, help="prompt budget in tokens, chat template included "

@@ -1,12 +1,13 @@
 """One command for a policy comparison: policies x KV bits x tasks, resumable, with a report.
 
     python -m eval.suite --preset quick --out runs/quick
-    python -m eval.suite --checkpoint C --policies full,snapkv:budget=256,hshare:preset=long \\
+    python -m eval.suite --checkpoint C --policies 'full; snapkv:budget=256; hshare:preset=long' \\
         --tasks needle,perplexity,passkey,longbench:multi_news,agreement --limit 20 --kv-bits 16,4 --out DIR
 
-Policies: comma-separated `NAME[@LABEL][:k=v,k=v...]` (a `k=v` item continues the previous
-policy's arguments; `@LABEL` tells two entries of one policy apart).  The argument `kv_bits=N`
-sets that entry's KV storage bits; entries without it run once per --kv-bits value.  Every
+Policies: specs in the one syntax of every command (cache/spec.py), `NAME[@LABEL][:k=v,k=v...]`,
+separated by `;` or given by repeating --policies (`@LABEL` tells two entries of one policy apart).
+The argument `kv_bits=N` sets that entry's KV storage bits; entries without it run once per
+--kv-bits value.  Every
 registered policy name works (`STORAGE+READER` compositions too); a name the registry does not
 know, bad arguments, or KV bits the storage does not support make that row's cells `skipped`
 with the reason, and a cell that fails while running is an `error`: the run goes on.
@@ -63,12 +64,12 @@ from dataclasses import dataclass, field  # noqa: E402
 from typing import Callable, Optional, Sequence  # noqa: E402
 
 import engine  # noqa: E402
-from cache import PolicyError  # noqa: E402
+from cache import PolicyError, parse_spec  # noqa: E402
 from eval import agreement, common, longbench, needle, passkey, perplexity, ruler  # noqa: E402
 from eval.common import UsageError  # noqa: E402
 
-QUICK_POLICIES = ("full,streaming:budget=256,h2o:budget=256,snapkv:budget=256,pyramidkv:budget=256,d2o:budget=256,"
-                  "simlayerkv:window=252,ds:n_critical=256,hshare:n_critical=256,pod:n_recent=240,full:kv_bits=4")
+QUICK_POLICIES = ("full; streaming:budget=256; h2o:budget=256; snapkv:budget=256; pyramidkv:budget=256; d2o:budget=256; "
+                  "simlayerkv:n_recent=252; ds:n_critical=256; hshare:n_critical=256; pod:n_recent=240; full:kv_bits=4")
 PRESETS = {
     "quick": dict(policies=QUICK_POLICIES, tasks="needle,passkey,perplexity,longbench:multi_news,agreement,proximal",
                   kv_bits="16", lengths="2000", depths="0.1,0.5,0.9", context_length=2048, eval_tokens=128,
@@ -98,37 +99,24 @@ class PolicySpec:
         return head + (f" kv{kv_bits}" if kv_bits != 16 else "")
 
 
-def parse_policies(text: str) -> list[PolicySpec]:
-    """'full,snapkv:budget=256,window=16,hshare@a:preset=long' -> specs (see the module doc)."""
-    entries: list[list] = []
-    for item in (s.strip() for s in text.split(",")):
-        if not item:
-            continue
-        head, colon, rest = item.partition(":")
-        if not colon and "=" in item:                   # continues the previous entry's arguments
-            if not entries:
-                raise UsageError(f"--policies {text!r}: argument {item!r} before any policy name")
-            entries[-1][1].append(item)
-            continue
-        if not head.strip() or (colon and not rest.strip()):
-            raise UsageError(f"--policies {text!r}: malformed entry {item!r}")
-        entries.append([head.strip(), [rest.strip()] if colon else []])
-    if not entries:
-        raise UsageError("--policies is empty")
+def parse_policies(texts) -> list[PolicySpec]:
+    """'full; snapkv:budget=256,obs_window=16; hshare@a:preset=long' (or the values of a repeated
+    --policies) -> specs, the argument kv_bits=N taken out (see the module doc)."""
     specs = []
-    for head, items in entries:
-        name, _, label = head.partition("@")
-        args, bits = [], None
-        for kv in items:
-            key, _, value = kv.partition("=")
-            if key.strip() == "kv_bits":
-                try:
-                    bits = int(value)
-                except ValueError:
-                    raise UsageError(f"--policies: kv_bits={value!r} is not an integer") from None
-            else:
-                args.append(kv)
-        specs.append(PolicySpec(name.strip(), label.strip(), ",".join(args), bits))
+    for text in [texts] if isinstance(texts, str) else texts:
+        for item in filter(str.strip, text.split(";")):
+            try:
+                spec = parse_spec(item)
+            except PolicyError as e:
+                raise UsageError(f"--policies: {e}") from None
+            args = spec.arg_dict
+            try:
+                bits = int(args.pop("kv_bits")) if "kv_bits" in args else None
+            except ValueError:
+                raise UsageError(f"--policies: kv_bits={spec.arg_dict['kv_bits']!r} is not an integer") from None
+            specs.append(PolicySpec(spec.name, spec.label, ",".join(f"{k}={v}" for k, v in args.items()), bits))
+    if not specs:
+        raise UsageError("--policies is empty")
     for i, spec in enumerate(specs):
         if spec in specs[:i]:
             raise UsageError(f"--policies lists {spec.row(spec.kv_bits or 16)!r} twice (NAME@LABEL tells variants apart)")
@@ -299,11 +287,12 @@ def policy_namespace(o: argparse.Namespace, spec: Optional[PolicySpec], kv_bits:
     return ns
 
 
-def construct(o, spec, kv_bits) -> tuple[Optional[Callable], Optional[str]]:
-    """(policy factory, None) or (None, why the row is skipped)."""
+def construct(o, spec, kv_bits, loaded: common.Loaded) -> tuple[Optional[Callable], Optional[str]]:
+    """(policy factory, None) or (None, why the row is skipped); makes the calibration files the policy
+    needs (once per checkpoint)."""
     ns = policy_namespace(o, spec, kv_bits)
     try:
-        common.new_policy(ns)
+        common.new_policy(ns).prepare(loaded.model, loaded.tokenizer)
     except (PolicyError, UsageError, ValueError, NotImplementedError) as e:
         return None, str(e).splitlines()[0] if str(e) else type(e).__name__
     return (lambda: common.new_policy(ns)), None
@@ -496,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(common.DEFAULT_CHECKPOINT), help="default: %(default)s")
     p.add_argument("--preset", choices=sorted(PRESETS), help="policies, tasks and sizes (flags override)")
-    p.add_argument("--policies", help="NAME[@LABEL][:k=v,...],... (see above)")
+    p.add_argument("--policies", action="append", help="policy specs NAME[@LABEL][:k=v,...] separated by ';', "
+                                                        "or the flag repeated (see above)")
     p.add_argument("--tasks", help="needle,passkey,perplexity,agreement,proximal,longbench:NAME|PATH,ruler:PATH")
     p.add_argument("--kv-bits", help="comma-separated KV storage bits for every policy without kv_bits= (default 16)")
     p.add_argument("--out", required=True, help="output folder (finished cells are kept here and not redone)")
@@ -605,7 +595,7 @@ def run(o: argparse.Namespace) -> int:
     factories = {}
     for spec in specs:
         for bits in ([spec.kv_bits] if spec.kv_bits else o.kv_bits_list):
-            factories[spec, bits] = construct(o, spec, bits)
+            factories[spec, bits] = construct(o, spec, bits, loaded)
     rows = list(dict.fromkeys(c.row for c in cells if c.policy))
     header = {"checkpoint": checkpoint, "dtype": dtype, "preset": o.preset, "policies": o.policies,
               "tasks": tasks, "kv_bits": o.kv_bits_list,

@@ -613,6 +613,12 @@ class Bench:
         self.file_ids = file_ids
         self.errors = 0
 
+    def prepare(self, tokenizer) -> None:
+        """Make the calibration files the configured policies need (once per checkpoint)."""
+        for cfg in self.configs():
+            if skip_reason(cfg) is None:
+                build_policy(cfg).prepare(self.model, tokenizer)
+
     # common row fields
     def base_row(self, mode: str, cfg: Config, batch: int, context: int) -> dict:
         o = self.opts
@@ -1349,6 +1355,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bandwidth = o.bandwidth_gbs if o.bandwidth_gbs is not None else measure_bandwidth(device)
         header(o, model, device, bandwidth, meter)
         bench = Bench(model, o, writer, meter, bandwidth or None, file_ids)
+        bench.prepare(tokenizer)
         if mode == "memory":
             bench.run_memory()
         elif mode == "attention":

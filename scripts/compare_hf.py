@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402
 
-ESSAYS = ROOT.parent / "shared" / "data" / "paul_graham_essays"
+ESSAYS = ROOT / "data" / "paul_graham_essays"
 
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> dict:

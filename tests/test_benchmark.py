@@ -135,13 +135,20 @@ def test_keyboard_interrupt_keeps_finished_rows(capsys, default_dir, tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.csv", "b.json"]  # no tmp file left behind
 
 
+def default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default action.  A test run started in the
+    background (`nohup make test &`) ignores SIGINT, and an ignored signal stays ignored across
+    exec, so the benchmark would never see the Ctrl-C this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_subprocess_keeps_rows(default_dir, tmp_path):
     """A real Ctrl-C (SIGINT) mid-run: exit status 130 and a valid JSON of the finished rows."""
     out_json = tmp_path / "b.json"
     p = subprocess.Popen([sys.executable, str(benchmark.ROOT / "scripts" / "benchmark.py"), "--checkpoint",
                           str(default_dir), *FAST, "--policies", "full", "--context-lengths",
                           ",".join(str(32 + i) for i in range(400)), "--json", str(out_json)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and p.poll() is None:

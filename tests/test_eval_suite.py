@@ -8,19 +8,15 @@ import torch
 
 from cache import make_policy
 from eval import agreement, common, longbench, measure, passkey, prompts, ruler, suite
-from tests.conftest import ESSAYS
+from tests.conftest import MULTI_NEWS
 from tests import test_eval
 
 loaded, essays, run_main = test_eval.loaded, test_eval.essays, test_eval.run_main   # shared fixtures and helper
-LONGBENCH_DIR = ESSAYS.parent / "longbench"
 
 
 @pytest.fixture(scope="module")
 def multi_news():
-    path = LONGBENCH_DIR / "multi_news.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} missing (../shared/data is not beside the checkout)")
-    return path
+    return MULTI_NEWS
 
 
 # --------------------------------------------------------------------------- LongBench
@@ -174,14 +170,16 @@ def test_agreement_full_with_itself_and_streaming(loaded, essays):
 # --------------------------------------------------------------------------- suite: parsing
 
 def test_parse_policies():
-    specs = suite.parse_policies("full, snapkv:budget=256,window=16, hshare@a:preset=long,full:kv_bits=4,"
+    specs = suite.parse_policies("full; snapkv:budget=256,obs_window=16; hshare@a:preset=long;full:kv_bits=4;"
                                  "snapkv+hshare:budget=512,preset=short")
     assert [(s.name, s.label, s.args, s.kv_bits) for s in specs] == [
-        ("full", "", "", None), ("snapkv", "", "budget=256,window=16", None), ("hshare", "a", "preset=long", None),
+        ("full", "", "", None), ("snapkv", "", "budget=256,obs_window=16", None), ("hshare", "a", "preset=long", None),
         ("full", "", "", 4), ("snapkv+hshare", "", "budget=512,preset=short", None)]
-    assert specs[1].row(16) == "snapkv:budget=256,window=16" and specs[3].row(4) == "full kv4"
-    for bad, message in [("budget=1,full", "before any policy"), ("full,full", "twice"), ("", "empty"),
-                         ("full:kv_bits=x", "not an integer"), ("snapkv:", "malformed")]:
+    assert specs[1].row(16) == "snapkv:budget=256,obs_window=16" and specs[3].row(4) == "full kv4"
+    repeated = suite.parse_policies(["full", "snapkv:budget=256,obs_window=16; hshare@a:preset=long"])
+    assert repeated == specs[:3]
+    for bad, message in [("budget=1;full", "malformed"), ("full;full", "twice"), ("", "empty"), (" ; ", "empty"),
+                         ("full:kv_bits=x", "not an integer"), ("snapkv:", "malformed"), ("a@:x=1", "malformed")]:
         with pytest.raises(common.UsageError, match=message):
             suite.parse_policies(bad)
 
@@ -239,7 +237,7 @@ def suite_env(loaded, monkeypatch, essays, multi_news):
 def test_suite_end_to_end_and_resume(suite_env, tmp_path, capsys):
     calls, _ = suite_env
     out = tmp_path / "run"
-    argv = ["--policies", "full,streaming:budget=32,nope,full:kv_bits=4", "--tasks",
+    argv = ["--policies", "full;streaming:budget=32;nope;full:kv_bits=4", "--tasks",
             "needle,passkey,perplexity,longbench:multi_news,agreement,proximal", "--out", out, *TINY]
     code, stdout, err = run_main(suite, capsys, *argv)
     assert code == 0, err
@@ -293,7 +291,7 @@ def test_suite_end_to_end_and_resume(suite_env, tmp_path, capsys):
 def test_suite_interrupted_then_resumed_redoes_no_finished_cell(suite_env, tmp_path, capsys):
     calls, state = suite_env
     out = tmp_path / "run"
-    argv = ["--policies", "full,streaming:budget=32", "--tasks", "perplexity,agreement", "--out", out, *TINY]
+    argv = ["--policies", "full", "--policies", "streaming:budget=32", "--tasks", "perplexity,agreement", "--out", out, *TINY]
     state["interrupt_at"] = 3                                       # Ctrl-C during the third cell
     code, _, err = run_main(suite, capsys, *argv)
     assert code == 130 and "interrupted: 2/4 cells finished" in err
@@ -318,7 +316,7 @@ def test_suite_failing_cell_is_an_error_not_a_crash(suite_env, tmp_path, capsys,
         return real(ctx, cell, new_policy)
     monkeypatch.setattr(suite, "run_task", flaky)
     out = tmp_path / "run"
-    code, stdout, err = run_main(suite, capsys, "--policies", "full,streaming:budget=32", "--tasks", "perplexity",
+    code, stdout, err = run_main(suite, capsys, "--policies", "full;streaming:budget=32", "--tasks", "perplexity",
                                  "--out", out, "--no-plot", *TINY)
     assert code == 0, err
     cells = json.loads((out / "results.json").read_text())["cells"]
@@ -332,7 +330,7 @@ def test_suite_failing_cell_is_an_error_not_a_crash(suite_env, tmp_path, capsys,
     (["--policies", "full", "--tasks", "longbench:nope"], "does not exist"),
     (["--policies", "full", "--tasks", "needle", "--depths", "2"], "--depths must lie in [0, 1]"),
     (["--policies", "full", "--tasks", "needle", "--kv-bits", "x"], "--kv-bits 'x': expected"),
-    (["--policies", "full,full:kv_bits=4", "--tasks", "needle", "--kv-bits", "16,4"], "runs 'full kv4' twice"),
+    (["--policies", "full;full:kv_bits=4", "--tasks", "needle", "--kv-bits", "16,4"], "runs 'full kv4' twice"),
     (["--policies", "full", "--tasks", "perplexity", "--context-length", "9000"], "exceeds the model's context"),
 ])
 def test_suite_bad_input_is_one_line_exit_2(argv, message, suite_env, tmp_path, capsys):

@@ -11,8 +11,8 @@ import torch
 import engine
 from cache import PolicyError, make_policy
 from cache.hshare import HSharePolicy, greedy_sharing, share_roots
-from cache.sparse_read import (channel_importance, channels_path, n_sources, parse_ratios,
-                               read_channels_file, write_channels_file)
+from cache.calibration import channel_importance, channels_path, read_channels_file, write_channels_file
+from cache.sparse_read import n_sources, parse_ratios
 from kernels import dequantize_labels_4bit, quantize_labels_4bit
 from model import ModelArgs, Transformer
 from tests.helpers import greedy_logits as run, left_padded, tiny_hf_model
@@ -174,9 +174,9 @@ def test_parse_ratios_and_arguments():
 # ------------------------------------------------------------------------------ composition parsing
 
 def test_composition_routes_arguments_and_rejects_what_cannot_compose():
-    p = make_policy("snapkv+hshare", "budget=256,window=16,preset=short,snapkv.kernel=5,hshare.seed=3")
+    p = make_policy("snapkv+hshare", "budget=256,obs_window=16,preset=short,snapkv.kernel=5,hshare.seed=3")
     assert type(p).__name__ == "HSharePolicy" and p.inner.name == "snapkv"
-    assert (p.inner.budget, p.inner.window, p.inner.kernel, p.n_critical, p.seed) == (256, 16, 5, 128, 3)
+    assert (p.inner.budget, p.inner.obs_window, p.inner.kernel, p.n_critical, p.seed) == (256, 16, 5, 128, 3)
     assert make_policy("full+ds").inner.name == "full"
     with pytest.raises(PolicyError, match="both"):
         make_policy("h2o+hshare", "n_sink=4")                     # declared by h2o and hshare
@@ -300,7 +300,7 @@ def test_snapkv_hshare_shares_positions_across_layers_that_keep_different_tokens
         for p in model.parameters():
             p.normal_(0, 0.3)
     tokens, pos = left_padded([48, 40], seed=6)
-    policy = make_policy("snapkv+hshare", "budget=24,window=4,n_critical=10,n_sink=2,n_recent=3,"
+    policy = make_policy("snapkv+hshare", "budget=24,obs_window=4,n_critical=10,n_sink=2,n_recent=3,"
                                           "ratios=1/2-2/3-1/2")
     policy.record_reads = True
     seen = []
@@ -358,21 +358,21 @@ def test_calibration_file_round_trip_and_policy_source(tmp_path):
         read_channels_file(path, made_up_args(layers=3))
     assert channels_path("x/model.Q4_1.gguf").name == "model.Q4_1.heavy_channels.json"
     assert channels_path("x/dir") == channels_path("x/dir/")
-    # channels=auto finds the file next to the checkpoint (engine.load_model records the path)
+    # channels=auto finds the file next to the checkpoint (engine.load_model records the path in args)
     (tmp_path / "ckpt").mkdir()
     write_channels_file(channels_path(tmp_path / "ckpt"), ranking, torch.rand(2, 2, 8), {})
-    args.checkpoint_path = str(tmp_path / "ckpt")
+    args.checkpoint = str(tmp_path / "ckpt")
     q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
     policy = prefilled("hshare", "heavy_channels=3", q, k, v, args=args)
     assert policy.describe()["heavy_channels_source"].startswith("calibrated")
     assert torch.equal(policy.channel_ids.cpu(), ranking[:, :, :3])
-    args.checkpoint_path = str(tmp_path)            # no file there: prompt statistics
+    args.checkpoint = str(tmp_path)            # no file there: prompt statistics
     policy = prefilled("ds", "heavy_channels=3", q, k, v, args=args)
     assert policy.describe()["heavy_channels_source"].startswith("prompt")
 
 
 def test_calibration_statistic_and_script_on_a_tiny_model(tiny_models):
-    from scripts.calibrate_channels import calibrate
+    from cache.calibration import calibrate_channels as calibrate
     torch.manual_seed(8)
     q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
     pos = torch.tensor([[-1, 0, 1, 2, 3]])
@@ -396,6 +396,8 @@ def test_real_model_first_token_equals_full_and_sparse_decode_reads_n_c(engine_d
                             ("quest", "preset=short")]:
         res = engine.generate(model, tokenizer, [prompt], max_new_tokens=6, policy=make_policy(name, args_text))
         assert res.tokens[0][0] == full.tokens[0][0], name
+        if name != "quest":     # generate() prepared the policy: heavy channels calibrated beside the checkpoint
+            assert res.stats["policy"]["heavy_channels_source"] == f"calibrated: {channels_path(model.args.checkpoint)}"
         read = model.cache.kv_bytes()["read_per_step"]
         assert read < 0.5 * full.stats["kv_bytes_live"], name       # N_c = 128 of ~700 tokens
     desc = res.stats["policy"]

@@ -22,9 +22,9 @@ from tests.helpers import greedy_logits, kept, left_padded, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
 BUFFERS = ("k_packed", "k_scale", "k_min", "v_packed", "v_scale", "v_min", "k_ring", "v_ring")
-EVICTION = {"streaming": "budget=12,n_sink=2", "h2o": "budget=12,n_sink=2,window=4", "snapkv": "budget=12,window=4",
-            "pyramidkv": "budget=12,window=4", "d2o": "budget=14,n_sink=2", "simlayerkv": "window=6",
-            "simlayerkv@decode": "strategy=decode,window=6"}
+EVICTION = {"streaming": "budget=12,n_sink=2", "h2o": "budget=12,n_sink=2,n_recent=4", "snapkv": "budget=12,obs_window=4",
+            "pyramidkv": "budget=12,obs_window=4", "d2o": "budget=14,n_sink=2", "simlayerkv": "n_recent=6",
+            "simlayerkv@decode": "strategy=decode,n_recent=6"}
 
 
 def kivi(name, args, bits=4, group=8, residual=16):
@@ -220,13 +220,13 @@ def test_d2o_merge_into_a_packed_token_equals_the_reference():
     the dequantized cache; the target's group requantized as dequantize-modify-requantize."""
     torch.manual_seed(0)
     T = 40
-    policy = bare("d2o", "budget=24,n_sink=1,recent_share=0.2,beta=0.5", T=T, residual=8)
+    policy = bare("d2o", "budget=24,n_sink=1,recent_share=0.2,ema_beta=0.5", T=T, residual=8)
     q, k, v = torch.randn(1, 2, T, 16), torch.randn(1, 1, T, 16), torch.randn(1, 1, T, 16)
     policy.prefill(0, q, k, v)
     policy.end_prefill()
     store, pos = policy.k[0], policy.pos[0]
     policy.q_pos = torch.tensor([[T]])                                  # the next token's step
-    fp = make_policy("d2o", "budget=24,n_sink=1,recent_share=0.2,beta=0.5")
+    fp = make_policy("d2o", "budget=24,n_sink=1,recent_share=0.2,ema_beta=0.5")
     fp.__dict__.update({k_: v_ for k_, v_ in policy.__dict__.items() if k_ not in ("k", "v")})
     kd, vd = store.dequantized(pos, policy.now(), pos.shape[2])
     fp.k, fp.v, fp.tau = [kd.clone()], [vd.clone()], [policy.tau[0].clone()]
@@ -329,7 +329,7 @@ def test_every_policy_reads_what_its_packed_store_holds(name, tmp_path):
 READERS = [("full", "ds", "n_critical=64,n_sink=2,n_recent=4"),
            ("full", "quest", "n_critical=64,n_sink=2,n_recent=4,page_size=4"),
            ("full", "hshare", "n_critical=64,n_sink=2,n_recent=4,ratios=1/2-1/2-1/2,label_bits=4"),
-           ("snapkv", "hshare", "budget=20,window=4|n_critical=64,n_sink=2,n_recent=4,ratios=1-1-1/2"),
+           ("snapkv", "hshare", "budget=20,obs_window=4|n_critical=64,n_sink=2,n_recent=4,ratios=1-1-1/2"),
            ("streaming", "quest", "budget=16|n_critical=64,quest.n_sink=2,n_recent=4")]
 
 
@@ -380,8 +380,8 @@ def test_full_in_prompt_chunks_then_decode_close_to_one_forward(tmp_path):
 
 def test_with_kv_bits_composition_and_errors():
     assert with_kv_bits(make_policy("snapkv"), 16) is not None
-    p = kivi("h2o", "budget=64,window=8")
-    assert type(p).__name__ == "H2OPolicyKIVI" and p.budget == 64 and p.window == 8 and p.name == "h2o"
+    p = kivi("h2o", "budget=64,n_recent=8")
+    assert type(p).__name__ == "H2OPolicyKIVI" and p.budget == 64 and p.n_recent == 8 and p.name == "h2o"
     assert isinstance(with_kv_bits(make_policy("full"), 2), KIVIDenseCache)
     with pytest.raises(ValueError, match="has no KIVI storage"):
         with_kv_bits(make_policy("pod"), 4)
@@ -394,7 +394,7 @@ def test_with_kv_bits_composition_and_errors():
     with pytest.raises(ValueError, match="--kv-bits 3"):
         with_kv_bits(make_policy("full"), 3)
     with pytest.raises(NotImplementedError, match="kv_store"):
-        bare("snapkv", "budget=8,window=2").storage(0)
+        bare("snapkv", "budget=8,obs_window=2").storage(0)
 
 
 # ------------------------------------------------------------------------------- memory
@@ -449,7 +449,7 @@ def test_first_token_equals_full_under_every_policy_at_4_bits(engine_dir, essay_
     ids = tok.encode(essay_text)[:700]
     full = engine.generate(model, tok, [ids, ids[:500]], max_new_tokens=1)
     for name in ["full", *[n for n in EVICTION if "@" not in n]]:
-        args = "window=128" if name == "simlayerkv" else "budget=128" if name != "full" else None
+        args = "n_recent=128" if name == "simlayerkv" else "budget=128" if name != "full" else None
         out = engine.generate(model, tok, [ids, ids[:500]], max_new_tokens=1,
                               policy=with_kv_bits(make_policy(name, args), 4))
         assert [t[0] for t in out.tokens] == [t[0] for t in full.tokens], name
@@ -459,7 +459,7 @@ def test_first_token_equals_full_under_every_policy_at_4_bits(engine_dir, essay_
 def test_cli_and_eval_run_at_4_bits(default_dir, tmp_path, capsys):
     code = engine.main(["--checkpoint", str(default_dir), "--chat", "--prompt", "What is the capital of France?",
                         "--max-new-tokens", "12", "--kv-bits", "4", "--policy", "snapkv",
-                        "--policy-args", "budget=64,window=16"])
+                        "--policy-args", "budget=64,obs_window=16"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "Paris" in out and "KV cache" in err

@@ -198,7 +198,7 @@ def test_generate_compiled_warms_up_and_never_recompiles(policy, tmp_path):
     torch.manual_seed(1)
     prompts = [torch.randint(0, 120, (n,)).tolist() for n in (9, 14)]
     # streaming: budget 16 -> the second request's cache fills up and evicts mid-decode
-    args = {"streaming": "budget=16,n_sink=2", "snapkv": "budget=12,window=4", "h2o": "budget=12,n_sink=2",
+    args = {"streaming": "budget=16,n_sink=2", "snapkv": "budget=12,obs_window=4", "h2o": "budget=12,n_sink=2",
             "d2o": "budget=12,n_sink=2"}
     make = (lambda: make_policy(policy, args[policy])) if policy in args else (lambda: None)
     if policy.endswith("-kv4"):      # KIVI storage (G 8, R 16: head_dim 16) under the same guarantees

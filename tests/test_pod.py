@@ -87,7 +87,7 @@ def test_calibration_file_regroups_with_the_policy_delta_and_checks_the_model(tm
 
 @pytest.mark.parametrize("args,message", [("n_recent=0", "n_recent"), ("tau=1.5", "tau"),
                                           ("blocks=/no/such.json", "no such file"), ("kernel=4", "odd"),
-                                          ("delta=x", "not a valid float")])
+                                          ("sim_threshold=x", "not a valid float")])
 def test_bad_arguments_are_clear_errors(args, message):
     with pytest.raises(PolicyError, match=message):
         make_policy("pod", args)
@@ -220,7 +220,7 @@ def test_tau_skips_distant_attention_in_non_first_layers_and_counts_it(tmp_path)
 # --------------------------------------------------------------------------- models
 
 @pytest.mark.parametrize("kind", ["tied_gqa3", "mistral"])
-@pytest.mark.parametrize("args", ["n_sink=2,n_recent=5,blocks=layers", "n_sink=3,n_recent=4,delta=1.5,blocks=prompt"])
+@pytest.mark.parametrize("args", ["n_sink=2,n_recent=5,blocks=layers", "n_sink=3,n_recent=4,sim_threshold=1.5,blocks=prompt"])
 def test_every_layer_its_own_block_equals_full_cache(kind, args, tmp_path):
     _, model = tiny_hf_model(kind, tmp_path)
     tokens, pos = left_padded([30, 21, 12], seed=3)
@@ -242,7 +242,7 @@ def test_snapkv_selection_is_made_by_the_first_layer_and_shared_by_its_block(tmp
     from cache.base import column_scores, pool1d
     args = made_up_args(layers=3, n_heads=4, n_kv_heads=2, head_dim=8)
     head_blocks = [[[0, 1, 2]], [[0], [1, 2]]]
-    policy = make_policy("pod", f"n_sink=2,n_recent=4,budget=12,window=3,kernel=3,"
+    policy = make_policy("pod", f"n_sink=2,n_recent=4,budget=12,obs_window=3,kernel=3,"
                                 f"blocks={blocks_file(tmp_path, head_blocks, 3)}")
     seen = {}
     real = policy.prefill
@@ -267,7 +267,7 @@ def test_snapkv_budget_covering_the_prompt_equals_plain_pod(tmp_path):
     tokens, pos = left_padded([30, 30], seed=4)
     follow = torch.randint(0, 128, (2, 8))
     outs = []
-    for args in ("n_sink=2,n_recent=5,delta=0.0", "n_sink=2,n_recent=5,delta=0.0,budget=40"):
+    for args in ("n_sink=2,n_recent=5,sim_threshold=0.0", "n_sink=2,n_recent=5,sim_threshold=0.0,budget=40"):
         policy = make_policy("pod", args)
         with torch.no_grad():
             model.setup_caches(2, 40, policy)
@@ -279,9 +279,9 @@ def test_snapkv_budget_covering_the_prompt_equals_plain_pod(tmp_path):
 
 
 def test_calibration_script_and_on_prompt_calibration_agree_and_auto_reads_the_file(tmp_path):
-    """scripts/calibrate_pod.py's statistic on one sequence equals what blocks=prompt computes on
+    """cache/calibration.py's statistic (scripts/calibrate_pod.py's) on one sequence equals what blocks=prompt computes on
     the same prompt; the file it writes next to a checkpoint is what blocks=auto groups."""
-    from scripts.calibrate_pod import calibrate
+    from cache.calibration import calibrate_pod as calibrate
     from cache.pod import calibration_path
     _, model = tiny_hf_model("tied_gqa3", tmp_path)
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(5))
@@ -295,9 +295,9 @@ def test_calibration_script_and_on_prompt_calibration_agree_and_auto_reads_the_f
     assert policy.describe()["blocks_source"] == "prompt"
     write_calibration(calibration_path(tmp_path), sim, {"samples": 1})
     assert calibration_path("x/m.Q4_1.gguf").name == "m.Q4_1.pod_calibration.json"
-    model.args.checkpoint_path = str(tmp_path)
+    model.args.checkpoint = str(tmp_path)
     split = float(sim[0, 1, 0]) + 1e-3                     # just above head 0's similarity: two blocks
-    policy = model.setup_caches(1, 44, make_policy("pod", f"delta={split}"))
+    policy = model.setup_caches(1, 44, make_policy("pod", f"sim_threshold={split}"))
     assert policy.describe()["blocks_source"] == str(calibration_path(tmp_path))
     assert policy.head_blocks[0] == [[0], [1]]
     assert policy.head_blocks[1] == ([[0, 1]] if float(sim[1, 1, 0]) >= split else [[0], [1]])
@@ -313,7 +313,7 @@ def test_compiled_decode_matches_eager_without_recompiles(tmp_path):
     outs = {}
     for mode, decode in (("eager", engine.decode_step), ("compiled", step)):
         with torch.no_grad():
-            model.setup_caches(2, 48, make_policy("pod", "n_sink=2,n_recent=5,delta=0,tau=0.9"))
+            model.setup_caches(2, 48, make_policy("pod", "n_sink=2,n_recent=5,sim_threshold=0,tau=0.9"))
             engine.run_prefill(model, tokens, pos)
             logits = []
             for s in range(12):
@@ -348,7 +348,7 @@ def test_real_model_kv_bytes_saving_matches_the_blocks(engine_dir, essay_text):
     with torch.inference_mode():
         full = model.setup_caches(1, 640, None)
         engine.run_prefill(model, ids, pos)
-        policy = model.setup_caches(1, 640, make_policy("pod", "n_sink=16,n_recent=112,blocks=prompt,delta=0.5"))
+        policy = model.setup_caches(1, 640, make_policy("pod", "n_sink=16,n_recent=112,blocks=prompt,sim_threshold=0.5"))
         engine.run_prefill(model, ids, pos)
     saved = 1 - policy.kv_bytes()["allocated"] / full.kv_bytes()["allocated"]
     assert saved == pytest.approx(key_saving(policy.head_blocks, 30, 640, 128), abs=1e-12)

@@ -42,7 +42,7 @@ def test_snapkv_avg_pooling_keeps_topk_of_pooled_group_mean_window_scores_plus_w
     torch.manual_seed(0)
     T, w, budget, kernel = 20, 4, 10, 3
     q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
-    policy = bare_policy("snapkv", f"budget={budget},window={w},kernel={kernel},pooling=avg", T=T)
+    policy = bare_policy("snapkv", f"budget={budget},obs_window={w},kernel={kernel},pooling=avg", T=T)
     policy.prefill(0, q, k, v)
     probs = naive_probs(q[0], k[0])
     for h in range(2):
@@ -56,7 +56,7 @@ def test_snapkv_avg_pooling_keeps_topk_of_pooled_group_mean_window_scores_plus_w
 def test_snapkv_prompt_no_longer_than_the_window_keeps_it_whole():
     for T in (4, 3):
         q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
-        policy = bare_policy("snapkv", "budget=8,window=4", T=T)
+        policy = bare_policy("snapkv", "budget=8,obs_window=4", T=T)
         policy.prefill(0, q, k, v)
         assert kept(policy)[0] == [list(range(T))] * 2
 
@@ -66,7 +66,7 @@ def test_snapkv_max_pooling_differs_from_no_pooling_and_window_always_kept():
     q, k, v = torch.randn(1, 4, 40, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
     sets = []
     for kernel in (1, 7):
-        policy = bare_policy("snapkv", f"budget=12,window=4,kernel={kernel}", T=40)
+        policy = bare_policy("snapkv", f"budget=12,obs_window=4,kernel={kernel}", T=40)
         policy.prefill(0, q, k, v)
         sets.append(kept(policy)[0])
         assert all(h[-4:] == [36, 37, 38, 39] and len(h) == 12 for h in sets[-1])
@@ -77,7 +77,7 @@ def test_h2o_prefill_keeps_sinks_recent_and_heaviest_column_sums():
     torch.manual_seed(2)
     T = 24
     q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
-    policy = bare_policy("h2o", "budget=10,n_sink=2,window=4", T=T)
+    policy = bare_policy("h2o", "budget=10,n_sink=2,n_recent=4", T=T)
     policy.prefill(0, q, k, v)
     probs = naive_probs(q[0], k[0])
     for h in range(2):
@@ -132,7 +132,7 @@ def test_pyramid_budgets_sum_exactly_and_follow_the_schedule():
 
 def test_pyramidkv_layers_allocate_their_own_capacity(tmp_path):
     _, model = tiny_hf_model("llama31", tmp_path)
-    policy = make_policy("pyramidkv", "budget=16,window=4,beta=4")
+    policy = make_policy("pyramidkv", "budget=16,obs_window=4,pyramid_beta=4")
     tokens, pos = left_padded([40, 40])
     with torch.no_grad():
         model.setup_caches(2, 48, policy)
@@ -143,7 +143,7 @@ def test_pyramidkv_layers_allocate_their_own_capacity(tmp_path):
         assert all(len(h) == b for row in kept(policy, layer) for h in row)
 
 
-@pytest.mark.parametrize("name,args", [("h2o", "budget=12,n_sink=2,window=4"),
+@pytest.mark.parametrize("name,args", [("h2o", "budget=12,n_sink=2,n_recent=4"),
                                        ("d2o", "budget=14,n_sink=2,recent_share=0.34,gate=1e9"),
                                        ("streaming", "budget=8,n_sink=2")])
 def test_decode_eviction_keeps_size_and_never_evicts_sinks_or_recent(name, args, tmp_path):
@@ -155,7 +155,7 @@ def test_decode_eviction_keeps_size_and_never_evicts_sinks_or_recent(name, args,
         engine.run_prefill(model, tokens, pos)
         allocated = policy.kv_bytes()["allocated"]
         last = pos[:, -1:]
-        window = policy.window(0) if callable(policy.window) else policy.window
+        window = policy.recent_window(0) if name == "d2o" else policy.n_recent
         for step in range(1, 31):
             engine.run_decode(model, torch.randint(0, 128, (2, 1)), last + step, step - 1)
             assert policy.kv_bytes()["allocated"] == allocated
@@ -171,7 +171,7 @@ def test_decode_eviction_keeps_size_and_never_evicts_sinks_or_recent(name, args,
 
 def test_h2o_decode_accumulates_attention_and_evicts_the_lowest(tmp_path):
     _, model = tiny_hf_model("llama31", tmp_path)
-    policy = make_policy("h2o", "budget=10,n_sink=2,window=3")
+    policy = make_policy("h2o", "budget=10,n_sink=2,n_recent=3")
     tokens, pos = left_padded([25])
     seen = {}
     real_decode = policy.decode
@@ -201,7 +201,7 @@ def test_h2o_decode_accumulates_attention_and_evicts_the_lowest(tmp_path):
 
 
 def test_d2o_decode_merge_and_ema_follow_the_formulas():
-    policy = bare_policy("d2o", "budget=6,n_sink=1,beta=0.5", n_heads=1, n_kv_heads=1, head_dim=2, T=6)
+    policy = bare_policy("d2o", "budget=6,n_sink=1,ema_beta=0.5", n_heads=1, n_kv_heads=1, head_dim=2, T=6)
     kc = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 0.2], [-1.0, 0.0], [0.5, 0.5]])
     vc = torch.arange(12.0).view(6, 2)
     policy.k[0] = kc.clone()[None, None]
@@ -251,14 +251,14 @@ def test_d2o_prefill_merges_evicted_tokens_with_weighted_average():
 def test_d2o_layer_budgets_split_by_variance_and_sum_to_total(tmp_path):
     _, model = tiny_hf_model("llama31", tmp_path)
     tokens, pos = left_padded([40])
-    policy = make_policy("d2o", "budget=16,alpha=3,gate=0")        # gate 0: every layer sparse
+    policy = make_policy("d2o", "budget=16,dense_factor=3,gate=0")        # gate 0: every layer sparse
     with torch.no_grad():
         model.setup_caches(1, 48, policy)
         engine.run_prefill(model, tokens, pos)
     assert policy.budgets == [16, 16]
     variances = policy.variances
     gate = (variances[0] + variances[1]) / 2                         # one dense, one sparse layer
-    policy = make_policy("d2o", f"budget=16,alpha=3,gate={gate}")
+    policy = make_policy("d2o", f"budget=16,dense_factor=3,gate={gate}")
     with torch.no_grad():
         model.setup_caches(1, 48, policy)
         engine.run_prefill(model, tokens, pos)
@@ -272,7 +272,7 @@ def test_simlayerkv_flags_layers_whose_mass_exceeds_delta(strategy, tmp_path):
     _, model = tiny_hf_model("tied_gqa3", tmp_path)
     tokens, pos = left_padded([60])
     captured = {}
-    policy = make_policy("simlayerkv", f"strategy={strategy},window=8,n_initial=2,w_last=5")
+    policy = make_policy("simlayerkv", f"strategy={strategy},n_recent=8,n_sink=2,obs_window=5")
     hook = "prefill" if strategy == "prefill" else "decode"
     real = getattr(policy, hook)
 
@@ -302,7 +302,7 @@ def test_simlayerkv_flags_layers_whose_mass_exceeds_delta(strategy, tmp_path):
         masses.append(sum(float(probs[:, i, near(i)].sum(-1).mean()) for i in rows) / len(rows))
     assert [m[0] for m in policy.decided_masses] == pytest.approx(masses, abs=1e-5)
     for delta in sorted(masses):
-        policy.delta = delta - 1e-6
+        policy.lazy_threshold = delta - 1e-6
         policy.decide(torch.tensor([[m] for m in masses]))
         assert policy.lazy == [m > delta - 1e-6 for m in masses]
 
@@ -310,7 +310,7 @@ def test_simlayerkv_flags_layers_whose_mass_exceeds_delta(strategy, tmp_path):
 def test_simlayerkv_lazy_layers_keep_initial_and_recent_ring(tmp_path):
     _, model = tiny_hf_model("llama31", tmp_path)
     tokens, pos = left_padded([50, 30])
-    policy = make_policy("simlayerkv", "delta=0.01,window=6,n_initial=3")    # every layer lazy
+    policy = make_policy("simlayerkv", "lazy_threshold=0.01,n_recent=6,n_sink=3")    # every layer lazy
     with torch.no_grad():
         model.setup_caches(2, 70, policy)
         engine.run_prefill(model, tokens, pos)
@@ -323,9 +323,9 @@ def test_simlayerkv_lazy_layers_keep_initial_and_recent_ring(tmp_path):
 
 
 @pytest.mark.parametrize("name,args", [
-    ("h2o", "budget=64"), ("snapkv", "budget=64,window=8"), ("pyramidkv", "budget=64,window=4,beta=1"),
-    ("d2o", "budget=64"), ("simlayerkv", "delta=1.0"), ("simlayerkv", "strategy=decode,delta=1.0"),
-    ("simlayerkv", "window=64")])
+    ("h2o", "budget=64"), ("snapkv", "budget=64,obs_window=8"), ("pyramidkv", "budget=64,obs_window=4,pyramid_beta=1"),
+    ("d2o", "budget=64"), ("simlayerkv", "lazy_threshold=1.0"), ("simlayerkv", "strategy=decode,lazy_threshold=1.0"),
+    ("simlayerkv", "n_recent=64")])
 @pytest.mark.parametrize("kind", ["tied_gqa3", "mistral"])
 def test_nothing_evicted_equals_full_cache(name, args, kind, tmp_path):
     """Budgets covering prompt + generation: every policy's storage, masks and decode attention
@@ -344,15 +344,15 @@ def test_nothing_evicted_equals_full_cache(name, args, kind, tmp_path):
 
 
 @pytest.mark.parametrize("name,args,message", [
-    ("h2o", "budget=10,n_sink=4,window=8", "at least n_sink"),
-    ("snapkv", "budget=16,window=32", "at least the window"),
+    ("h2o", "budget=10,n_sink=4,n_recent=8", "at least n_sink"),
+    ("snapkv", "budget=16,obs_window=32", "at least the obs_window"),
     ("snapkv", "kernel=4", "odd"),
     ("snapkv", "pooling=median", "max or avg"),
-    ("pyramidkv", "beta=0.5", "beta"),
+    ("pyramidkv", "pyramid_beta=0.5", "beta"),
     ("d2o", "budget=3,n_sink=4", "at least n_sink"),
     ("simlayerkv", "strategy=middle", "prefill or decode"),
     ("simlayerkv", "budget=5", "no parameter"),
-    ("h2o", "window=big", "not a valid int")])
+    ("h2o", "n_recent=big", "not a valid int")])
 def test_bad_policy_arguments_are_clear_errors(name, args, message):
     with pytest.raises(PolicyError, match=message):
         make_policy(name, args)
@@ -372,7 +372,7 @@ def test_first_token_equals_full_under_every_prefill_compression(engine_dir, ess
     ids = tok.encode(essay_text)[:900]
     full = engine.generate(model, tok, [ids, ids[:700]], max_new_tokens=1)
     for name in EVICTION:
-        args = "window=128" if name == "simlayerkv" else "budget=128"
+        args = "n_recent=128" if name == "simlayerkv" else "budget=128"
         out = engine.generate(model, tok, [ids, ids[:700]], max_new_tokens=1, policy=make_policy(name, args))
         assert [t[0] for t in out.tokens] == [t[0] for t in full.tokens], name
         assert out.stats["kv_bytes_allocated"] < full.stats["kv_bytes_allocated"], name
@@ -394,8 +394,8 @@ def test_budget_256_allocates_a_tenth_of_full_at_4000_tokens(default_dir):
 
 
 @pytest.mark.parametrize("name,args,bits", [
-    ("h2o", "budget=12,n_sink=2,window=4", 16), ("snapkv", "budget=12,window=4", 16), ("d2o", "budget=14,n_sink=2", 16),
-    ("simlayerkv", "strategy=decode,window=6", 16), ("full", "", 4), ("snapkv", "budget=12,window=4", 4),
+    ("h2o", "budget=12,n_sink=2,n_recent=4", 16), ("snapkv", "budget=12,obs_window=4", 16), ("d2o", "budget=14,n_sink=2", 16),
+    ("simlayerkv", "strategy=decode,n_recent=6", 16), ("full", "", 4), ("snapkv", "budget=12,obs_window=4", 4),
     ("d2o", "budget=14,n_sink=2", 4)])
 def test_compiled_decode_matches_eager_without_recompiles(name, args, bits, tmp_path):
     """Eviction, merging and joint-softmax decode are sync-free and shape-stable: one compiled

@@ -7,7 +7,6 @@ below is HF-from-GGUF with SmolLM2's original pre_tokenizer put back.
 """
 
 import base64
-import glob
 import json
 import random
 import sys
@@ -20,10 +19,9 @@ from tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-ESSAY_FILES = sorted(glob.glob("/work/shared/data/paul_graham_essays/*.txt"))
+ESSAY_FILES = sorted((ROOT / "data" / "paul_graham_essays").glob("*.txt"))
 ESSAYS = [Path(f).read_text(encoding="utf-8") for f in ESSAY_FILES]
-needs_gguf = pytest.mark.skipif(not GGUF.exists(), reason=f"test checkpoint {GGUF} not present")
-needs_essays = pytest.mark.skipif(not ESSAYS, reason="essay corpus not present")
+needs_gguf = pytest.mark.usefixtures("default_gguf")    # fails (never skips) when the model is missing
 
 # Meta's Llama 3 pre-tokenizer regex (llama3/tokenizer.py), written out here as an independent oracle.
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -68,16 +66,12 @@ def _ids(out):
 
 
 @pytest.fixture(scope="module")
-def smol():
-    if not GGUF.exists():
-        pytest.skip(f"test checkpoint {GGUF} not present")
-    return Tokenizer.from_gguf(GGUF)
+def smol(default_gguf):
+    return Tokenizer.from_gguf(default_gguf)
 
 
 @pytest.fixture(scope="module")
-def hf_smol():
-    if not GGUF.exists():
-        pytest.skip(f"test checkpoint {GGUF} not present")
+def hf_smol(default_gguf):
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
@@ -114,7 +108,6 @@ def test_gguf_matches_hf(smol, hf_smol, name):
 
 
 @needs_gguf
-@needs_essays
 def test_gguf_matches_hf_on_all_essays(smol, hf_smol):
     for path, text in zip(ESSAY_FILES, ESSAYS):
         ours = smol.encode(text)
@@ -261,8 +254,6 @@ def _write_gguf(path, tokens, types, merges, pre, model="gpt2"):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    if not ESSAYS:
-        pytest.skip("essay corpus not present")
     return {kind: _train_bpe(kind) for kind in PRE_KINDS}
 
 
@@ -273,7 +264,6 @@ def _check_against(ours, ref, texts, add_special_tokens=False):
         assert ours.decode(expect) == ref.decode(expect, skip_special_tokens=False)
 
 
-@needs_essays
 @pytest.mark.parametrize("kind", list(PRE_KINDS))
 def test_tokenizer_json_and_gguf_pre_tokenizers(trained, tmp_path, kind):
     from tokenizers import Tokenizer as HFTokenizer
@@ -296,7 +286,6 @@ def test_tokenizer_json_and_gguf_pre_tokenizers(trained, tmp_path, kind):
     _check_against(g, ref, texts)
 
 
-@needs_essays
 def test_tokenizer_json_ids_not_in_merge_order(trained, tmp_path):
     """Shuffled ids: merge order no longer matches ids, tiktoken ranks must be re-derived."""
     from tokenizers import Tokenizer as HFTokenizer
@@ -313,7 +302,6 @@ def test_tokenizer_json_ids_not_in_merge_order(trained, tmp_path):
     _check_against(ours, HFTokenizer.from_str(json.dumps(tj)), list(TEXTS.values()) + ESSAYS[:4])
 
 
-@needs_essays
 def test_tokenizer_json_nfc_and_post_processor_bos(trained, tmp_path):
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -451,8 +439,6 @@ def test_tiktoken_model_with_config_specials(tiktoken_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def sp_dir(tmp_path_factory):
-    if not ESSAYS:
-        pytest.skip("essay corpus not present")
     import sentencepiece as spm
 
     d = tmp_path_factory.mktemp("sp")
@@ -466,7 +452,6 @@ def sp_dir(tmp_path_factory):
     return d
 
 
-@needs_essays
 def test_sentencepiece_model(sp_dir, tmp_path):
     import sentencepiece as spm
 

@@ -1,0 +1,233 @@
+"""Per-checkpoint side data that some policies calibrate offline, made on first use and cached.
+
+Two calibrations exist, both run on the bundled calibration text `data/calibration/` (essays
+disjoint from the evaluation text in `data/paul_graham_essays/`):
+
+- heavy channels (Double Sparsity's offline step, used by ds and hshare): for every calibration
+  token, layer, KV head h and channel d, |q_d * k_d| with q the post-RoPE query of each query head
+  of h's group and k the post-RoPE key of the same token, averaged; channels ranked by it.
+  File: `heavy_channels.json` next to the checkpoint (`cache.sparse_read.channels_path`).
+- POD's layer similarity (paper sec. 2.1): mean 1 - JSD (base 2) between the attention rows of
+  every pair of layers for the last `queries` tokens of each sample, per KV head.
+  File: `pod_calibration.json` next to the checkpoint (`cache.pod.calibration_path`).
+
+`ensure_channels` / `ensure_pod` return the file, calibrating first (one line on stderr) when it is
+missing.  Policies call them from their `prepare` hook; `scripts/calibrate_channels.py` and
+`scripts/calibrate_pod.py` run the same functions with other settings.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from model import DenseCache, ModelArgs
+
+CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "data" / "calibration"
+CHANNELS_FILE = "heavy_channels.json"
+CHANNELS_FORMAT = "heavy-channels/1"
+
+
+# --------------------------------------------------------------------------- heavy-channel files
+
+def channels_path(checkpoint) -> Path:
+    """Where the heavy-channel calibration of a checkpoint lives: `<dir>/heavy_channels.json` for a
+    checkpoint directory, `<file stem>.heavy_channels.json` beside a .gguf file."""
+    p = Path(checkpoint)
+    if p.suffix == ".gguf":
+        return p.with_name(p.stem + "." + CHANNELS_FILE)
+    return p / CHANNELS_FILE
+
+
+def channel_importance(q: Tensor, k: Tensor, q_pos: Tensor) -> Tensor:
+    """Sum over the real tokens and the group's query heads of |q_d * k_d| (same token, post-RoPE):
+    q [B, H_q, T, D], k [B, H_kv, T, D], q_pos [B, T] (negative = padding) -> [H_kv, D] fp32.
+    (Divide by the number of (token, query head) terms for the mean; the ranking does not need it.)"""
+    B, Hq, T, D = q.shape
+    H = k.shape[1]
+    prod = (q.float().view(B, H, Hq // H, T, D) * k.float()[:, :, None]).abs()
+    return torch.einsum("bhgtd,bt->hd", prod, (q_pos >= 0).float())
+
+
+def rank_channels(importance: Tensor) -> Tensor:
+    """[..., D] importance -> channel ids [..., D], most important first (ties: lower id first)."""
+    return torch.sort(importance, dim=-1, descending=True, stable=True).indices
+
+
+def write_channels_file(path, ranking: Tensor, importance: Tensor, meta: dict) -> Path:
+    """ranking, importance [L, H_kv, D] -> JSON (see scripts/calibrate_channels.py)."""
+    path = Path(path)
+    L, H, D = ranking.shape
+    data = {"format": CHANNELS_FORMAT, "n_layers": L, "n_kv_heads": H, "head_dim": D,
+            "metric": "mean |q_d * k_d| over calibration tokens and the query heads of each KV head "
+                      "(post-RoPE, same token)",
+            **meta, "channels": ranking.tolist(),
+            "importance": [[[round(float(x), 6) for x in h] for h in layer] for layer in importance]}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+    return path
+
+
+def read_channels_file(path, args: ModelArgs) -> Tensor:
+    """Channel ranking [L, H_kv, D] (long) from a calibration file, checked against the model."""
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != CHANNELS_FORMAT:
+        raise ValueError(f"{path}: not a heavy-channel file (format {data.get('format')!r})")
+    shape = (data.get("n_layers"), data.get("n_kv_heads"), data.get("head_dim"))
+    if shape != (args.n_layers, args.n_kv_heads, args.head_dim):
+        raise ValueError(f"{path} was calibrated for (layers, kv heads, head_dim) = {shape}, the model has "
+                         f"{(args.n_layers, args.n_kv_heads, args.head_dim)}: re-run scripts/calibrate_channels.py")
+    ranking = torch.tensor(data["channels"], dtype=torch.long)
+    if ranking.shape != shape or not all((r.sort().values == torch.arange(shape[2])).all() for r in ranking.flatten(0, 1)):
+        raise ValueError(f"{path}: every (layer, head) entry must rank all {shape[2]} channels")
+    return ranking
+
+
+# --------------------------------------------------------------------------- running the model on calibration text
+
+
+def calibration_blocks(tokenizer, data: Path, tokens: int, block: int) -> list[list[int]]:
+    """The .txt files of `data` (sorted, concatenated) cut into blocks of `block` token ids, `tokens`
+    in all (fewer if the text is shorter).  ValueError when the folder has no text or too little."""
+    files = sorted(Path(data).glob("*.txt"))
+    if not files:
+        raise ValueError(f"no .txt files in {data}")
+    ids: list[int] = []
+    for f in files:
+        ids += tokenizer.encode(f.read_text(encoding="utf-8"))
+        if len(ids) >= tokens:
+            break
+    ids = ids[:tokens]
+    blocks = [ids[i:i + block] for i in range(0, len(ids) - block + 1, block)]
+    if not blocks:
+        raise ValueError(f"{data} holds fewer than {block} tokens")
+    return blocks
+
+
+class ChannelStats(DenseCache):
+    """The full cache, plus the per-layer sum of |q_d k_d| over every prefilled token."""
+
+    name = "channel-stats"
+
+    def setup(self, args, max_batch_size, max_seq_length, dtype, device) -> None:
+        super().setup(args, max_batch_size, max_seq_length, dtype, device)
+        self.total = torch.zeros(args.n_layers, args.n_kv_heads, args.head_dim, dtype=torch.float64)
+        self.terms = 0
+
+    def begin(self, input_pos):
+        super().begin(input_pos)
+        self.q_pos = input_pos
+        self.terms += int((input_pos >= 0).sum()) * self.group
+
+    def prefill(self, layer, q, k, v):
+        self.total[layer] += channel_importance(q, k, self.q_pos).double().cpu()
+        return super().prefill(layer, q, k, v)
+
+
+class RowRecorder(DenseCache):
+    """The full cache, keeping each layer's attention rows of the last `queries` tokens."""
+
+    name = "pod-rows"
+
+    def __init__(self, queries: int):
+        self.queries = queries
+
+    def reset(self) -> None:
+        super().reset()
+        self.rows: dict = {}
+
+    def begin(self, input_pos):
+        super().begin(input_pos)
+        self.q_pos = input_pos
+
+    def prefill(self, layer, q, k, v):
+        from cache.pod import attention_rows
+        self.rows[layer] = attention_rows(q, k, self.q_pos, self.queries, self.sliding_window)
+        return super().prefill(layer, q, k, v)
+
+
+def _run_blocks(model, recorder: DenseCache, blocks: list[list[int]], on_block) -> None:
+    """Prefill every block as a fresh sequence through `recorder`; on_block(i) after each."""
+    model.setup_caches(1, len(blocks[0]), recorder)
+    device = model.output.weight.device
+    with torch.inference_mode():
+        for i, ids in enumerate(blocks):
+            recorder.reset()
+            model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device), last_only=True)
+            on_block(i)
+            print(f"\r  block {i + 1}/{len(blocks)}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+
+
+def calibrate_channels(model, blocks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heavy-channel ranking over token blocks -> (ranking [L, H_kv, D] long, mean importance [L, H_kv, D])."""
+    stats = ChannelStats()
+    _run_blocks(model, stats, blocks, lambda i: None)
+    mean = (stats.total / max(stats.terms, 1)).float()
+    return rank_channels(mean), mean
+
+
+def calibrate_pod(model, blocks: list[list[int]], queries: int) -> torch.Tensor:
+    """POD's mean layer similarity [H_kv, L, L] over token blocks (see the module docstring)."""
+    from cache.pod import similarity_sums
+    recorder = RowRecorder(queries)
+    acc = {"total": 0, "count": 0}
+
+    def add(i: int) -> None:
+        n = len(blocks[i])
+        valid = torch.nn.functional.pad(torch.ones(1, min(queries, n), dtype=torch.bool),
+                                        (queries - min(queries, n), 0))
+        sums, c = similarity_sums([recorder.rows[layer].cpu() for layer in range(len(recorder.rows))], valid)
+        acc["total"], acc["count"] = acc["total"] + sums, acc["count"] + c
+
+    _run_blocks(model, recorder, blocks, add)
+    return (acc["total"] / acc["count"]).float()
+
+
+def write_channels(model, tokenizer, out: Path, data: Path = CALIBRATION_TEXT, tokens: int = 16384,
+                   block: int = 512) -> Path:
+    """Calibrate heavy channels on `data` and write them to `out` (blocks no longer than the model's context)."""
+    block = min(block, model.args.max_position_embeddings)
+    blocks = calibration_blocks(tokenizer, data, tokens, block)
+    ranking, mean = calibrate_channels(model, blocks)
+    meta = {"data": data.name, "tokens": len(blocks) * block, "block": block}
+    return write_channels_file(out, ranking, mean, meta)
+
+
+def write_pod(model, tokenizer, out: Path, data: Path = CALIBRATION_TEXT, samples: int = 8, length: int = 2048,
+              queries: int = 16, deltas=(0.3, 0.5, 0.7)) -> dict:
+    """Calibrate POD's layer similarity on `data` and write it (with groupings for `deltas`) to `out`."""
+    from cache.pod import write_calibration
+    length = min(length, model.args.max_position_embeddings)
+    blocks = calibration_blocks(tokenizer, data, samples * length, length)
+    sim = calibrate_pod(model, blocks, queries)
+    meta = {"data": data.name, "samples": len(blocks), "length": length, "queries": queries}
+    return write_calibration(out, sim, meta, deltas)
+
+
+def ensure(path: Path, what: str, make) -> Path:
+    """`path` if it exists, else make(path) first with a one-line note on stderr."""
+    path = Path(path)
+    if not path.exists():
+        t0 = time.perf_counter()
+        print(f"calibrating {what} on {CALIBRATION_TEXT.name}/ (first use of this checkpoint) -> {path}",
+              file=sys.stderr, flush=True)
+        make(path)
+        print(f"  done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return path
+
+
+def ensure_channels(model, tokenizer, checkpoint) -> Path:
+    return ensure(channels_path(checkpoint), "heavy channels",
+                  lambda out: write_channels(model, tokenizer, out))
+
+
+def ensure_pod(model, tokenizer, checkpoint) -> Path:
+    from cache.pod import calibration_path
+    return ensure(calibration_path(checkpoint), "POD layer similarity",
+                  lambda out: write_pod(model, tokenizer, out))

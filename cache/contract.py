@@ -1,0 +1,103 @@
+"""The cache-policy contract: what `model.Transformer` and `engine.py` call on a policy, in one place.
+
+A policy is any object with these members (`model.DenseCache`, the `full` policy, is the smallest
+one; `cache/base.py`'s EvictionPolicy and `cache/sparse_read.py`'s SparseReader implement the
+mechanics most policies share, so a new policy usually writes only its scoring rule: see
+docs/adding-a-policy.md).  Shapes: B batch rows, T tokens of this forward, H_q query heads,
+H_kv KV heads, G = H_q / H_kv, D head_dim, C a layer's slots.
+
+When each member is called, for one request:
+
+    prepare(model, tokenizer)        once, before setup (engine.generate, the evals, the benchmark)
+    setup(args, B, S, dtype, device) model.setup_caches: allocate what does not depend on the prompt
+    before_prefill(input_pos)        host side, the whole prompt's positions [B, T]
+    begin(input_pos); prefill(...)   each prompt chunk (one chunk if prefill_in_one_pass), every layer
+    end_prefill()                    the prompt is complete
+    before_decode_step(step)         host side, before decode step 0, 1, ...
+    begin(input_pos); decode(...)    each decode step ([B, 1]), every layer
+    reset()                          the next request reuses the storage
+
+Capabilities are declared as class attributes (never probed with hasattr):
+    prefill_in_one_pass  the engine must feed the whole prompt in one forward (compressing policies)
+    is_sparse_reader     a reader (ds, quest, hshare): composes as STORAGE+READER over `inner`
+    decode_attention     decode needs each step's attention probabilities (H2O, D2O, TOVA), so no
+                         reader may replace its attention
+    reader_composable    a sparse reader may replace its decode attention (False when it measures
+                         decode attention itself, e.g. SimLayerKV's decode strategy)
+    kv_bits, kv_group    16 and 0 for compute-dtype storage; KIVI-packed storage says its bits and G
+`full_cache_args(n)` states the policy's promise about the full cache: the arguments under which it
+keeps and reads every one of n tokens, so its logits equal the full cache's (None: no such promise).
+The policy test matrix (tests/test_policy_matrix.py) checks every registered policy against this.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from model import ModelArgs
+
+
+@runtime_checkable
+class CachePolicy(Protocol):
+    name: str                       # registry name (--policy NAME)
+    params: dict                    # parameter -> (type, default, help): the spec arguments it takes
+    prefill_in_one_pass: bool
+    is_sparse_reader: bool
+    decode_attention: bool
+    reader_composable: bool
+    kv_bits: int
+    kv_group: int
+    n_filled: int                   # tokens seen so far (prompt + generated), a host int
+
+    def prepare(self, model, tokenizer) -> None:
+        """Host side: make per-checkpoint side data that is missing (calibration files beside
+        model.args.checkpoint).  Most policies need none."""
+
+    def setup(self, args: ModelArgs, max_batch_size: int, max_seq_length: int, dtype: torch.dtype,
+              device) -> None:
+        """Allocate what does not depend on the prompt; max_seq_length bounds prompt + generated."""
+
+    def reset(self) -> None:
+        """Forget every sequence; storage stays allocated."""
+
+    def before_prefill(self, input_pos: Tensor) -> None:
+        """Host side, once per request, input_pos [B, T] of the whole prompt (-1 = left padding):
+        validate and allocate what depends on the prompt length (never inside a compiled step)."""
+
+    def begin(self, input_pos: Tensor) -> None:
+        """Once per forward before the layers, input_pos [B, T]: claim slots, build masks."""
+
+    def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, H_q, T, D], k/v [B, H_kv, T, D] (RoPE applied) -> attention output [B, H_q, T, D];
+        stores (or holds back, to compress) the layer's K/V."""
+
+    def end_prefill(self) -> None:
+        """The prompt is complete: compressing policies select what they keep here."""
+
+    def before_decode_step(self, step: int) -> None:
+        """Host side before decode step `step`: the one place a policy may sync or reallocate
+        during decode (SimLayerKV's decode strategy trims lazy layers after step 0)."""
+
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """One token: q [B, H_q, 1, D], k/v [B, H_kv, 1, D] -> [B, H_q, 1, D]; stores the token
+        (appending, or evicting another) and attends over what is kept, without host syncs."""
+
+    def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(k, v [B, H_kv, C, D], visible [B, H_kv or 1, C]) a decode query may read: the hook a
+        sparse reader composes with."""
+
+    def kept_positions(self, layer: int) -> Tensor:
+        """LongTensor [B, H_kv, n]: absolute positions held by the layer (-1 = empty slot)."""
+
+    def kv_bytes(self) -> dict:
+        """{"allocated", "live", "read_per_step"}: bytes counted from the real buffers."""
+
+    def describe(self) -> dict:
+        """Resolved hyper-parameters (and what the policy decided, e.g. layer budgets)."""
+
+    @classmethod
+    def full_cache_args(cls, n_tokens: int) -> Optional[dict]:
+        """Arguments under which the policy keeps and reads all of n_tokens (logits equal the full
+        cache's), or None when it makes no such promise."""

@@ -1,0 +1,33 @@
+"""TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs"): keep what the current query attends to.
+
+Per layer the cache holds `budget` tokens, the same ones for every KV head.  At prefill the prompt's
+last query ranks the tokens by its attention averaged over all query heads of the layer; at every
+decode step the query attends over the cache plus the new token (one joint softmax), and the kept
+token with the lowest attention averaged over the layer's heads makes room for the new one.  Only the
+current step's attention counts (H2O accumulates it).  Deviation: TOVA may drop the new token itself
+when its own attention is the lowest; a slot cache always stores it (docs/policies.md).
+"""
+import torch
+from torch import Tensor
+
+from cache.base import NEVER, EvictionPolicy, column_scores
+
+
+class TOVAPolicy(EvictionPolicy):
+    name = "tova"
+    params = dict(EvictionPolicy.params)
+    decode_attention = True
+
+    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
+        last = column_scores(q, k, q_pos, 1, self.sliding_window)        # [B, H_kv, T], group mean
+        return {"acc": last.mean(1, keepdim=True).expand_as(last)}      # the layer's mean, every head
+
+    def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
+        return stats["acc"].masked_fill((q_pos < 0)[:, None, :], NEVER)
+
+    def observe(self, layer: int, p_old: Tensor, p_new: Tensor) -> None:
+        """p_old [B, H_kv, G, C]: this step's attention, averaged over every head of the layer."""
+        self.score[layer].copy_(p_old.mean((1, 2), keepdim=True)[:, :, 0].expand_as(self.score[layer]))
+
+    def decode_victim(self, layer: int) -> Tensor:
+        return self.lowest(layer, self.score[layer], torch.zeros_like(self.pos[layer], dtype=torch.bool))
