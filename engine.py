@@ -195,6 +195,68 @@ def encode_prompts(tokenizer: Tokenizer, prompts: Sequence, chat: bool) -> list[
     return encoded
 
 
+def check_length(T: int, max_new_tokens: int, max_seq_length: Optional[int], context: int) -> int:
+    """The cache length a request of T prompt tokens + max_new_tokens needs (UsageError if it does not fit)."""
+    if max_new_tokens < 1:
+        raise UsageError("max_new_tokens must be at least 1")
+    needed = T + max_new_tokens
+    if max_seq_length is not None and needed > max_seq_length:
+        raise UsageError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {needed} "
+                         f"exceeds --max-seq-length {max_seq_length}")
+    max_seq_length = max_seq_length or needed
+    if max_seq_length > context:
+        raise UsageError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {needed} "
+                         f"exceeds the model's context length {context}" if needed > context else
+                         f"--max-seq-length {max_seq_length} exceeds the model's context length {context}")
+    return max_seq_length
+
+
+def left_pad(ids: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists of any lengths -> (tokens [B, T], input_pos [B, T]): left-padded with `pad`,
+    positions 0.. at each sequence's first real token and -1 on padding."""
+    B, T = len(ids), max(len(x) for x in ids)
+    tokens = torch.full((B, T), pad, dtype=torch.long)
+    input_pos = torch.full((B, T), -1, dtype=torch.long)
+    for b, x in enumerate(ids):
+        tokens[b, T - len(x):] = torch.tensor(x)
+        input_pos[b, T - len(x):] = torch.arange(len(x))
+    return tokens.to(device), input_pos.to(device)
+
+
+@dataclass
+class Sampler:
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    generator: Optional[torch.Generator] = None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return sample(logits, self.temperature, self.top_k, self.top_p, self.generator)
+
+
+def decode_loop(model: Transformer, first: torch.Tensor, pos: torch.Tensor, max_new_tokens: int, sampler: Sampler,
+                eos: torch.Tensor, pad: int, decode, stop_check_every: int) -> tuple[torch.Tensor, int]:
+    """Greedy/sampled decode after the prompt: first [B] (the prefill's token), pos [B, 1] its position
+    -> (tokens [B, max_new_tokens] with pad after each sequence's EOS, decode steps run).  A sequence
+    stops at its own EOS; the loop ends when all have (checked every `stop_check_every` steps, the
+    loop's only host sync)."""
+    B = first.shape[0]
+    out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=first.device)
+    out[:, 0] = token = first
+    done = torch.isin(token, eos)
+    steps = 0
+    for i in range(1, max_new_tokens):
+        logits = run_decode(model, token[:, None], pos, i - 1, decode)
+        token = torch.where(done, pad, sampler(logits))
+        out[:, i] = token
+        done |= torch.isin(token, eos)
+        pos = pos + 1
+        steps += 1
+        if i % stop_check_every == 0 and bool(done.all()):
+            break
+    return out, steps
+
+
 def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
              seed: Optional[int] = None, policy=None, max_seq_length: Optional[int] = None,
@@ -207,77 +269,42 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
     own EOS; the loop ends when all have (checked every `stop_check_every` steps, the only
     host sync of the decode loop).  `policy` is a cache policy object (DenseCache if None).
     """
-    if max_new_tokens < 1:
-        raise UsageError("max_new_tokens must be at least 1")
     device = model.output.weight.device
     ids = encode_prompts(tokenizer, prompts, chat)
     lengths = [len(x) for x in ids]
-    B, T = len(ids), max(lengths)
-    needed = T + max_new_tokens
-    context = model.args.max_position_embeddings
-    if max_seq_length is not None and needed > max_seq_length:
-        raise UsageError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {needed} "
-                         f"exceeds --max-seq-length {max_seq_length}")
-    max_seq_length = max_seq_length or needed
-    if max_seq_length > context:
-        raise UsageError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {needed} "
-                         f"exceeds the model's context length {context}" if needed > context else
-                         f"--max-seq-length {max_seq_length} exceeds the model's context length {context}")
-
+    max_seq_length = check_length(max(lengths), max_new_tokens, max_seq_length, model.args.max_position_embeddings)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_ids[0]
-    tokens = torch.full((B, T), pad, dtype=torch.long)
-    input_pos = torch.full((B, T), -1, dtype=torch.long)
-    for b, x in enumerate(ids):
-        tokens[b, T - len(x):] = torch.tensor(x)
-        input_pos[b, T - len(x):] = torch.arange(len(x))
-    tokens, input_pos = tokens.to(device), input_pos.to(device)
+    tokens, input_pos = left_pad(ids, pad, device)
     if policy is not None:
         policy.prepare(model, tokenizer)        # calibration files it needs, made on first use
     if compile:
         prefill, decode = compiled_steps(device)
-        warm_up(model, prefill, decode, tokens.new_full((B, warmup_length(policy)), pad), policy)  # compile first
+        warm_up(model, prefill, decode, tokens.new_full((len(ids), warmup_length(policy)), pad), policy)
     else:
         prefill, decode = prefill_step, decode_step
-    model.setup_caches(B, max_seq_length, policy)
-    cache = model.cache
-    generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
-    eos = torch.tensor(tokenizer.eos_ids, device=device)
+    model.setup_caches(len(ids), max_seq_length, policy)
+    sampler = Sampler(temperature, top_k, top_p, torch.Generator(device).manual_seed(seed) if seed is not None else None)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
     with torch.inference_mode():
         sync()
         t0 = time.perf_counter()
-        logits = run_prefill(model, tokens, input_pos, prefill, prefill_chunk)
-        token = sample(logits, temperature, top_k, top_p, generator)
+        first = sampler(run_prefill(model, tokens, input_pos, prefill, prefill_chunk))
         sync()
         t1 = time.perf_counter()
-
-        out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
-        out[:, 0] = token
-        done = torch.isin(token, eos)
-        pos = input_pos[:, -1:] + 1
-        steps = 0
-        for i in range(1, max_new_tokens):
-            logits = run_decode(model, token[:, None], pos, i - 1, decode)
-            token = torch.where(done, pad, sample(logits, temperature, top_k, top_p, generator))
-            out[:, i] = token
-            done |= torch.isin(token, eos)
-            pos = pos + 1
-            steps += 1
-            if i % stop_check_every == 0 and bool(done.all()):
-                break
+        out, steps = decode_loop(model, first, input_pos[:, -1:] + 1, max_new_tokens, sampler,
+                                 torch.tensor(tokenizer.eos_ids, device=device), pad, decode, stop_check_every)
         sync()
         t2 = time.perf_counter()
-
-    generated = []
     eos_set = set(tokenizer.eos_ids)
-    for row in out[:, :steps + 1].tolist():
-        cut = next((j for j, t in enumerate(row) if t in eos_set), len(row))
-        generated.append(row[:cut])
-    texts = [tokenizer.decode(g) for g in generated]
-    prefill_s, decode_s = t1 - t0, t2 - t1
-    kv = cache.kv_bytes()
-    stats = {
+    generated = [row[:next((j for j, t in enumerate(row) if t in eos_set), len(row))]
+                 for row in out[:, :steps + 1].tolist()]
+    stats = generation_stats(model.cache, lengths, steps, t1 - t0, t2 - t1, device)
+    return GenerationResult([tokenizer.decode(g) for g in generated], generated, lengths, stats)
+
+
+def generation_stats(cache, lengths: list[int], steps: int, prefill_s: float, decode_s: float, device) -> dict:
+    B, kv = len(lengths), cache.kv_bytes()
+    return {
         "batch_size": B,
         "prompt_tokens": lengths,
         "prefill_seconds": prefill_s,
@@ -291,7 +318,6 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
         "peak_memory_bytes": peak_memory_bytes(device),
         "policy": cache.describe(),
     }
-    return GenerationResult(texts, generated, lengths, stats)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -6,7 +6,7 @@ declares its hyper-parameters in a `params` dict: name -> (type, default, help).
 Composition: `--policy STORAGE+READER` puts a sparse reader (ds, quest, hshare: it replaces decode
 attention) on top of a storage policy (full or an eviction policy: it decides what is kept), e.g.
 `--policy snapkv+hshare:budget=1024,preset=short`.  Each argument goes to the policy
-that declares it; a name both declare must be prefixed (`snapkv.n_sink=4`, `hshare.n_sink=8`).
+that declares it; a name both declare must be prefixed (`streaming+hshare:streaming.n_sink=4,hshare.n_sink=8`).
 A reader alone (`hshare`) reads the full cache.
 """
 from __future__ import annotations

@@ -60,10 +60,30 @@ def last_rows(q: Tensor, q_pos: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     return q, F.pad(q_pos, (rows, 0), value=-1)[:, -rows:]
 
 
+HEAD_AGG = ("mean", "max", "query")
+
+
+def reduce_heads(probs: Tensor, agg: str) -> Tensor:
+    """Attention of the G query heads of each KV head, probs [B, H_kv, G, ...] -> one score per KV head
+    [B, H_kv, ...] ("mean" over the group, or its "max") or per query head [B, H_kv * G, ...] ("query":
+    each query head selects its own tokens, as the authors' code of SnapKV/PyramidKV does by repeating
+    the KV heads)."""
+    if agg == "mean":
+        return probs.mean(2)
+    if agg == "max":
+        return probs.amax(2)
+    return probs.flatten(1, 2)
+
+
+HEAD_AGG_PARAM = {"head_agg": (str, "mean", "how a KV head's query heads score a token: mean, max (per query), "
+                                             "or query (each query head keeps its own tokens: G x the KV memory)")}
+
+
 def column_scores(q: Tensor, k: Tensor, q_pos: Tensor, rows: int | None = None, sliding_window=None,
-                  chunks: int = 16) -> Tensor:
-    """Attention each key receives, summed over the last `rows` queries (all if None) and
-    averaged over the query heads of its KV head (GQA group mean) -> [B, H_kv, T] fp32.
+                  chunks: int = 16, agg: str = "mean") -> Tensor:
+    """Attention each key receives, reduced over the query heads of its KV head by `agg` (reduce_heads)
+    query by query, then summed over the last `rows` queries (all if None) -> [B, H_kv, T] fp32, or
+    [B, H_q, T] for agg="query".
 
     With rows = w this is SnapKV's observation-window score; with all rows it is H2O's
     accumulated attention.  The queries go through in a fixed number of `chunks` (padded with
@@ -80,7 +100,7 @@ def column_scores(q: Tensor, k: Tensor, q_pos: Tensor, rows: int | None = None, 
     total = 0
     for i in range(chunks):
         probs = attention_probs(q[:, :, i], k, q_pos_chunks[:, i], k_pos, sliding_window)
-        total = total + probs.sum(3).mean(2)
+        total = total + reduce_heads(probs, agg).sum(-2)
     return total
 
 
@@ -146,6 +166,23 @@ def pyramid_budgets(n_layers: int, budget: int, window: int, beta: float) -> lis
     return [window + b for b in split_integer(remaining, steps)]
 
 
+def fill_to_cap(budgets: list[int], cap: int) -> list[int]:
+    """Budgets capped at `cap` (what a layer can hold: the prompt length) with the surplus of the capped
+    layers handed to the others in proportion to their own budgets, until none is left or every layer
+    is full: the total is min(sum(budgets), len(budgets) * cap)."""
+    out = [min(b, cap) for b in budgets]
+    surplus = sum(budgets) - sum(out)
+    while surplus > 0:
+        room = [i for i, b in enumerate(out) if b < cap]
+        if not room:
+            break
+        for i, extra in zip(room, split_integer(surplus, [max(budgets[i], 1) for i in room])):
+            take = min(extra, cap - out[i])
+            out[i] += take
+            surplus -= take
+    return out
+
+
 def recent_and_sinks(q_pos: Tensor, n_sink: int, window: int) -> Tensor:
     """Mask [B, T]: the first n_sink tokens and the last `window` tokens of each sequence."""
     length = q_pos.max(dim=-1, keepdim=True).values + 1
@@ -204,7 +241,7 @@ class EvictionPolicy:
     is_sparse_reader = False
     decode_attention = False       # decode needs the step's attention probabilities
     kv_bits, kv_group = 16, 0      # compute-dtype slots (cache/quantized.py: KIVI-packed)
-    reader_composable = True       # a sparse reader may replace decode attention (decode_attention: never)
+    head_agg = "mean"              # how the query heads of a KV head score a token (HEAD_AGG_PARAM)
     defer_compression = False      # budgets need every layer's statistics (see module doc)
     appending = False              # default layer mode: append decode tokens instead of evicting
     prompt_length = 0              # set per request (before_prefill); 0 before setup
@@ -215,6 +252,12 @@ class EvictionPolicy:
         """A budget of every token keeps them all (policies with more rules override)."""
         return {"budget": n_tokens}
 
+    @property
+    def reader_composable(self) -> bool:
+        """A sparse reader may replace decode attention: not when decode needs the attention itself, nor
+        over per-query-head storage (readers read KV heads)."""
+        return not self.decode_attention and self.head_agg != "query"
+
     def __init__(self, **kwargs):
         for key, (kind, default, _) in self.params.items():
             setattr(self, key, kind(kwargs.pop(key, default)))
@@ -223,6 +266,8 @@ class EvictionPolicy:
         self.validate()
 
     def validate(self) -> None:
+        if self.head_agg not in HEAD_AGG:
+            raise ValueError(f"head_agg must be one of {', '.join(HEAD_AGG)}, got {self.head_agg!r}")
         if self.budget < 1:
             raise ValueError(f"budget must be positive, got {self.budget}")
 
@@ -265,6 +310,10 @@ class EvictionPolicy:
         self.args = args
         self.batch, self.dtype, self.device = max_batch_size, dtype, device
         self.group = args.n_heads // args.n_kv_heads
+        # head_agg=query stores a copy of each KV head per query head (G x the K/V memory) so that every
+        # query head keeps its own tokens; attention then reads storage head h with query head h
+        self.store_heads = args.n_heads if self.head_agg == "query" else args.n_kv_heads
+        self.store_group = args.n_heads // self.store_heads
         self.sliding_window = args.sliding_window
         self.max_seq_length = max_seq_length
         n = args.n_layers
@@ -332,7 +381,7 @@ class EvictionPolicy:
 
     def allocate(self, layer: int) -> None:
         """Allocate layer `layer`'s storage (host side, once the prompt length is known)."""
-        B, H, cap = self.batch, self.args.n_kv_heads, self.capacity(layer)
+        B, H, cap = self.batch, self.store_heads, self.capacity(layer)
         self.kept[layer] = min(self.layer_budget(layer), self.prompt_length)
         self.allocate_kv(layer, cap)
         self.pos[layer] = torch.full((B, H, cap), -1, dtype=torch.long, device=self.device)
@@ -362,6 +411,7 @@ class EvictionPolicy:
     def compress(self, layer: int, k: Tensor, v: Tensor, stats: dict) -> None:
         """Keep the prompt tokens with the best keep_scores in the layer's storage (its first
         layer_budget slots; those without a keepable token stay empty)."""
+        k, v = self.to_store(k), self.to_store(v)
         H, D = k.shape[1], k.shape[3]
         idx, valid = select_top(self.keep_scores(layer, stats, self.q_pos, H), self.layer_budget(layer))
         n = idx.shape[-1]
@@ -374,12 +424,17 @@ class EvictionPolicy:
         self.on_compress(layer, k, v, idx, valid, stats, kc, vc)
         self.write_kept(layer, kc, vc)
 
+    def to_store(self, x: Tensor) -> Tensor:
+        """K or V [B, H_kv, T, D] as stored: repeated per query head under head_agg=query."""
+        return x if x.shape[1] == self.store_heads else x.repeat_interleave(self.store_heads // x.shape[1], 1)
+
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        k, v = self.to_store(k), self.to_store(v)
         if self.decode_attention and not self.layer_appends[layer]:
             out, p_old, p_new = self.attend_and_probs(layer, q, k, v)
             self.observe(layer, p_old, p_new)
             slot = self.store(layer, k, v)
-            self.score[layer].scatter_(2, slot[:, :, None], p_new.mean(2))
+            self.score[layer].scatter_(2, slot[:, :, None], reduce_heads(p_new, self.head_agg))
             return out
         self.store(layer, k, v)
         return self.attend(layer, q)
@@ -397,7 +452,7 @@ class EvictionPolicy:
         """Decode attention of q [B, H_q, 1, D] over every slot of the layer (empty ones masked):
         the cost is bounded by what is kept, and the shape does not change as the cache fills
         (a compiled step would otherwise specialize).  Sparse readers replace this."""
-        mask = self.visible(layer)[:, :, None, :].expand(-1, -1, self.group, -1)
+        mask = self.visible(layer)[:, :, None, :].expand(-1, -1, self.store_group, -1)
         return grouped_attention(q, self.k[layer], self.v[layer], mask)
 
     def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -410,7 +465,7 @@ class EvictionPolicy:
     # `attend`, `storage`) for KIVI-packed slots (--kv-bits).  Policies reach stored K/V only through them.
     def allocate_kv(self, layer: int, capacity: int) -> None:
         """K/V buffers of `capacity` slots for the layer (host side)."""
-        shape = (self.batch, self.args.n_kv_heads, capacity, self.args.head_dim)
+        shape = (self.batch, self.store_heads, capacity, self.args.head_dim)
         self.k[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
 

@@ -1,10 +1,14 @@
 """D2O (Wan et al., 2024): dynamic discriminative operations on the KV cache.
 
 Layer level: the variance of each layer's column-summed prompt attention (mean over heads and
-batch) measures its density; layers above the `gate` (sparse attention) get budget S, the
-dense layers dense_factor * S (the paper's alpha), with S chosen so the budgets sum exactly to n_layers * budget (the same
-total memory as the other policies at this budget; `conserve_total=false` gives the paper's
-literal S = budget).  Budgets need every layer, so compression waits for `end_prefill`.
+batch) measures its density; dense layers get dense_factor * S (the paper's alpha), the others S.
+Dense = at or below the paper's absolute gate g (`gate=100` in the paper) or, by default, the
+`dense_share` of layers with the lowest variance: the variance grows with the prompt length (on
+SmolLM2, 6 of 30 layers are below 100 at 3000 tokens, 10 at 1000), so a fixed g does not carry
+across models or lengths.  With `conserve_total=true` (default) S is chosen so the budgets sum
+exactly to n_layers * budget, the same KV bytes as the other policies at this budget;
+`conserve_total=false` is the paper's literal S = budget (more memory).  Budgets need every layer,
+so compression waits for `end_prefill`.
 
 Token level (per KV head): H2O-style eviction keeping `n_sink` sinks + the recent window M + the
 top N by accumulated attention, N:M = 3:1; an evicted token is merged into its most similar
@@ -19,14 +23,18 @@ import math
 import torch
 from torch import Tensor
 
-from cache.base import ALWAYS, NEVER, EvictionPolicy, column_scores, cosine, recent_and_sinks, split_integer
+from cache.base import (ALWAYS, HEAD_AGG_PARAM, NEVER, EvictionPolicy, column_scores, cosine, recent_and_sinks,
+                        reduce_heads, split_integer)
 
 
 class D2OPolicy(EvictionPolicy):
     name = "d2o"
-    params = {**EvictionPolicy.params,
+    params = {**EvictionPolicy.params, **HEAD_AGG_PARAM,
               "n_sink": (int, 4, "first tokens always kept"),
-              "gate": (float, 100.0, "variance gate: layers at or below it are dense and get dense_factor * S"),
+              "gate": (float, -1.0, "the paper's g: layers whose variance is at or below it are dense and get "
+                                    "dense_factor * S (the paper uses 100; -1: dense_share decides)"),
+              "dense_share": (float, 0.1, "portable gate: the lowest-variance share of the layers is dense (0.1: "
+                                          "the paper's Figure 4, its 3 shallowest of 32 layers)"),
               "dense_factor": (float, 2.0, "the paper's alpha: budget factor of the dense layers (paper: 2 to 4)"),
               "ema_beta": (float, 0.7, "the paper's beta: EMA smoothing of the merge threshold (paper: 0.5 to 0.9)"),
               "recent_share": (float, 0.25, "share of the non-sink budget for the recent window (N:M = 3:1)"),
@@ -39,6 +47,8 @@ class D2OPolicy(EvictionPolicy):
         super().validate()
         if self.n_sink < 0 or self.budget < self.n_sink + 2:
             raise ValueError(f"budget ({self.budget}) must be at least n_sink ({self.n_sink}) + 2")
+        if not 0 <= self.dense_share <= 1:
+            raise ValueError(f"dense_share must be in [0, 1], got {self.dense_share}")
         if self.dense_factor < 1 or not 0 < self.ema_beta <= 1 or not 0 < self.recent_share < 1:
             raise ValueError("need dense_factor >= 1, 0 < ema_beta <= 1, 0 < recent_share < 1")
 
@@ -50,7 +60,7 @@ class D2OPolicy(EvictionPolicy):
 
     # ---------------------------------------------------------------- layer level
     def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
-        acc = column_scores(q, k, q_pos, None, self.sliding_window)                 # [B, H, T]
+        acc = column_scores(q, k, q_pos, None, self.sliding_window, agg=self.head_agg)      # [B, H, T]
         valid = (q_pos >= 0)[:, None, :].float()
         n = valid.sum(-1)
         mean = (acc * valid).sum(-1) / n
@@ -59,12 +69,21 @@ class D2OPolicy(EvictionPolicy):
 
     def plan(self, stats: list[dict]) -> None:
         self.variances = torch.stack([s["variance"] for s in stats]).tolist()      # one host sync
-        weights = [1.0 if var > self.gate else self.dense_factor for var in self.variances]
+        weights = [self.dense_factor if dense else 1.0 for dense in self.dense_layers(self.variances)]
         if self.conserve_total:
             self.budgets = split_integer(len(weights) * self.budget, weights)
         else:
             self.budgets = [round(self.budget * w) for w in weights]
         self.budgets = [max(b, self.n_sink + 2) for b in self.budgets]
+
+    def dense_layers(self, variances: list[float]) -> list[bool]:
+        """The paper's absolute gate (`gate` >= 0), else the `dense_share` of layers with the lowest
+        variance (the variance grows with the prompt length, so an absolute gate does not carry over)."""
+        if self.gate >= 0:
+            return [var <= self.gate for var in variances]
+        n_dense = round(self.dense_share * len(variances))
+        lowest = set(sorted(range(len(variances)), key=lambda i: variances[i])[:n_dense])
+        return [i in lowest for i in range(len(variances))]
 
     def layer_budget(self, layer: int) -> int:
         return self.budgets[layer]
@@ -98,7 +117,7 @@ class D2OPolicy(EvictionPolicy):
             cache.copy_(((math.e * cache.float() + num) / (math.e + den[..., None])).to(cache.dtype))
 
     def observe(self, layer: int, p_old: Tensor, p_new: Tensor) -> None:
-        self.score[layer] += p_old.mean(2)
+        self.score[layer] += reduce_heads(p_old, self.head_agg)
 
     def decode_victim(self, layer: int) -> Tensor:
         return self.lowest(layer, self.score[layer], self.protected(layer, self.n_sink, self.recent_window(layer)))

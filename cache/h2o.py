@@ -9,12 +9,12 @@ lowest accumulated score makes room for the new token.  The budget never grows.
 """
 from torch import Tensor
 
-from cache.base import ALWAYS, NEVER, EvictionPolicy, column_scores, recent_and_sinks
+from cache.base import ALWAYS, HEAD_AGG_PARAM, NEVER, EvictionPolicy, column_scores, recent_and_sinks, reduce_heads
 
 
 class H2OPolicy(EvictionPolicy):
     name = "h2o"
-    params = {**EvictionPolicy.params,
+    params = {**EvictionPolicy.params, **HEAD_AGG_PARAM,
               "n_sink": (int, 4, "first tokens always kept"),
               "n_recent": (int, -1, "recent tokens always kept (-1: half of budget - n_sink, the "
                                   "paper's equal heavy/recent split)")}
@@ -30,14 +30,14 @@ class H2OPolicy(EvictionPolicy):
                              f"n_recent ({self.n_recent}), with n_recent >= 1")
 
     def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
-        return {"acc": column_scores(q, k, q_pos, None, self.sliding_window)}
+        return {"acc": column_scores(q, k, q_pos, None, self.sliding_window, agg=self.head_agg)}
 
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
         always = recent_and_sinks(q_pos, self.n_sink, self.n_recent)[:, None, :]
         return stats["acc"].masked_fill(always, ALWAYS).masked_fill((q_pos < 0)[:, None, :], NEVER)
 
     def observe(self, layer: int, p_old: Tensor, p_new: Tensor) -> None:
-        self.score[layer] += p_old.mean(2)
+        self.score[layer] += reduce_heads(p_old, self.head_agg)
 
     def decode_victim(self, layer: int) -> Tensor:
         return self.lowest(layer, self.score[layer], self.protected(layer, self.n_sink, self.n_recent))

@@ -3,9 +3,12 @@
 The per-layer budgets follow the paper's arithmetic schedule (pyramid_beta = beta = 20) over what
 is left after the observation window (obs_window = alpha = 8 tokens, kept in every layer), and sum exactly to
 n_layers * budget (largest-remainder rounding; the reference code's integer steps overshoot).
-Each layer allocates only its own capacity.
+When a layer's budget exceeds the prompt (it can hold no more than the prompt), its surplus goes to
+the other layers in proportion to their budgets (`fill_to_cap`), so the total kept is
+min(n_layers * budget, n_layers * prompt length); the reference code drops that surplus.  Each layer
+allocates only its own capacity, fixed when the prompt arrives.
 """
-from cache.base import pyramid_budgets
+from cache.base import fill_to_cap, pyramid_budgets
 from cache.snapkv import SnapKVPolicy
 
 
@@ -28,8 +31,13 @@ class PyramidKVPolicy(SnapKVPolicy):
             raise ValueError(f"pyramid_beta must be >= 1, got {self.pyramid_beta}")
 
     def setup(self, args, max_batch_size, max_seq_length, dtype, device) -> None:
-        self.budgets = pyramid_budgets(args.n_layers, self.budget, self.obs_window, self.pyramid_beta)
+        self.schedule = pyramid_budgets(args.n_layers, self.budget, self.obs_window, self.pyramid_beta)
+        self.budgets = list(self.schedule)
         super().setup(args, max_batch_size, max_seq_length, dtype, device)
+
+    def before_prefill(self, input_pos) -> None:
+        self.budgets = fill_to_cap(self.schedule, input_pos.shape[1])    # before the layers allocate
+        super().before_prefill(input_pos)
 
     def layer_budget(self, layer: int) -> int:
         return self.budgets[layer]

@@ -434,7 +434,7 @@ class KIVIEviction:
 
     def allocate_kv(self, layer: int, capacity: int) -> None:
         self.k[layer] = self.v[layer] = SlotStore(
-            self.batch, self.args.n_kv_heads, self.args.head_dim, capacity, self.kv_bits, self.kv_group,
+            self.batch, self.store_heads, self.args.head_dim, capacity, self.kv_bits, self.kv_group,
             self.kv_residual, self.dtype, self.device, self.backend)
 
     def write_kept(self, layer: int, kc: Tensor, vc: Tensor) -> None:

@@ -2,10 +2,13 @@
 
 A layer is lazy when its attention mass on the first `n_sink` tokens plus the `n_recent` most
 recent (relative to each query), averaged over heads and queries, exceeds `lazy_threshold` (the
-paper's delta).  Strategy `prefill` measures it on the last `obs_window` prompt queries; strategy `decode` on the first
-generated token's query.  A layer is trimmed only when every sequence of the batch finds it
-lazy (its capacity is a shape shared by the batch).  Lazy layers keep the initial tokens plus a
-ring of recent tokens (StreamingLLM-style eviction); the other layers keep everything.
+paper's delta).  Strategy `decode` (the default: the paper's experiments identify lazy layers "during
+the decoding stage") measures it on the first generated token's query; `prefill` on the last
+`obs_window` prompt queries.  A layer is trimmed only when every sequence of the batch finds it lazy
+(its capacity is a shape shared by the batch).  As in the paper, a lazy layer's cache is cut to the
+initial tokens plus a ring of recent ones as soon as it is identified (decode: before the second
+decode step, the first one attended over the whole prompt; prefill: before the first) and then
+evicts StreamingLLM-style; the other layers keep everything.
 
 lazy_threshold defaults per model family as in the paper: Llama-3 0.9, Llama-2 0.65, Mistral 0.8,
 Qwen 0.85 (guessed from the config: vocab >= 128000 -> Llama-3, a sliding window or 32768
@@ -47,7 +50,8 @@ def lazy_mass(probs: Tensor, q_pos: Tensor, k_pos: Tensor, n_sink: int, n_recent
 
 class SimLayerKVPolicy(EvictionPolicy):
     name = "simlayerkv"
-    params = {"strategy": (str, "prefill", "where lazy layers are found: prefill or decode"),
+    params = {"strategy": (str, "decode", "where lazy layers are found: decode (the first generated token's "
+                                          "query, the paper's experiments) or prefill (the last prompt queries)"),
               "lazy_threshold": (float, -1.0, "the paper's delta: laziness threshold (-1: the paper's value for the "
                                                  "model family)"),
               "n_sink": (int, 4, "initial tokens lazy layers keep"),

@@ -8,12 +8,12 @@ Generated tokens are appended (the cache grows by one slot per step; nothing is 
 import torch
 from torch import Tensor
 
-from cache.base import ALWAYS, NEVER, EvictionPolicy, column_scores, pool1d
+from cache.base import ALWAYS, HEAD_AGG_PARAM, NEVER, EvictionPolicy, column_scores, pool1d
 
 
 class SnapKVPolicy(EvictionPolicy):
     name = "snapkv"
-    params = {**EvictionPolicy.params,
+    params = {**EvictionPolicy.params, **HEAD_AGG_PARAM,
               "obs_window": (int, 32, "observation window w: the last prompt queries, always kept"),
               "kernel": (int, 7, "pooling kernel (odd; 1 = no pooling)"),
               "pooling": (str, "max", "pooling kind: max or avg")}
@@ -30,7 +30,7 @@ class SnapKVPolicy(EvictionPolicy):
             raise ValueError(f"pooling must be max or avg, got {self.pooling!r}")
 
     def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
-        return {"obs": column_scores(q, k, q_pos, self.obs_window, self.sliding_window)}
+        return {"obs": column_scores(q, k, q_pos, self.obs_window, self.sliding_window, agg=self.head_agg)}
 
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
         obs = stats["obs"]

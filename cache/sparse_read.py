@@ -554,7 +554,8 @@ class LabelReader(SparseReader):
 
     params = {**SparseReader.params,
               "heavy_channels": (int, 0, "C, heavy channels per KV head in the label cache (0 = head_dim / 8)"),
-              "label_bits": (int, 16, "label precision: 16 (the key dtype) or 4 (packed, per-token scale/min)"),
+              "label_bits": (int, 4, "label precision: 4 (packed, per-token scale/min: the HShare and Double Sparsity "
+                                   "papers' setting) or 16 (the key dtype)"),
               "channels": (str, "auto", "heavy-channel source: auto (the checkpoint's heavy_channels.json, calibrated "
                                         "on first use), prompt, or a path to a calibration JSON")}
 

@@ -2,8 +2,8 @@
 
     python -m eval.needle --policy streaming --policy-args budget=256 --lengths 1000,2000,4000
 
-For each (length, depth) cell the prompt is the chat-formatted request "question + text + question"
-of exactly `length` tokens: the haystack (Paul Graham's essays, or any folder of .txt with
+For each (length, depth) cell the prompt is the chat-formatted request "text + question" (the
+field's convention; `--question-position both` asks before the text too) of exactly `length` tokens: the haystack (Paul Graham's essays, or any folder of .txt with
 --haystack; repeated if too short) is cut to fit, and the needle goes at the sentence boundary
 nearest to `depth` (0 = start, 1 = end) of the haystack part.  The model answers greedily;
 a cell is a hit when the answer contains ALL of --answer-keywords (case-insensitive), so
@@ -33,6 +33,10 @@ QUESTION = "What is the best thing to do in San Francisco?"
 KEYWORDS = "sandwich,Dolores"
 INSTRUCTION = "Read the following text and answer the question after it."
 SENTINEL = prompts.SENTINEL
+TEMPLATES = {   # --question-position: where the question stands around the haystack
+    "after": "{instruction}\n\n{haystack}\n\nQuestion: {question}",
+    "both": "{instruction} Question: {question}\n\n{haystack}\n\nQuestion: {question}",
+}
 SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s*$")
 
 
@@ -67,7 +71,7 @@ class Prompt:
 
 
 def build_prompt(tokenizer, haystack: Haystack, needle: str, question: str, length: int, depth: float,
-                 content: Optional[str] = None, chat: bool = True) -> Prompt:
+                 content: Optional[str] = None, chat: bool = True, question_position: str = "after") -> Prompt:
     """The chat-formatted prompt of exactly `length` tokens with the needle at about `depth`.
 
     The ids are assembled from separately tokenized pieces (template prefix, haystack tokens
@@ -76,12 +80,11 @@ def build_prompt(tokenizer, haystack: Haystack, needle: str, question: str, leng
     seams).  The needle follows the haystack token that ends the sentence nearest to
     depth * n_haystack, or opens the haystack if its start is nearer; the haystack's end is cut
     at whatever token makes the length exact.  `content` replaces the user message: a format
-    string with `{question}` and `{haystack}` (where the haystack goes); `chat=False` leaves
-    out the chat template."""
-    # the question before and after the text: SmolLM2-135M finds the default needle at 3000
-    # tokens only this way (after-only: 1/3 at depths 0.1/0.5/0.9); SnapKV-style policies still
-    # see the question in their observation window at the end
-    content = content or "{instruction} Question: {question}\n\n{haystack}\n\nQuestion: {question}"
+    string with `{question}` and `{haystack}` (where the haystack goes), else TEMPLATES[question_position]
+    ("after": the question follows the text, the convention; "both": before and after it, where
+    SmolLM2-135M finds more needles at 3000 tokens but a SnapKV-style observation window splits its
+    attention between the two copies); `chat=False` leaves out the chat template."""
+    content = content or TEMPLATES[question_position]
     content = content.format(instruction=INSTRUCTION, question=question, haystack=SENTINEL)
     prefix, suffix = prompts.wrap(tokenizer, content, chat)
     needle = needle.strip()
@@ -114,7 +117,8 @@ def run_cell(loaded: common.Loaded, policy, ids: list[int], max_new_tokens: int,
 
 def evaluate(loaded: common.Loaded, new_policy: Callable, text: str, lengths: Sequence[int], depths: Sequence[float],
              needle: str = NEEDLE, question: str = QUESTION, keywords: Sequence[str] = tuple(KEYWORDS.split(",")),
-             max_new_tokens: int = 32, progress: Optional[common.Progress] = None, compile: bool = False) -> dict:
+             max_new_tokens: int = 32, progress: Optional[common.Progress] = None, compile: bool = False,
+             question_position: str = "after") -> dict:
     """Every (length, depth) cell with a fresh policy -> {score (accuracy %), results, usage, and the
     last policy's describe() and kv_bytes()}."""
     for n in lengths:
@@ -123,7 +127,8 @@ def evaluate(loaded: common.Loaded, new_policy: Callable, text: str, lengths: Se
     results, usage = [], measure.Usage()
     for n in lengths:
         for d in depths:
-            prompt = build_prompt(loaded.tokenizer, haystack, needle, question, n, d)
+            prompt = build_prompt(loaded.tokenizer, haystack, needle, question, n, d,
+                                  question_position=question_position)
             policy = new_policy()
             t0 = time.perf_counter()
             answer = measure.generate(loaded, policy, prompt.ids, max_new_tokens, usage, compile)
@@ -149,6 +154,8 @@ def build_parser():
     p.add_argument("--lengths", default="1000,2000,4000", help="prompt lengths in tokens, chat template included")
     p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in the haystack, 0..1")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--question-position", choices=sorted(TEMPLATES), default="after",
+                   help="the question after the text (the convention, default) or both before and after it")
     return p
 
 
@@ -175,7 +182,7 @@ def run(args) -> int:
     text = common.read_text_folder(args.haystack)
     loaded = common.load(args)
     r = evaluate(loaded, lambda: common.new_policy(args), text, lengths, depths, args.needle, args.question, keywords,
-                 args.max_new_tokens, common.Progress(len(lengths) * len(depths)), args.compile)
+                 args.max_new_tokens, common.Progress(len(lengths) * len(depths)), args.compile, args.question_position)
     results = r["results"]
     accuracy = sum(x["hit"] for x in results) / len(results)
     print(format_table(results, lengths, depths))
@@ -183,7 +190,8 @@ def run(args) -> int:
     if args.json:
         common.write_json(args.json, {**common.report_header(args), "accuracy": accuracy,
                                       "needle": args.needle, "question": args.question, "answer_keywords": keywords,
-                                      "max_new_tokens": args.max_new_tokens, "results": results,
+                                      "max_new_tokens": args.max_new_tokens, "question_position": args.question_position,
+                                      "results": results,
                                       "describe": r["describe"], "kv_bytes": r["kv_bytes"]})
     return 0
 

@@ -188,7 +188,9 @@ class InnerProgress(common.Progress):
 
 def task_params(task: str, o: argparse.Namespace) -> dict:
     kind, _, arg = task.partition(":")
-    if kind in ("needle", "passkey"):
+    if kind == "needle":     # the question after the text (needle.py's default since 2026-11-24)
+        return {"lengths": o.lengths, "depths": o.depths, "question_position": "after"}
+    if kind == "passkey":
         return {"lengths": o.lengths, "depths": o.depths}
     if kind == "perplexity":
         return {"context_length": o.context_length, "eval_tokens": o.eval_tokens, "samples": o.samples}

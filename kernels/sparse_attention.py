@@ -42,7 +42,7 @@ from torch import Tensor
 from . import resolve_backend
 from .cpu import sparse_attention_supported, sparse_decode_attention_cpu, use_cpu_kernel
 
-triton = tl = None  # imported lazily by _kernels(): importing this module never imports Triton
+
 
 
 def _shapes(q: Tensor, k_cache: Tensor, v_cache: Tensor, idx: Tensor, valid: Optional[Tensor]):
@@ -140,121 +140,9 @@ def sparse_decode_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, i
 # ----------------------------------------------------------------------------------------- Triton
 @lru_cache(maxsize=None)
 def _kernels():
-    global triton, tl
-    import triton as _triton
-    import triton.language as _tl
-    triton, tl = _triton, _tl
-
-    @triton.jit
-    def sparse_attn_partial(
-            Q, K, V, IDX, VALID, OUT, M_PART, L_PART, ACC_PART,
-            scale, N, G, n_per_split, n_splits,
-            sq_b, sq_h, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
-            si_b, si_h, si_n, sm_b, sm_h, sm_n, so_b, so_h, so_d,
-            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-            PER_QUERY: tl.constexpr, HAS_VALID: tl.constexpr, SINGLE: tl.constexpr, DOT_F32: tl.constexpr):
-        """Program (b, hi, split): index list hi of batch b, entries [split*n_per_split, ...).
-        PER_QUERY: hi is a query head (one query vector, reads KV head hi // G); otherwise hi is a
-        KV head and its G query heads (padded to BLOCK_G >= 16 rows for tl.dot) share the gather."""
-        b = tl.program_id(0).to(tl.int64)
-        hi = tl.program_id(1).to(tl.int64)
-        sp = tl.program_id(2)
-        offs_d = tl.arange(0, BLOCK_D)
-        dmask = offs_d < D
-        if PER_QUERY:
-            kvh = hi // G
-            q = tl.load(Q + b * sq_b + hi * sq_h + offs_d * sq_d, mask=dmask, other=0.0).to(tl.float32)
-            m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)   # fp32 scalars
-            l_i = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), 0)
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        else:
-            kvh = hi
-            offs_g = tl.arange(0, BLOCK_G)
-            gmask = offs_g < G
-            qh = hi * G + offs_g
-            q = tl.load(Q + b * sq_b + qh[:, None] * sq_h + offs_d[None, :] * sq_d,
-                        mask=gmask[:, None] & dmask[None, :], other=0.0)
-            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        k_base = K + b * sk_b + kvh * sk_h
-        v_base = V + b * sv_b + kvh * sv_h
-        start = sp * n_per_split
-        end = tl.minimum(start + n_per_split, N)
-        for off in range(start, end, BLOCK_N):
-            offs_n = off + tl.arange(0, BLOCK_N)
-            nmask = offs_n < end
-            ids = tl.load(IDX + b * si_b + hi * si_h + offs_n * si_n, mask=nmask, other=0).to(tl.int64)
-            if HAS_VALID:
-                ok = tl.load(VALID + b * sm_b + hi * sm_h + offs_n * sm_n, mask=nmask, other=0)
-                nmask = nmask & (ok != 0)
-            kv_mask = nmask[:, None] & dmask[None, :]
-            k = tl.load(k_base + ids[:, None] * sk_s + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
-            v = tl.load(v_base + ids[:, None] * sv_s + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
-            if PER_QUERY:
-                s = tl.sum(q[None, :] * k.to(tl.float32), 1) * scale
-                s = tl.where(nmask, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 0))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(s - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 0)
-                acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
-            else:
-                if DOT_F32:   # the interpreter's tl.dot multiplies bf16 bit patterns (triton 3.9)
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
-                s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
-                s = tl.where(nmask[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            m_i = m_new
-        if PER_QUERY:
-            qh_out = hi
-            if SINGLE:
-                out = acc / tl.maximum(l_i, 1e-20)
-                tl.store(OUT + b * so_b + qh_out * so_h + offs_d * so_d,
-                         out.to(OUT.dtype.element_ty), mask=dmask)
-            else:
-                row = (b * tl.num_programs(1) + qh_out) * n_splits + sp
-                tl.store(M_PART + row, m_i)
-                tl.store(L_PART + row, l_i)
-                tl.store(ACC_PART + row * BLOCK_D + offs_d, acc)
-        else:
-            if SINGLE:
-                out = acc / tl.maximum(l_i, 1e-20)[:, None]
-                tl.store(OUT + b * so_b + qh[:, None] * so_h + offs_d[None, :] * so_d,
-                         out.to(OUT.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
-            else:
-                row = (b * tl.num_programs(1) * G + qh) * n_splits + sp                 # [BLOCK_G]
-                tl.store(M_PART + row, m_i, mask=gmask)
-                tl.store(L_PART + row, l_i, mask=gmask)
-                tl.store(ACC_PART + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=gmask[:, None])
-
-    @triton.jit
-    def sparse_attn_combine(OUT, M_PART, L_PART, ACC_PART, n_splits, so_b, so_h, so_d,
-                            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
-        """Program (b, h): log-sum-exp combination of the n_splits partials of query head h."""
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
-        offs_s = tl.arange(0, BLOCK_SPLIT)
-        offs_d = tl.arange(0, BLOCK_D)
-        smask = offs_s < n_splits
-        row = (b * tl.num_programs(1) + h) * n_splits + offs_s
-        m = tl.load(M_PART + row, mask=smask, other=float("-inf"))
-        l = tl.load(L_PART + row, mask=smask, other=0.0)
-        acc = tl.load(ACC_PART + row[:, None] * BLOCK_D + offs_d[None, :], mask=smask[:, None], other=0.0)
-        m_max = tl.max(m, 0)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        w = tl.exp(m - m_max)
-        out = tl.sum(w[:, None] * acc, 0) / tl.maximum(tl.sum(w * l, 0), 1e-20)
-        tl.store(OUT + b * so_b + h * so_h + offs_d * so_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)
-
-    return sparse_attn_partial, sparse_attn_combine
+    """(sparse_attn_partial, sparse_attn_combine), importing Triton on first use."""
+    from kernels import sparse_attention_triton as k
+    return k.sparse_attn_partial, k.sparse_attn_combine
 
 
 def _next_pow2(x: int) -> int:

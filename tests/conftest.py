@@ -20,10 +20,15 @@ MODEL_FIXTURES = {"default_gguf", "default_dir", "engine_gguf", "engine_dir", "h
 
 def pytest_collection_modifyitems(items):
     """Every test that loads the real default model carries the `model` marker (deselect with
-    -m "not model"): the ones that use a model fixture get it here, so the marker cannot go stale."""
+    -m "not model"): the ones that use a model fixture get it here, so the marker cannot go stale.
+    Tests marked `gpu` run where torch sees a CUDA device and are skipped elsewhere."""
+    import torch
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu)")
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
 
 
 def _require(path: Path) -> Path:

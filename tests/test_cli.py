@@ -39,6 +39,17 @@ def test_cli_bad_input_is_one_line_not_a_traceback(tmp_path):
     assert "Traceback" not in p.stderr and "does not exist" in p.stderr
 
 
+def test_spec_and_policy_args_spellings_give_the_same_output(capsys, default_dir, essay_text):
+    prompt = essay_text[:1500]
+    outs = []
+    for argv in (["--policy", "snapkv:budget=128"], ["--policy", "snapkv", "--policy-args", "budget=128"]):
+        code, out, err = run_main(capsys, "--checkpoint", default_dir, "--prompt", prompt, "--max-new-tokens", "12",
+                                  *argv)
+        assert code == 0, err
+        outs.append(out)
+    assert outs[0] == outs[1] and outs[0].strip()
+
+
 def test_batch_of_prompts_and_stats(capsys, default_dir):
     code, out, err = run_main(capsys, "--checkpoint", default_dir, "--prompt", "Hello", "--prompt", "The sky is",
                               "--max-new-tokens", "4")
@@ -52,7 +63,11 @@ def test_batch_of_prompts_and_stats(capsys, default_dir):
     (["--checkpoint", "{tmp}/noconfig", "--prompt", "hi"], "no config.json"),
     (["--checkpoint", "{tmp}/badconfig", "--prompt", "hi"], "missing required field.*hidden_size"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--policy", "magic"], "unknown policy 'magic'; available: d2o, ds, full, h2o, hshare"),
-    (["--checkpoint", "{dir}", "--prompt", "hi", "--policy-args", "budget"], "malformed --policy-args item 'budget'"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--policy-args", "budget"], "malformed policy argument 'budget'"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--policy", "snapkv:"], "malformed policy spec 'snapkv:'"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--policy", "snapkv:window=16"], "'window' is now 'obs_window'"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--policy", "snapkv:budget=64", "--policy-args", "budget=32"],
+     "budget given twice"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--policy-args", "budget=64"], "has no parameter.*budget"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--max-new-tokens", "9000"], "exceeds the model's context length 8192"),
     (["--checkpoint", "{dir}", "--prompt", "hello there", "--max-new-tokens", "16", "--max-seq-length", "10"],

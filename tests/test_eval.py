@@ -43,10 +43,12 @@ def test_haystack_builder_exact_length_needle_at_sentence_boundary(loaded):
     text = " ".join(f"Sentence number {i} is about the colour of tree {i % 7}." for i in range(400))
     hay = needle.Haystack.from_text(tok, text)
     sentence = len(tok.encode(" Sentence number 123 is about the colour of tree 4.", add_special_tokens=False))
-    for length in (200, 1000):
+    for length, position in ((200, "after"), (1000, "after"), (1000, "both")):
         for depth in (0.0, 0.25, 0.5, 0.9, 1.0):
-            p = needle.build_prompt(tok, hay, "The secret code is purple.", "What is the secret code?", length, depth)
+            p = needle.build_prompt(tok, hay, "The secret code is purple.", "What is the secret code?", length, depth,
+                                    question_position=position)
             assert len(p.ids) == length
+            assert tok.decode(p.ids).count("What is the secret code?") == (2 if position == "both" else 1)
             assert abs(p.cut - depth * p.n_haystack) <= sentence              # the nearest sentence end
             prompt = tok.decode(p.ids)
             assert prompt.count("The secret code is purple.") == 1

@@ -363,11 +363,11 @@ def test_calibration_file_round_trip_and_policy_source(tmp_path):
     write_channels_file(channels_path(tmp_path / "ckpt"), ranking, torch.rand(2, 2, 8), {})
     args.checkpoint = str(tmp_path / "ckpt")
     q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
-    policy = prefilled("hshare", "heavy_channels=3", q, k, v, args=args)
+    policy = prefilled("hshare", "heavy_channels=3,label_bits=16", q, k, v, args=args)
     assert policy.describe()["heavy_channels_source"].startswith("calibrated")
     assert torch.equal(policy.channel_ids.cpu(), ranking[:, :, :3])
     args.checkpoint = str(tmp_path)            # no file there: prompt statistics
-    policy = prefilled("ds", "heavy_channels=3", q, k, v, args=args)
+    policy = prefilled("ds", "heavy_channels=3,label_bits=16", q, k, v, args=args)
     assert policy.describe()["heavy_channels_source"].startswith("prompt")
 
 

@@ -9,7 +9,7 @@ import torch
 
 import engine
 from cache import POLICIES, PolicyError, make_policy
-from cache.base import column_scores, pool1d, pyramid_budgets, split_integer
+from cache.base import column_scores, fill_to_cap, pool1d, pyramid_budgets, split_integer
 from model import ModelArgs
 from tests.helpers import kept, left_padded, tiny_hf_model
 
@@ -51,6 +51,27 @@ def test_snapkv_avg_pooling_keeps_topk_of_pooled_group_mean_window_scores_plus_w
         pooled = [float(past[max(0, j - 1):j + 2].mean()) for j in range(T - w)]   # avg, no pad counted
         top = sorted(sorted(range(T - w), key=lambda j: -pooled[j])[:budget - w])
         assert kept(policy)[0][h] == top + list(range(T - w, T))
+
+
+@pytest.mark.parametrize("agg", ["max", "query"])
+def test_snapkv_head_aggregation_max_and_per_query_head(agg):
+    """max: per window query, the group's largest attention, summed over the window; query: each of the
+    4 query heads keeps its own top tokens (4 storage heads, K/V copied from its KV head)."""
+    torch.manual_seed(5)
+    T, w, budget = 20, 4, 9
+    q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
+    policy = bare_policy("snapkv", f"budget={budget},obs_window={w},kernel=1,head_agg={agg}", T=T)
+    policy.prefill(0, q, k, v)
+    probs = naive_probs(q[0], k[0])                                               # [4, T, T]
+    heads = range(4) if agg == "query" else range(2)
+    assert len(kept(policy)[0]) == len(heads)
+    for h in heads:
+        rows = probs[h:h + 1] if agg == "query" else probs[2 * h:2 * h + 2]
+        score = rows[:, T - w:].amax(0).sum(0) if agg == "max" else rows[0, T - w:].sum(0)
+        top = sorted(sorted(range(T - w), key=lambda j: -float(score[j]))[:budget - w])
+        assert kept(policy)[0][h] == top + list(range(T - w, T))
+        if agg == "query":                                                        # its KV head's keys
+            torch.testing.assert_close(policy.k[0][0, h, :budget], k[0, h // 2, top + list(range(T - w, T))])
 
 
 def test_snapkv_prompt_no_longer_than_the_window_keeps_it_whole():
@@ -128,6 +149,57 @@ def test_pyramid_budgets_sum_exactly_and_follow_the_schedule():
         assert abs(b[-1] - window - rem / (beta * layers)) < 1
         assert abs(b[0] - window - (2 * rem / layers - rem / (beta * layers))) < 1
     assert split_integer(10, [1, 1, 1]) in ([4, 3, 3], [3, 4, 3], [3, 3, 4])
+
+
+def test_tova_prefill_keeps_what_the_last_query_attends_to_most():
+    torch.manual_seed(3)
+    T, budget = 20, 8
+    q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
+    policy = bare_policy("tova", f"budget={budget}", T=T)
+    policy.prefill(0, q, k, v)
+    layer_mean = naive_probs(q[0], k[0])[:, T - 1].mean(0)      # last query, mean over all 4 query heads
+    top = sorted(sorted(range(T), key=lambda j: -float(layer_mean[j]))[:budget])
+    assert kept(policy)[0] == [top, top]                         # the same tokens in every KV head
+
+
+def test_tova_decode_evicts_the_slot_the_new_query_attends_to_least():
+    torch.manual_seed(4)
+    T, budget, D = 20, 8, 8
+    q, k, v = torch.randn(1, 4, T, D), torch.randn(1, 2, T, D), torch.randn(1, 2, T, D)
+    policy = bare_policy("tova", f"budget={budget}", T=T)
+    policy.prefill(0, q, k, v)
+    policy.end_prefill()
+    kc, pos = policy.k[0].clone(), policy.pos[0].clone()         # [1, 2, 8, D], [1, 2, 8]
+    q1, k1, v1 = torch.randn(1, 4, 1, D), torch.randn(1, 2, 1, D), torch.randn(1, 2, 1, D)
+    policy.begin(torch.tensor([[T]]))
+    policy.decode(0, q1, k1, v1)
+    probs = []                                                   # per query head: softmax over 8 slots + new
+    for h in range(4):
+        logits = torch.cat([kc[0, h // 2] @ q1[0, h, 0], k1[0, h // 2] @ q1[0, h, 0]]) / math.sqrt(D)
+        probs.append(logits.softmax(0)[:-1])
+    victim = int(torch.stack(probs).mean(0).argmin())            # one slot index for the whole layer
+    for h in range(2):
+        assert int(policy.pos[0][0, h, victim]) == T
+        assert [int(p) for s, p in enumerate(pos[0, h]) if s != victim] == \
+               [int(p) for s, p in enumerate(policy.pos[0][0, h]) if s != victim]
+
+
+def test_fill_to_cap_redistributes_the_surplus_of_full_layers():
+    assert fill_to_cap([10, 6, 2], 5) == [5, 5, 5]                 # 18 wanted, 15 possible: all full
+    out = fill_to_cap([12, 6, 2, 0], 8)                            # 20 wanted, room 32: 4 surplus from layer 0
+    assert out[0] == 8 and sum(out) == 20 and all(x <= 8 for x in out)
+    assert out[1] - 6 >= out[2] - 2 >= out[3]                       # shared in proportion to the schedule
+    assert fill_to_cap([3, 2, 1], 9) == [3, 2, 1]                   # nothing capped: unchanged
+    for layers, budget, T in [(30, 900, 1000), (30, 256, 300), (32, 2048, 2100), (7, 64, 65)]:
+        b = fill_to_cap(pyramid_budgets(layers, budget, 8, 20), T)
+        assert sum(b) == min(layers * budget, layers * T) and max(b) <= T
+
+
+def test_pyramidkv_at_budget_900_keeps_what_a_1000_token_prompt_allows():
+    """Issue 20: the top layers' budgets exceed the prompt; their surplus goes to the others (>= 99%)."""
+    policy = bare_policy("pyramidkv", "budget=900", T=1000, max_seq=1010, layers=30)
+    assert sum(policy.budgets) >= 0.99 * 30 * 900 and max(policy.budgets) <= 1000
+    assert sum(min(b, 1000) for b in policy.schedule) < 0.9 * 30 * 900      # what dropping the surplus kept
 
 
 def test_pyramidkv_layers_allocate_their_own_capacity(tmp_path):
@@ -267,6 +339,20 @@ def test_d2o_layer_budgets_split_by_variance_and_sum_to_total(tmp_path):
     assert [policy.k[i].shape[2] for i in range(2)] == policy.budgets
 
 
+def test_d2o_dense_share_picks_the_lowest_variance_layers():
+    policy = make_policy("d2o", "budget=100,dense_factor=2,dense_share=0.25")
+    variances = [5.0, 300.0, 1.0, 80.0, 900.0, 40.0, 7.0, 60.0]            # lowest two: layers 2 and 0
+    assert policy.dense_layers(variances) == [True, False, True, False, False, False, False, False]
+    policy.plan([{"variance": torch.tensor(v)} for v in variances])
+    assert policy.budgets[0] == policy.budgets[2] == 2 * policy.budgets[1] and sum(policy.budgets) == 800
+    assert [v * 10 for v in variances] and policy.dense_layers([v * 10 for v in variances]) == \
+        policy.dense_layers(variances)                                   # scale-free: longer prompts, same layers
+    assert make_policy("d2o", "gate=50").dense_layers(variances) == [True, False, True, False, False, True, True, False]
+    assert make_policy("d2o", "dense_share=0").dense_layers(variances) == [False] * 8
+    with pytest.raises(PolicyError, match="dense_share"):
+        make_policy("d2o", "dense_share=1.5")
+
+
 @pytest.mark.parametrize("strategy", ["prefill", "decode"])
 def test_simlayerkv_flags_layers_whose_mass_exceeds_delta(strategy, tmp_path):
     _, model = tiny_hf_model("tied_gqa3", tmp_path)
@@ -370,10 +456,10 @@ def test_registry_lists_every_policy_with_declared_parameters():
 def test_first_token_equals_full_under_every_prefill_compression(engine_dir, essay_text):
     model, tok = engine_dir
     ids = tok.encode(essay_text)[:900]
-    full = engine.generate(model, tok, [ids, ids[:700]], max_new_tokens=1)
+    full = engine.generate(model, tok, [ids, ids[:700]], max_new_tokens=3)   # 3: simlayerkv (decode strategy) trims before step 1
     for name in EVICTION:
         args = "n_recent=128" if name == "simlayerkv" else "budget=128"
-        out = engine.generate(model, tok, [ids, ids[:700]], max_new_tokens=1, policy=make_policy(name, args))
+        out = engine.generate(model, tok, [ids, ids[:700]], max_new_tokens=3, policy=make_policy(name, args))
         assert [t[0] for t in out.tokens] == [t[0] for t in full.tokens], name
         assert out.stats["kv_bytes_allocated"] < full.stats["kv_bytes_allocated"], name
 

@@ -24,6 +24,7 @@ import torch
 
 import engine
 from cache import POLICIES, PolicyError, make_policy
+from cache.base import HEAD_AGG
 from cache.quantized import with_kv_bits
 from model import DenseCache, ModelArgs, Transformer
 from tests.helpers import left_padded
@@ -51,6 +52,10 @@ def pytest_generate_tests(metafunc):
         cells = [(n, s, b) for n in names for s, bits in STORAGES.items() if bits == 16 or storage_ok(n, bits)
                  for b in BATCHES]
         metafunc.parametrize("cell", cells, ids=[f"{n}-{s}-{b}" for n, s, b in cells])
+    elif "variant" in metafunc.fixturenames:     # head aggregations other than the default
+        cells = [(n, s, f"head_agg={agg}") for n in names if "head_agg" in POLICIES[n].params
+                 for agg in HEAD_AGG if agg != POLICIES[n].params["head_agg"][1] for s in ("kv16", "kv4")]
+        metafunc.parametrize("variant", cells, ids=[f"{n}-{s}-{a}" for n, s, a in cells])
     elif "policy_name" in metafunc.fixturenames:
         metafunc.parametrize("policy_name", names)
 
@@ -65,7 +70,7 @@ def model():
     return m
 
 
-def build(name: str, storage: str, args: dict | None = None):
+def build(name: str, storage: str, args: dict | str | None = None):
     return with_kv_bits(make_policy(name, args or {}), STORAGES[storage], KIVI_G, KIVI_R)
 
 
@@ -177,6 +182,23 @@ def all_positions(policy) -> list[list[int]]:
             assert all(x == layers[0] for x in layers), f"layers hold different tokens under full_cache_args"
             rows.append(layers[0])
     return rows
+
+
+def test_head_aggregation_variant(model, variant):
+    """head_agg=max / query under the same guarantees; query keeps a token set per query head."""
+    name, storage, args = variant
+    lengths = BATCHES["b3"]
+    policy = build(name, storage, args)
+    first = run(model, policy, lengths)
+    assert torch.isfinite(first).all()
+    heads = ARGS.n_heads if args.endswith("query") else ARGS.n_kv_heads
+    assert policy.kept_positions(0).shape[1] == heads
+    assert kept_prompt_tokens(policy, lengths) <= ARGS.n_layers * policy.budget
+    assert torch.equal(first, run(model, build(name, storage, args), lengths))
+    promise = {**POLICIES[name].full_cache_args(max(lengths) + STEPS + 1), "head_agg": args.split("=")[1]}
+    if storage == "kv16":
+        torch.testing.assert_close(run(model, build(name, storage, promise), lengths),
+                                   run(model, build("full", storage), lengths), atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- parameters
