@@ -1,5 +1,6 @@
-"""scripts/benchmark.py: JSON/CSV schema, atomic writes and Ctrl-C, ratios, the attention-operator,
-context-sweep and memory-limit modes, CLI errors, and no recompilation inside compiled decode loops.
+"""scripts/benchmark.py and its package scripts/bench/: JSON/CSV schema, atomic writes and Ctrl-C,
+ratios, the attention-operator, context-sweep and memory-limit modes, the policy-spec lists of
+--policies, CLI errors, and no recompilation inside compiled decode loops.
 
 Real-model runs use tiny contexts (32-64 tokens), 4 decode steps and a fixed --bandwidth-gbs."""
 import csv
@@ -16,10 +17,13 @@ import pytest
 import torch
 
 import cache
+import engine
+from cache import PolicySpec
 from model import DenseCache, ModelArgs, Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import benchmark  # noqa: E402
+from bench import cli, grid, measure, report, specs  # noqa: E402
 
 FAST = ["--bandwidth-gbs", "40", "--decode-steps", "4", "--warmup-steps", "1", "--repeats", "1"]
 SCHEMA = {"policy": str, "policy_args": str, "batch_size": int, "context_length": int, "kv_bits": int,
@@ -61,7 +65,7 @@ def per_slot_bytes(args) -> int:
 
 def test_e2e_rows_schema_csv_ratios_and_skipped_kv_bits(capsys, default_dir, probe_policy, tmp_path):
     out_json, out_csv, out_png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
-    rc, out, err = run(capsys, default_dir, "--policies", "probe,full", "--policy-args", "probe:window=16",
+    rc, out, err = run(capsys, default_dir, "--policies", "probe:window=16", "--policies", "full",  # repeated flag
                        "--batch-sizes", "1,2", "--context-lengths", "32,48", "--kv-bits", "16,4",
                        "--speedup-vs", "full", "--json", str(out_json), "--csv", str(out_csv), "--plot", str(out_png))
     assert rc == 0, err
@@ -84,11 +88,11 @@ def test_e2e_rows_schema_csv_ratios_and_skipped_kv_bits(capsys, default_dir, pro
         assert math.isclose(r["decode_tokens_per_s_per_seq"] * B, r["decode_tokens_per_s"])
         # bytes come from the cache's own buffers: prompt + 1 warm-up + 4 timed steps live, 16 spare slots
         if r["kv_bits"] == 16:
-            assert r["kv_bytes_allocated"] == B * slot * (T + 1 + 4 + benchmark.CAPACITY_MARGIN)
+            assert r["kv_bytes_allocated"] == B * slot * (T + 1 + 4 + specs.CAPACITY_MARGIN)
             assert r["kv_bytes_live"] == B * slot * (T + 1 + 4)
         else:
             assert r["policy_config"]["kv_bits"] == 4
-            assert 0 < r["kv_bytes_allocated"] < B * slot * (T + 1 + 4 + benchmark.CAPACITY_MARGIN)
+            assert 0 < r["kv_bytes_allocated"] < B * slot * (T + 1 + 4 + specs.CAPACITY_MARGIN)
         assert r["peak_memory_bytes"] > r["weight_bytes"] > 0
         bound = B * 40e9 / (r["weight_bytes"] + r["kv_bytes_read_per_step"])
         assert math.isclose(r["bandwidth_bound_tokens_per_s"], bound)
@@ -106,7 +110,7 @@ def test_e2e_rows_schema_csv_ratios_and_skipped_kv_bits(capsys, default_dir, pro
     with open(out_csv) as f:
         table = list(csv.DictReader(f))
     header = next(csv.reader(open(out_csv)))
-    assert header[:len(benchmark.E2E_KEYS)] == benchmark.E2E_KEYS
+    assert header[:len(report.E2E_KEYS)] == report.E2E_KEYS
     assert "speedup_vs_full" in header and len(table) == len(rows)
     assert {t["policy"] for t in table} == {"full", "probe"}
     assert float(table[[r["status"] for r in rows].index("ok")]["decode_tokens_per_s"]) > 0
@@ -116,15 +120,15 @@ def test_e2e_rows_schema_csv_ratios_and_skipped_kv_bits(capsys, default_dir, pro
 
 def test_keyboard_interrupt_keeps_finished_rows(capsys, default_dir, tmp_path, monkeypatch):
     out_json, out_csv = tmp_path / "b.json", tmp_path / "b.csv"
-    real, calls = benchmark.Bench.e2e_row, []
+    real, calls = grid.e2e_row, []
 
-    def second_row_interrupted(self, *a, **k):
+    def second_row_interrupted(*a, **k):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(self, *a, **k)
+        return real(*a, **k)
 
-    monkeypatch.setattr(benchmark.Bench, "e2e_row", second_row_interrupted)
+    monkeypatch.setattr(grid, "e2e_row", second_row_interrupted)
     rc, out, err = run(capsys, default_dir, "--policies", "full", "--context-lengths", "32,40,48",
                        "--json", str(out_json), "--csv", str(out_csv))
     assert rc == 130
@@ -178,8 +182,8 @@ def test_atomic_write_replaces_whole_file(tmp_path, monkeypatch):
         assert target.read_text() == "old"  # the target is never written in place
         real_replace(src, dst)
 
-    monkeypatch.setattr(benchmark.os, "replace", spy)
-    benchmark.atomic_write(target, "[1, 2]\n")
+    monkeypatch.setattr(report.os, "replace", spy)
+    report.atomic_write(target, "[1, 2]\n")
     assert target.read_text() == "[1, 2]\n"
     (src, dst), = moves
     assert os.path.dirname(src) == str(tmp_path) and dst == target and not os.path.exists(src)
@@ -216,8 +220,8 @@ def test_sweep_context_rows_and_plot(capsys, default_dir, probe_policy, tmp_path
     assert "probe" in registered
     assert {(r["policy"], r["context_length"]) for r in rows} == {(p, c) for p in registered for c in (32, 64)}
     assert all(r["mode"] == "sweep" and r["status"] == "ok" and r["decode_step_ms"] > 0 for r in rows)
-    assert benchmark.parse_sweep("256:8192", 8192, 100) == [256, 512, 1024, 2048, 4096, 8092]
-    assert benchmark.parse_sweep("100,300", 8192, 100) == [100, 300]
+    assert specs.parse_sweep("256:8192", 8192, 100) == [256, 512, 1024, 2048, 4096, 8092]
+    assert specs.parse_sweep("100,300", 8192, 100) == [100, 300]
     pytest.importorskip("matplotlib")
     assert out_png.stat().st_size > 0
 
@@ -262,13 +266,22 @@ def test_memory_limit_search_monotonic_and_verified(capsys, default_dir, tmp_pat
 # --------------------------------------------------------------------------- errors and parsing
 
 @pytest.mark.parametrize("argv, message", [
-    (["--policies", "full,nope"], f"unknown policy 'nope'; registered: {', '.join(cache.policy_names())}"),
-    (["--policies", "full", "--policy-args", "full"], "malformed --policy-args item 'full'"),
-    (["--policies", "full", "--policy-args", "full:window"], "malformed --policy-args item 'window'"),
-    (["--policies", "full", "--policy-args", "full:window=3"], "policy 'full' has no parameter(s) window"),
-    (["--policies", "full", "--policy-args", "fulll:window=3"], "--policy-args for 'fulll', which is not in --policies"),
-    (["--policies", "full", "--policy-args", "full:;full:"], "gives arguments for 'full' twice"),
+    (["--policies", "full;nope"], f"unknown policy 'nope'; available: {', '.join(cache.policy_names())}"),
+    (["--policies", "full", "--policies", "nope"], "unknown policy 'nope'"),
+    (["--policies", "full,nope"], "'full,nope' is not one spec: separate specs with ';' or repeat --policies"),
+    (["--policies", "hshare@a,hshare@b"], "is not one spec: separate specs with ';'"),
+    (["--policies", "hshare@a:ratios=1-1-1,hshare@b:ratios=1-1-1"], "is not one spec: separate specs with ';'"),
+    (["--policies", " ; "], "--policies is empty"),
+    (["--policies", "full:"], "nothing after ':'"),
+    (["--policies", "full:window"], "malformed policy argument 'window': expected key=value"),
+    (["--policies", "full:window=3"], "policy 'full' has no parameter(s) window"),
+    (["--policies", "snapkv:window=8"], "parameter 'window' is now 'obs_window'"),
+    (["--policies", "snapkv:budget=x"], "budget='x' is not a valid int"),
+    (["--policies", "full; snapkv", "--policies", "full"], "'full' is listed twice"),
+    (["--policies", "full", "--policy-args", "full:"], "--policy-args is no longer accepted: put each policy's "
+                                                       "arguments in its --policies spec"),
     (["--speedup-vs", "nope"], "--speedup-vs: unknown policy 'nope'"),
+    (["--policies", "snapkv:budget=64", "--speedup-vs", "snapkv:budget=32"], "give only its NAME[@LABEL]"),
     (["--kv-bits", "8"], "--kv-bits 8: use 16, 4 or 2"),
     (["--batch-sizes", "1,x"], "--batch-sizes expects comma-separated integers"),
     (["--context-lengths", "0"], "--context-lengths expects positive integers"),
@@ -298,21 +311,49 @@ def test_context_beyond_the_model_is_an_error_row_not_a_crash(capsys, default_di
 
 
 def test_parsers_and_prompts():
-    assert benchmark.parse_bytes("8GiB") == 8 << 30 and benchmark.parse_bytes("512MiB") == 512 << 20
-    assert benchmark.parse_bytes("8GB") == 8 * 10**9 and benchmark.parse_bytes("1.5G") == 3 << 29
-    assert benchmark.parse_policy_arg_map("hshare:preset=long,layer_ratio=0.5; full:") == \
-        {"hshare": "preset=long,layer_ratio=0.5", "full": ""}
-    variants = benchmark.resolve_policies("hshare@a,hshare@b,snapkv+ds",
-                                          "hshare@a:ratios=1/2-1/2-1/2;hshare@b:ratios=1-1-1;snapkv+ds:budget=64")
-    assert variants == [("hshare@a", "ratios=1/2-1/2-1/2"), ("hshare@b", "ratios=1-1-1"), ("snapkv+ds", "budget=64")]
-    assert benchmark.registry_name("hshare@a") == "hshare"
-    with pytest.raises(benchmark.BenchmarkError, match="unknown policy 'snapkv\\+nope'"):
-        benchmark.resolve_policies("snapkv+nope", "")
-    a = benchmark.make_prompt(100, 2, 10, 0, "cpu", None)
-    assert a.shape == (2, 10) and torch.equal(a, benchmark.make_prompt(100, 2, 10, 0, "cpu", None))
+    assert specs.parse_bytes("8GiB") == 8 << 30 and specs.parse_bytes("512MiB") == 512 << 20
+    assert specs.parse_bytes("8GB") == 8 * 10**9 and specs.parse_bytes("1.5G") == 3 << 29
+    a = specs.make_prompt(100, 2, 10, 0, "cpu", None)
+    assert a.shape == (2, 10) and torch.equal(a, specs.make_prompt(100, 2, 10, 0, "cpu", None))
     assert not torch.equal(a[0], a[1])
-    f = benchmark.make_prompt(100, 2, 7, 0, "cpu", [5, 6, 7])
+    f = specs.make_prompt(100, 2, 7, 0, "cpu", [5, 6, 7])
     assert f.shape == (2, 7) and f[0].tolist() == [5, 6, 7, 5, 6, 7, 5] and f[1, 0].item() == [5, 6, 7][997 % 3]
+
+
+def options(*argv):
+    """The checked options of a command line (no model is loaded)."""
+    o = cli.build_parser().parse_args(list(argv))
+    cli.check_options(o)
+    return o
+
+
+def test_policy_spec_lists_one_syntax(capsys):
+    """--policies takes cache/spec.py's lists: ';'-separated, the flag repeated, or both; 'all'
+    expands in place; rows take policy (NAME@LABEL) and policy_args (the k=v text) from the spec."""
+    text = "hshare@a:ratios=1/2-1/2-1/2; hshare@b:ratios=1-1-1;snapkv+ds:budget=64"
+    semi = options("--policies", text).policy_list
+    repeated = options("--policies", "hshare@a:ratios=1/2-1/2-1/2", "--policies", "hshare@b:ratios=1-1-1",
+                       "--policies", "snapkv+ds:budget=64").policy_list
+    mixed = options("--policies", "hshare@a:ratios=1/2-1/2-1/2; hshare@b:ratios=1-1-1",
+                    "--policies", "snapkv+ds:budget=64").policy_list
+    assert semi == repeated == mixed == cache.parse_spec_list(text)
+    configs = [specs.Config(s, 16, False) for s in semi]
+    assert [(c.policy, c.policy_args) for c in configs] == \
+        [("hshare@a", "ratios=1/2-1/2-1/2"), ("hshare@b", "ratios=1-1-1"), ("snapkv+ds", "budget=64")]
+    assert configs[0].label == "hshare@a(ratios=1/2-1/2-1/2)"
+    assert [s.variant for s in options().policy_list] == cache.policy_names()  # the default: all
+    assert [s.variant for s in options("--policies", "all; snapkv@small:budget=64").policy_list] == \
+        cache.policy_names() + ["snapkv@small"]
+    # --speedup-vs: the reference runs first; one not listed is added (a whole spec is allowed then)
+    o = options("--policies", "snapkv:budget=64; full", "--speedup-vs", "full")
+    assert [str(s) for s in o.policy_list] == ["full", "snapkv:budget=64"] and o.reference == "full"
+    o = options("--policies", "full", "--speedup-vs", "snapkv@ref:budget=64")
+    assert [str(s) for s in o.policy_list] == ["snapkv@ref:budget=64", "full"] and o.reference == "snapkv@ref"
+    assert "added snapkv@ref:budget=64 to --policies" in capsys.readouterr().err
+    # every configuration: specs x kv-bits x compile, in that order
+    o = options("--policies", "full; tova:budget=64", "--kv-bits", "16,4", "--compile", "both")
+    assert [(c.policy, c.kv_bits, c.compile) for c in specs.grid(o)][:4] == \
+        [("full", 16, False), ("full", 16, True), ("full", 4, False), ("full", 4, True)]
 
 
 # --------------------------------------------------------------------------- compiled decode
@@ -326,23 +367,23 @@ def test_compiled_decode_loop_never_recompiles():
     args = ModelArgs(vocab_size=128, dim=96, n_layers=2, n_heads=6, n_kv_heads=2, intermediate_size=96,
                      max_position_embeddings=256, tie_word_embeddings=True)
     model = Transformer(args).eval()
-    meter = benchmark.MemoryMeter(torch.device("cpu"))
-    cfg = benchmark.Config("full", "", 16, True)
+    meter = measure.MemoryMeter(torch.device("cpu"))
+    cfg = specs.Config(PolicySpec("full"), 16, True)
     torch._dynamo.reset()
     counters.clear()
     tokens = torch.randint(0, 128, (2, 40))
-    benchmark.warm_up(model, cfg, tokens[:, :24], 8, 2, 16, meter)
+    measure.warm_up(model, cfg, tokens[:, :24], 8, 2, 16, meter)
     compiled = counters["stats"]["unique_graphs"]
     assert compiled >= 2  # the prefill and the decode step
     for T in (24, 37, 40):  # prefill chunks of 16 (never a 1-token chunk: that is a decode-shaped call)
-        s = benchmark.measure_e2e(model, cfg, tokens[:, :T], 8, 2, 16, meter)
+        s = measure.measure_e2e(model, cfg, tokens[:, :T], 8, 2, 16, meter)
         assert s["decode_recompiles"] == 0
     assert counters["stats"]["unique_graphs"] == compiled, "the compiled steps recompiled after warm-up"
     # and the compiled steps compute what eager does
     model.setup_caches(2, 64)
     with torch.inference_mode():
-        eager = benchmark.run_prefill(model, benchmark.engine.prefill_step, tokens[:, :37], 16)
+        eager = measure.run_prefill(model, engine.prefill_step, tokens[:, :37], 16)
     model.setup_caches(2, 64)
     with torch.inference_mode():
-        comp = benchmark.run_prefill(model, benchmark.engine.compiled_steps(torch.device("cpu"))[0], tokens[:, :37], 16)
+        comp = measure.run_prefill(model, engine.compiled_steps(torch.device("cpu"))[0], tokens[:, :37], 16)
     torch.testing.assert_close(comp, eager, atol=1e-4, rtol=1e-4)
