@@ -225,10 +225,19 @@ def left_pad(ids: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torc
 
 @dataclass
 class Sampler:
+    """Sampling settings, validated once (UsageError naming the flag and its allowed range)."""
     temperature: float = 0.0
     top_k: Optional[int] = None
     top_p: Optional[float] = None
     generator: Optional[torch.Generator] = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:               # also refuses NaN
+            raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise UsageError(f"--top-k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         return sample(logits, self.temperature, self.top_k, self.top_p, self.generator)
@@ -423,6 +432,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prompts = collect_prompts(args)
         if args.max_new_tokens < 1:
             raise UsageError("--max-new-tokens must be at least 1")
+        Sampler(args.temperature, args.top_k, args.top_p)            # bad sampling flags fail before loading
         policy = kv_policy(make_policy(args.policy, args.policy_args), args)
         device = resolve_device(args.device)
         model, tokenizer = load_model(args.checkpoint, device, args.dtype)

@@ -40,6 +40,10 @@ Presets (--preset):
               (64..1024 proximal tokens, last 100 of 2048).  Under 30 minutes on the 2-core CPU.
   multi_news  the same policies on LongBench multi_news: 20 rows, 2048-token truncation, the
               official 512-token generation length.
+  accuracy    the table a user reads to choose a policy (scripts/accuracy_table.py): every policy
+              at its defaults with 64, 128 and 256 tokens per layer and KV head (accuracy_policies),
+              KIVI 4 and 2 bits; needle at 1000 and 3000 tokens x depths 0.1/0.5/0.9 (the question
+              after the text), perplexity over 2048 + 256 essay tokens; KV bytes per row.
 """
 from __future__ import annotations
 
@@ -70,6 +74,23 @@ from eval.common import UsageError  # noqa: E402
 
 QUICK_POLICIES = ("full; streaming:budget=256; h2o:budget=256; snapkv:budget=256; pyramidkv:budget=256; d2o:budget=256; "
                   "simlayerkv:n_recent=252; ds:n_critical=256; hshare:n_critical=256; pod:n_recent=240; full:kv_bits=4")
+
+
+def accuracy_policies(budgets=(64, 128, 256)) -> str:
+    """The accuracy table's rows: every policy at its defaults with `budgets` tokens per layer and KV
+    head (readers: read per step, the HShare paper's short preset below 256 and long from 256, and its
+    two sharing settings; simlayerkv: its lazy layers; pod: proximal tokens), and KIVI 4 and 2 bits."""
+    rows = ["full", "full@kv4:kv_bits=4", "full@kv2:kv_bits=2"]
+    for b in budgets:
+        preset = "short" if b < 256 else "long"
+        rows += [f"{name}@{b}:budget={b}" for name in ("streaming", "h2o", "tova", "snapkv", "pyramidkv", "d2o")]
+        rows += [f"simlayerkv@{b}:n_recent={b - 4}", f"pod@{b}:n_recent={b - 16}",
+                 f"ds@{b}:n_critical={b},preset={preset}", f"quest@{b}:n_critical={b},preset={preset}",
+                 f"hshare@{b}-7/8:n_critical={b},preset={preset},ratios=7/8-3/4-1/2",
+                 f"hshare@{b}-1/2:n_critical={b},preset={preset},ratios=1/2-1/2-1/2"]
+    return "; ".join(rows)
+
+
 PRESETS = {
     "quick": dict(policies=QUICK_POLICIES, tasks="needle,passkey,perplexity,longbench:multi_news,agreement,proximal",
                   kv_bits="16", lengths="2000", depths="0.1,0.5,0.9", context_length=2048, eval_tokens=128,
@@ -77,6 +98,8 @@ PRESETS = {
                   proximal="64,128,256,512,1024"),
     "multi_news": dict(policies=QUICK_POLICIES, tasks="longbench:multi_news", kv_bits="16", limit=20,
                        max_context=2048),
+    "accuracy": dict(policies=accuracy_policies(), tasks="needle,perplexity", kv_bits="16", lengths="1000,3000",
+                     depths="0.1,0.5,0.9", context_length=2048, eval_tokens=256, samples=1),
 }
 DEFAULTS = dict(kv_bits="16", lengths="1000,2000", depths="0.1,0.5,0.9", context_length=2048, eval_tokens=256,
                 new_tokens=64, samples=1, limit=None, max_context=None, max_new_tokens=None,

@@ -87,6 +87,11 @@ def test_batch_of_prompts_and_stats(capsys, default_dir):
      "--kv-residual 40 must be a positive multiple of --kv-group-size 32"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--kv-bits", "4", "--policy", "pod"], "has no KIVI storage"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--max-new-tokens", "0"], "at least 1"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--temperature", "-1"], r"--temperature must be >= 0"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--temperature", "nan"], r"--temperature must be >= 0"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--top-p", "0"], r"--top-p must be in \(0, 1\]"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--top-k", "0"], "--top-k must be >= 1"),
 ])
 def test_bad_input_clear_message(capsys, tmp_path, default_dir, default_gguf, argv, message):
     import re
