@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from cache import PolicyError, make_policy, policy_names
-from cache.quantized import check_format, with_kv_bits
+from cache.quantized import GROUP, RESIDUAL, check_format, with_kv_bits
 from checkpoint import CheckpointError, build_model, read_checkpoint
 from model import Transformer
 from tokenizer import Tokenizer
@@ -342,10 +342,11 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bits", type=int, default=16, choices=[16, 4, 2],
                    help="KV storage bits: 16 = the compute dtype, 4 or 2 = KIVI-packed (any policy but pod; "
                         "sparse readers read packed storage)")
-    p.add_argument("--kv-group-size", type=int, default=32, help="KIVI group G: keys per channel over G tokens, "
+    p.add_argument("--kv-group-size", type=int, default=GROUP, help="KIVI group G: keys per channel over G tokens, "
                                                                  "values per token over G channels (default 32)")
-    p.add_argument("--kv-residual", type=int, default=32, help="KIVI residual R: the newest R tokens stay in full "
-                                                               "precision (a multiple of G; default 32)")
+    p.add_argument("--kv-residual", type=int, default=RESIDUAL,
+                   help=f"KIVI residual R (a multiple of G; default {RESIDUAL}): keys are quantized R at a time, "
+                        f"the n mod R newest stay in full precision; values keep a FIFO of the newest R")
 
 
 def kv_policy(policy, args):

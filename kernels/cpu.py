@@ -29,16 +29,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "kivi_kernels.cpp")]
 
 
 def _cpu_tag() -> str:
-    """A short hash of the CPU's feature flags: -march=native code must not be reused on another CPU."""
+    """A short hash of the CPU's feature flags and the sources: -march=native code must not be reused
+    on another CPU, and an edited source must not load a stale build."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    text = flags.encode() + b"".join(p.read_bytes() for p in SOURCES + [SOURCES[0].with_name("cpu_vec.h")])
+    return hashlib.sha1(text).hexdigest()[:8]
 
 
 _available: Optional[bool] = None       # a plain global, not lru_cache: torch.compile reads it as a constant
@@ -67,7 +69,7 @@ def use_cpu_kernel(backend: str, supported: bool) -> bool:
 def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
-        load(name=f"kvc_cpu_kernels_{_cpu_tag()}", sources=[str(SOURCE)],
+        load(name=f"kvc_cpu_kernels_{_cpu_tag()}", sources=[str(p) for p in SOURCES],
              extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:                                              # no compiler, no headers, ...
         warnings.warn(f"the C++ CPU kernels could not be built ({type(e).__name__}: {str(e)[:200]}); "
@@ -82,6 +84,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvc::sparse_attention")
     def _(q, k, v, idx, valid, scale):
         return torch.empty_like(q)
+
+    @torch.library.register_fake("kvc::kivi_attention")
+    def _(q, *args):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("kvc::kivi_write")
+    def _(*args):
+        return None
 
     @torch.library.register_fake("kvc::select_top")
     def _(scores, bias, n):
@@ -117,3 +127,31 @@ def select_top_cpu(scores: Tensor, bias: Tensor, n: int) -> tuple[Tensor, Tensor
 def _unit_stride_rows(t: Tensor) -> Tensor:
     """t itself when its last dim is contiguous (the kernels take the other strides as they are)."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def kivi_attention_cpu(q: Tensor, buf, pos: Tensor, visible: Optional[Tensor], now: Tensor, n: int,
+                       scale: Optional[float] = None, idx: Optional[Tensor] = None,
+                       valid: Optional[Tensor] = None) -> Tensor:
+    """The C++ op; contract of kernels.kivi_attention.kivi_attention (buf: its KIVIBuffers)."""
+    squeeze = q.dim() == 4
+    q3 = q.squeeze(2) if squeeze else q
+    scale = 1.0 / math.sqrt(q3.shape[-1]) if scale is None else scale
+    empty_b = torch.empty(0, 0, 0, dtype=torch.bool, device=q.device)
+    empty_l = torch.empty(0, dtype=torch.long, device=q.device)
+    out = torch.ops.kvc.kivi_attention(
+        q3, buf.k_packed, buf.k_scale, buf.k_min, buf.v_packed, buf.v_scale, buf.v_min, buf.k_ring, buf.v_ring,
+        _unit_stride_rows(pos), empty_b if visible is None else _unit_stride_rows(visible), now.contiguous(),
+        empty_l if idx is None else idx.long().contiguous(), empty_b if valid is None else valid.contiguous(),
+        n, buf.bits, buf.group, scale)
+    return out.unsqueeze(2) if squeeze else out
+
+
+def kivi_write_cpu(buf, slot: Tensor, k: Tensor, v: Tensor, pos: Tensor, now: Tensor,
+                   where: Optional[Tensor] = None) -> None:
+    """The C++ twin of cache.quantized.SlotStore.write (bit for bit): k, v [B, H, 1, D] into slot [B, H]."""
+    B, H, _, D = k.shape
+    no_where = torch.empty(0, dtype=torch.bool, device=k.device)
+    torch.ops.kvc.kivi_write(buf.k_packed, buf.k_scale, buf.k_min, buf.v_packed, buf.v_scale, buf.v_min,
+                             buf.k_ring, buf.v_ring, slot.long().contiguous(), k.reshape(B, H, D).float().contiguous(),
+                             v.reshape(B, H, D).float().contiguous(), _unit_stride_rows(pos), now.contiguous(),
+                             no_where if where is None else where.contiguous(), buf.bits, buf.group)

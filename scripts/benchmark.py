@@ -119,7 +119,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import engine  # noqa: E402
 from cache import PolicyError, make_policy, policy_names  # noqa: E402
-from cache.quantized import check_format, with_kv_bits  # noqa: E402
+from cache.quantized import RESIDUAL, check_format, with_kv_bits  # noqa: E402
 from model import grouped_attention  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
@@ -402,7 +402,7 @@ class Config:
     kv_bits: int
     compile: bool
     kv_group: int = 32          # KIVI G and R (used when kv_bits != 16)
-    kv_residual: int = 32
+    kv_residual: int = RESIDUAL
 
     @property
     def label(self) -> str:
@@ -1215,7 +1215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before the timed ones")
     p.add_argument("--kv-bits", default="16", help="comma-separated KV storage bits: 16 (compute dtype), 4, 2")
     p.add_argument("--kv-group-size", type=int, default=32, help="KIVI group G for --kv-bits 4|2 (default 32)")
-    p.add_argument("--kv-residual", type=int, default=32, help="KIVI full-precision residual R (default 32)")
+    p.add_argument("--kv-residual", type=int, default=RESIDUAL, help=f"KIVI full-precision residual R (default {RESIDUAL})")
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                    help="torch.compile the steps (Inductor on CPU, CUDA graphs on CUDA); 'both' = eager and "
                         "compiled rows side by side")
