@@ -75,7 +75,7 @@ from torch import Tensor
 from cache.base import NEVER, EvictionPolicy, joint_softmax
 from kernels.kivi_attention import (KIVIBuffers, kivi_attention, kivi_gather, kivi_scores, kivi_values,
                                     ring_flags, ring_rows, whole_groups)
-from kernels.cpu import kivi_write_cpu, use_cpu_kernel
+from kernels.cpu import cpu_kernels_available, kivi_write_cpu, kivi_write_range_cpu, use_cpu_kernel
 from model import DenseCache, grouped_attention
 from quantize import (QuantizedTensor, codes_per_word, dequantize_keys, dequantize_values, quantize_keys,
                       quantize_values)
@@ -126,12 +126,19 @@ class SlotStore:
         self.v_min = torch.zeros(B, H, D // G, C, dtype=dtype, **z).transpose(-1, -2)
         self.k_ring = torch.zeros(B, H, R, D, dtype=dtype, **z)
         self.v_ring = torch.zeros(B, H, R, D, dtype=dtype, **z)
+        if backend in ("auto", "cpp") and self.k_ring.device.type == "cpu":
+            cpu_kernels_available()        # build now, on the host: never inside a compiled region
 
     # -------------------------------------------------------------- helpers
     @property
     def buffers(self) -> KIVIBuffers:
         return KIVIBuffers(self.k_packed, self.k_scale, self.k_min, self.v_packed, self.v_scale, self.v_min,
                            self.k_ring, self.v_ring, self.bits, self.group)
+
+    def _cpp(self, k: Tensor) -> bool:
+        """Whether the C++ write ops take this store (fp32 CPU buffers, D / G <= 16)."""
+        return use_cpu_kernel(self.backend, self.dtype == torch.float32 and k.device.type == "cpu"
+                              and self.head_dim // self.group <= 16)
 
     def in_ring(self, pos: Tensor, now: Tensor) -> Tensor:
         """bool like pos: the slot holds one of the newest R positions, whose exact K and V are ring row
@@ -155,7 +162,15 @@ class SlotStore:
     def write_range(self, start: int, k: Tensor, v: Tensor, pos: Tensor, now: Tensor) -> None:
         """k, v [B, H, T, D] into slots [start, start + T) (host int; pos already holds their
         positions): the key groups they touch are requantized in one call, the values quantized per
-        token, the young ones written to the ring."""
+        token, the young ones written to the ring.  On fp32 CPU storage the C++ twin does it
+        (kernels/kivi_kernels.cpp, bit for bit), else `write_range_torch`."""
+        if self._cpp(k):
+            kivi_write_range_cpu(self.buffers, start, k, v, pos, now)
+        else:
+            self.write_range_torch(start, k, v, pos, now)
+
+    def write_range_torch(self, start: int, k: Tensor, v: Tensor, pos: Tensor, now: Tensor) -> None:
+        """`write_range` in torch ops (the reference, and the path on other devices and dtypes)."""
         B, H, T, D = k.shape
         G, R = self.group, self.residual
         end = start + T
@@ -186,7 +201,7 @@ class SlotStore:
         position); where [B, H] bool: write only there (elsewhere nothing changes, not even a
         requantization).  Requantizes the slot's key group (module docstring).  On fp32 CPU storage
         the C++ twin does it (kernels/kivi_kernels.cpp, bit for bit), else `write_torch`."""
-        if use_cpu_kernel(self.backend, self.dtype == torch.float32 and k.device.type == "cpu"):
+        if self._cpp(k):
             kivi_write_cpu(self.buffers, slot, k, v, pos, now, where)
         else:
             self.write_torch(slot, k, v, pos, now, where)

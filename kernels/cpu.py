@@ -93,6 +93,14 @@ def _register_fakes() -> None:
     def _(*args):
         return None
 
+    @torch.library.register_fake("kvc::kivi_write_range")
+    def _(*args):
+        return None
+
+    @torch.library.register_fake("kvc::dense_attention")
+    def _(q, k, v, n, scale):
+        return torch.empty_like(q)
+
     @torch.library.register_fake("kvc::select_top")
     def _(scores, bias, n):
         B, H = scores.shape[:2]
@@ -155,3 +163,18 @@ def kivi_write_cpu(buf, slot: Tensor, k: Tensor, v: Tensor, pos: Tensor, now: Te
                              buf.k_ring, buf.v_ring, slot.long().contiguous(), k.reshape(B, H, D).float().contiguous(),
                              v.reshape(B, H, D).float().contiguous(), _unit_stride_rows(pos), now.contiguous(),
                              no_where if where is None else where.contiguous(), buf.bits, buf.group)
+
+
+def kivi_write_range_cpu(buf, start: int, k: Tensor, v: Tensor, pos: Tensor, now: Tensor) -> None:
+    """The C++ twin of cache.quantized.SlotStore.write_range (bit for bit): k, v [B, H, T, D] into slots
+    [start, start + T)."""
+    torch.ops.kvc.kivi_write_range(buf.k_packed, buf.k_scale, buf.k_min, buf.v_packed, buf.v_scale, buf.v_min,
+                                   buf.k_ring, buf.v_ring, start, k.float().contiguous(), v.float().contiguous(),
+                                   _unit_stride_rows(pos), now.contiguous(), buf.bits, buf.group)
+
+
+def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, n: int, scale: Optional[float] = None) -> Tensor:
+    """kvc::dense_attention: q [B, H_q, 1, D] fp32 over slots [0, n) of k, v [B, H_kv, S, D] (fp32 or bf16,
+    rows contiguous), every slot visible -> [B, H_q, 1, D]."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.ops.kvc.dense_attention(q.squeeze(2).contiguous(), k, v, n, scale).unsqueeze(2)

@@ -440,28 +440,26 @@ static float dequant(uint32_t code, float scale, float minimum) {
   return t + minimum;
 }
 
-static void write_row(const Row& r, int64_t slot, const float* k, const float* v, int64_t S) {
-  const int bits = r.bits, G = r.G, D = r.D;
-  const int64_t R = r.R, now = r.now;
-  const int64_t* pos = r.pos;
-  const int P = 32 / bits, W = D / P;
+// re-code the key group of slots [g0, g0 + G): new keys for the slots [a, b) (kn + (t - a) * D), ring
+// rows for members among the newest R, dequantized codes for the others; min/max over the members
+// holding a token (and, with force, over the new ones whatever their position)
+static void requant_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_t b, const float* kn, bool force) {
+  const int bits = r.bits, G = r.G, D = r.D, W = D * bits / 32, P = 32 / bits;
   const uint32_t lvl = (1u << bits) - 1;
-  const int64_t g0 = slot / G * G;
-  auto in_ring = [&](int64_t p) { return p >= 0 && p > now - R; };
+  const int64_t g = g0 / G;
   std::vector<float> x(G * D);
   std::vector<char> inc(G);
   for (int i = 0; i < G; ++i) {                               // the group's members at their best
-    const int64_t t = g0 + i, p = t < S ? pos[t] : -1;
-    inc[i] = p >= 0 || t == slot;
+    const int64_t t = g0 + i, p = t < S ? r.pos[t] : -1;
+    const bool is_new = t >= a && t < b;
+    inc[i] = p >= 0 || (force && is_new);
     for (int d = 0; d < D; ++d) {
-      float val;
-      if (t == slot) val = k[d];
-      else if (in_ring(p)) val = r.kr[(p % R) * r.r_row + d];
+      if (is_new) x[i * D + d] = kn[(t - a) * D + d];
+      else if (r.ring_v(p)) x[i * D + d] = r.kr[(p % r.R) * r.r_row + d];
       else {
         const uint32_t word = (uint32_t)r.kp[t * r.kp_t + (d % W) * r.kp_w];
-        val = dequant((word >> (bits * (d / W))) & lvl, r.ks[(g0 / G) * r.k_g + d], r.km[(g0 / G) * r.k_g + d]);
+        x[i * D + d] = dequant((word >> (bits * (d / W))) & lvl, r.ks[g * r.k_g + d], r.km[g * r.k_g + d]);
       }
-      x[i * D + d] = val;
     }
   }
   std::vector<Quant> qk(D);
@@ -471,8 +469,8 @@ static void write_row(const Row& r, int64_t slot, const float* k, const float* v
     for (int i = 0; i < G; ++i)
       if (inc[i]) { lo = std::min(lo, x[i * D + d]); hi = std::max(hi, x[i * D + d]); any = true; }
     qk[d] = any ? scale_min(lo, hi, bits) : Quant{0.f, 0.f};
-    r.ks[(g0 / G) * r.k_g + d] = qk[d].scale;
-    r.km[(g0 / G) * r.k_g + d] = qk[d].minimum;
+    r.ks[g * r.k_g + d] = qk[d].scale;
+    r.km[g * r.k_g + d] = qk[d].minimum;
   }
   for (int i = 0; i < G; ++i)
     for (int w = 0; w < W; ++w) {
@@ -480,38 +478,52 @@ static void write_row(const Row& r, int64_t slot, const float* k, const float* v
       for (int j = 0; j < P; ++j) word |= code_of(x[i * D + j * W + w], qk[j * W + w], bits) << (bits * j);
       r.kp[(g0 + i) * r.kp_t + w * r.kp_w] = (int32_t)word;
     }
-  std::vector<Quant> qv(D / G);                               // the value, per token over G channels
+}
+
+// the value v (D floats) of slot t, quantized alone (per token over groups of G channels), and the
+// slot's ring rows when its position is among the newest R
+static void write_value(const Row& r, int64_t t, int64_t S, const float* k, const float* v) {
+  const int bits = r.bits, G = r.G, D = r.D, W = D * bits / 32, P = 32 / bits;
+  Quant qv[16];
   for (int c = 0; c < D / G; ++c) {
     float lo = INFINITY, hi = -INFINITY;
     for (int d = c * G; d < (c + 1) * G; ++d) { lo = std::min(lo, v[d]); hi = std::max(hi, v[d]); }
     qv[c] = scale_min(lo, hi, bits);
-    r.vs[slot * r.v_t + c * r.v_c] = qv[c].scale;
-    r.vm[slot * r.v_t + c * r.v_c] = qv[c].minimum;
+    r.vs[t * r.v_t + c * r.v_c] = qv[c].scale;
+    r.vm[t * r.v_t + c * r.v_c] = qv[c].minimum;
   }
   for (int w = 0; w < W; ++w) {
     uint32_t word = 0;
     for (int j = 0; j < P; ++j) word |= code_of(v[j * W + w], qv[(j * W + w) / G], bits) << (bits * j);
-    r.vp[slot * r.vp_t + w * r.vp_w] = (int32_t)word;
+    r.vp[t * r.vp_t + w * r.vp_w] = (int32_t)word;
   }
-  const int64_t p = slot < S ? pos[slot] : -1;
-  if (in_ring(p))
+  const int64_t p = t < S ? r.pos[t] : -1;
+  if (r.ring_v(p))
     for (int d = 0; d < D; ++d) {
-      r.kr[(p % R) * r.r_row + d] = k[d];
-      r.vr[(p % R) * r.r_row + d] = v[d];
+      r.kr[(p % r.R) * r.r_row + d] = k[d];
+      r.vr[(p % r.R) * r.r_row + d] = v[d];
     }
 }
 
 }  // namespace
+
+// checks shared by the two write ops; k, v [B, H, T, D] (or [B, H, D])
+static void check_write(const std::vector<torch::Tensor>& bufs, const torch::Tensor& pos, const torch::Tensor& now,
+                        const torch::Tensor& k, const torch::Tensor& v, int64_t bits, int64_t group) {
+  check_buffers(bufs, pos, now);
+  TORCH_CHECK(k.dtype() == torch::kFloat && v.dtype() == torch::kFloat && k.is_contiguous() && v.is_contiguous() &&
+              k.sizes() == v.sizes() && (bits == 2 || bits == 4 || bits == 8) && k.size(-1) % group == 0 &&
+              k.size(-1) / group <= 16, "kvc::kivi_write: unexpected inputs");
+}
 
 void kivi_write(torch::Tensor k_packed, torch::Tensor k_scale, torch::Tensor k_min, torch::Tensor v_packed,
                 torch::Tensor v_scale, torch::Tensor v_min, torch::Tensor k_ring, torch::Tensor v_ring,
                 torch::Tensor slot, torch::Tensor k, torch::Tensor v, torch::Tensor pos, torch::Tensor now,
                 torch::Tensor where, int64_t bits, int64_t group) {
   const std::vector<torch::Tensor> bufs = {k_packed, k_scale, k_min, v_packed, v_scale, v_min, k_ring, v_ring};
-  check_buffers(bufs, pos, now);
-  TORCH_CHECK(k.dtype() == torch::kFloat && v.dtype() == torch::kFloat && k.is_contiguous() && v.is_contiguous() &&
-              k.dim() == 3 && slot.is_contiguous() && slot.dtype() == torch::kLong, "kvc::kivi_write: unexpected inputs");
-  const int64_t B = k.size(0), H = k.size(1), D = k.size(2);
+  check_write(bufs, pos, now, k, v, bits, group);
+  TORCH_CHECK(k.dim() == 3 && slot.is_contiguous() && slot.dtype() == torch::kLong, "kvc::kivi_write: slot [B, H] long");
+  const int64_t B = k.size(0), H = k.size(1), D = k.size(2), S = pos.size(2);
   const bool has_where = where.numel() > 0;
   TORCH_CHECK(!has_where || (where.is_contiguous() && where.dtype() == torch::kBool), "where must be bool [B, H]");
   const int64_t* sp = slot.data_ptr<int64_t>();
@@ -520,7 +532,31 @@ void kivi_write(torch::Tensor k_packed, torch::Tensor k_scale, torch::Tensor k_m
     for (int64_t rr = begin; rr < end; ++rr) {
       if (has_where && !where.data_ptr<bool>()[rr]) continue;
       const Row r = row_at(bufs, pos, rr / H, rr % H, nowp[rr / H], (int)bits, (int)group);
-      write_row(r, sp[rr], k.data_ptr<float>() + rr * D, v.data_ptr<float>() + rr * D, pos.size(2));
+      const float* kr = k.data_ptr<float>() + rr * D;
+      requant_group(r, sp[rr] / group * group, S, sp[rr], sp[rr] + 1, kr, true);
+      write_value(r, sp[rr], S, kr, v.data_ptr<float>() + rr * D);
+    }
+  });
+}
+
+//   kvc::kivi_write_range(buffers!, start, k, v [B, H, T, D], pos, now, bits, group): SlotStore.write_range's
+//   twin, bit for bit: T tokens into slots [start, start + T), the key groups they touch re-coded once
+void kivi_write_range(torch::Tensor k_packed, torch::Tensor k_scale, torch::Tensor k_min, torch::Tensor v_packed,
+                      torch::Tensor v_scale, torch::Tensor v_min, torch::Tensor k_ring, torch::Tensor v_ring,
+                      int64_t start, torch::Tensor k, torch::Tensor v, torch::Tensor pos, torch::Tensor now,
+                      int64_t bits, int64_t group) {
+  const std::vector<torch::Tensor> bufs = {k_packed, k_scale, k_min, v_packed, v_scale, v_min, k_ring, v_ring};
+  check_write(bufs, pos, now, k, v, bits, group);
+  TORCH_CHECK(k.dim() == 4, "kvc::kivi_write_range: k, v [B, H, T, D]");
+  const int64_t B = k.size(0), H = k.size(1), T = k.size(2), D = k.size(3), S = pos.size(2), end = start + T;
+  const int64_t* nowp = now.data_ptr<int64_t>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t rr = begin; rr < stop; ++rr) {
+      const Row r = row_at(bufs, pos, rr / H, rr % H, nowp[rr / H], (int)bits, (int)group);
+      const float* kr = k.data_ptr<float>() + rr * T * D;
+      const float* vr = v.data_ptr<float>() + rr * T * D;
+      for (int64_t g0 = start / group * group; g0 < end; g0 += group) requant_group(r, g0, S, start, end, kr, false);
+      for (int64_t t = start; t < end; ++t) write_value(r, t, S, kr + (t - start) * D, vr + (t - start) * D);
     }
   });
 }
@@ -528,13 +564,17 @@ void kivi_write(torch::Tensor k_packed, torch::Tensor k_scale, torch::Tensor k_m
 TORCH_LIBRARY_FRAGMENT(kvc, m) {
   m.def("kivi_attention(Tensor q, Tensor k_packed, Tensor k_scale, Tensor k_min, Tensor v_packed, Tensor v_scale, "
         "Tensor v_min, Tensor k_ring, Tensor v_ring, Tensor pos, Tensor visible, Tensor now, Tensor idx, "
-        "Tensor valid, int n, int bits, int group, float scale) -> Tensor");
+        "Tensor valid, SymInt n, int bits, int group, float scale) -> Tensor");
   m.def("kivi_write(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!) k_min, Tensor(d!) v_packed, "
         "Tensor(e!) v_scale, Tensor(f!) v_min, Tensor(g!) k_ring, Tensor(h!) v_ring, Tensor slot, Tensor k, "
         "Tensor v, Tensor pos, Tensor now, Tensor where, int bits, int group) -> ()");
+  m.def("kivi_write_range(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!) k_min, Tensor(d!) v_packed, "
+        "Tensor(e!) v_scale, Tensor(f!) v_min, Tensor(g!) k_ring, Tensor(h!) v_ring, SymInt start, Tensor k, "
+        "Tensor v, Tensor pos, Tensor now, int bits, int group) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvc, CPU, m) {
   m.impl("kivi_attention", &kivi_attention);
   m.impl("kivi_write", &kivi_write);
+  m.impl("kivi_write_range", &kivi_write_range);
 }

@@ -119,7 +119,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import engine  # noqa: E402
 from cache import PolicyError, make_policy, policy_names  # noqa: E402
-from cache.quantized import RESIDUAL, check_format, with_kv_bits  # noqa: E402
+from cache.kv_dtype import kv_storage  # noqa: E402
+from cache.quantized import RESIDUAL, check_format  # noqa: E402
 from model import grouped_attention  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
@@ -401,23 +402,26 @@ class Config:
     policy_args: str
     kv_bits: int
     compile: bool
-    kv_group: int = 32          # KIVI G and R (used when kv_bits != 16)
+    kv_group: int = 32          # KIVI G and R (used when kv_bits is 4 or 2)
     kv_residual: int = RESIDUAL
+    kv_dtype: Optional[str] = None   # storage dtype of kv_bits 16 (None: the compute dtype)
 
     @property
     def label(self) -> str:
         s = self.policy + (f"({self.policy_args})" if self.policy_args else "")
         if self.kv_bits != 16:
             s += f" kv{self.kv_bits}"
+        elif self.kv_dtype:
+            s += f" {self.kv_dtype}"
         return s + (" compiled" if self.compile else "")
 
 
 def build_policy(cfg: Config):
-    """A fresh policy object for one run, its K/V stored at cfg.kv_bits (a policy without a packed
-    format at 4 or 2 bits is Unsupported: its rows are reported as skipped)."""
+    """A fresh policy object for one run, its K/V stored at cfg.kv_bits / cfg.kv_dtype (cache.kv_dtype; a
+    policy without that storage is Unsupported: its rows are reported as skipped)."""
     policy = make_policy(registry_name(cfg.policy), cfg.policy_args)
     try:
-        return with_kv_bits(policy, cfg.kv_bits, cfg.kv_group, cfg.kv_residual)
+        return kv_storage(policy, cfg.kv_bits, cfg.kv_group, cfg.kv_residual, cfg.kv_dtype if cfg.kv_bits == 16 else None)
     except ValueError as e:
         raise Unsupported(str(e)) from None
 
@@ -619,6 +623,7 @@ class Bench:
         compile_mode = None if not cfg.compile else ("reduce-overhead" if self.device.type == "cuda" else "inductor")
         return {"mode": mode, "policy": cfg.policy, "policy_args": cfg.policy_args, "batch_size": batch,
                 "context_length": context, "kv_bits": cfg.kv_bits, "decode_steps": o.decode_steps,
+                "kv_dtype": cfg.kv_dtype if cfg.kv_bits == 16 else None,
                 "warmup_steps": o.warmup_steps, "repeats": o.repeats,
                 "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "torch_version": torch.__version__, "compile": cfg.compile, "compile_mode": compile_mode,
@@ -632,7 +637,7 @@ class Bench:
     def configs(self) -> list[Config]:
         o = self.opts
         compiles = {"off": [False], "on": [True], "both": [False, True]}[o.compile]
-        return [Config(p, a, bits, c, o.kv_group_size, o.kv_residual)
+        return [Config(p, a, bits, c, o.kv_group_size, o.kv_residual, o.kv_dtype)
                 for (p, a) in o.policy_list for bits in o.kv_bits_list for c in compiles]
 
     def fits_context(self, context: int, extra: int) -> Optional[str]:
@@ -703,7 +708,7 @@ class Bench:
               + (f" {'vs eager':>9s}" if self.opts.compile == "both" else ""))
 
     def print_e2e(self, r: dict) -> None:
-        label = Config(r["policy"], r["policy_args"], r["kv_bits"], r["compile"]).label
+        label = Config(r["policy"], r["policy_args"], r["kv_bits"], r["compile"], kv_dtype=r.get("kv_dtype")).label
         if r["status"] != "ok":
             print(f"{label[:28]:28s} {r['batch_size']:3d} {r['context_length']:5d} {r['kv_bits']:4d} "
                   f"{r['status']}: {r['error']}", flush=True)
@@ -900,7 +905,7 @@ class Bench:
     def print_attention(self, r: dict) -> None:
         if r["status"] != "ok":
             return
-        label = Config(r["policy"], r["policy_args"], r["kv_bits"], r["compile"]).label
+        label = Config(r["policy"], r["policy_args"], r["kv_bits"], r["compile"], kv_dtype=r.get("kv_dtype")).label
         print(f"{label[:28]:28s} {r['batch_size']:3d} {r['context_length']:5d} {r['kv_bits']:4d} "
               f"{r['attention_us_per_layer']:10.1f} {r['attention_ms_per_step']:8.2f} "
               f"{fmt(r['bandwidth_bound_us_per_layer']):>14s} "
@@ -1150,7 +1155,7 @@ def plot(rows: list[dict], path: Path, mode: str) -> None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         series: dict[str, list] = {}
         for r in ok:
-            label = Config(r["policy"], r["policy_args"], r["kv_bits"], r["compile"]).label + f" ctx {r['context_length']}"
+            label = Config(r["policy"], r["policy_args"], r["kv_bits"], r["compile"], kv_dtype=r.get("kv_dtype")).label + f" ctx {r['context_length']}"
             series.setdefault(label, []).append((r["memory_limit_bytes"] / 2**30, r["max_batch_size"]))
         for label, pts in series.items():
             pts.sort()
@@ -1170,7 +1175,7 @@ def plot(rows: list[dict], path: Path, mode: str) -> None:
             series = {}
             for r in ok:
                 if r["batch_size"] == b:
-                    label = Config(r["policy"], r["policy_args"], r["kv_bits"], r["compile"]).label
+                    label = Config(r["policy"], r["policy_args"], r["kv_bits"], r["compile"], kv_dtype=r.get("kv_dtype")).label
                     series.setdefault(label, []).append((r["context_length"], r[ykey],
                                                          r.get("bandwidth_bound_tokens_per_s")))
             for label, pts in series.items():
@@ -1216,6 +1221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bits", default="16", help="comma-separated KV storage bits: 16 (compute dtype), 4, 2")
     p.add_argument("--kv-group-size", type=int, default=32, help="KIVI group G for --kv-bits 4|2 (default 32)")
     p.add_argument("--kv-residual", type=int, default=RESIDUAL, help=f"KIVI full-precision residual R (default {RESIDUAL})")
+    p.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"],
+                   help="storage dtype of the --kv-bits 16 rows of `full` (default: the compute dtype); 32 = float32")
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                    help="torch.compile the steps (Inductor on CPU, CUDA graphs on CUDA); 'both' = eager and "
                         "compiled rows side by side")
@@ -1255,10 +1262,10 @@ def check_options(o, parser) -> None:
     o.batch_list = parse_int_list(o.batch_sizes, "--batch-sizes")
     o.context_list = parse_int_list(o.context_lengths, "--context-lengths")
     o.kv_bits_list = parse_int_list(o.kv_bits, "--kv-bits")
-    bad_bits = [b for b in o.kv_bits_list if b not in (16, 4, 2)]
+    bad_bits = [b for b in o.kv_bits_list if b not in (32, 16, 4, 2)]
     if bad_bits:
-        raise BenchmarkError(f"--kv-bits {bad_bits[0]}: use 16, 4 or 2")
-    for bits in set(o.kv_bits_list) - {16}:
+        raise BenchmarkError(f"--kv-bits {bad_bits[0]}: use 32, 16, 4 or 2")
+    for bits in set(o.kv_bits_list) - {32, 16}:
         try:
             check_format(None, bits, o.kv_group_size, o.kv_residual)
         except ValueError as e:
@@ -1318,7 +1325,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_options(o, parser)
         device = engine.resolve_device(o.device)
         model, tokenizer = engine.load_model(o.checkpoint, device, o.dtype)
-        for bits in set(o.kv_bits_list) - {16}:
+        for bits in set(o.kv_bits_list) - {32, 16}:
             try:
                 check_format(model.args.head_dim, bits, o.kv_group_size, o.kv_residual)
             except ValueError as e:
