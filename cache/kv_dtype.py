@@ -77,14 +77,16 @@ def dense_supported(q: Tensor, k: Tensor) -> bool:
             and q.shape[-1] in (64, 128) and k.stride(3) == 1)
 
 
-def kv_storage(policy, bits: int, group: int, residual: int, kv_dtype: Optional[str] = None):
-    """The policy (not yet set up) with the storage the flags ask for (module docstring); ValueError
-    with a one-line message otherwise."""
+def kv_storage(policy, bits: int, group: int, residual: int, kv_dtype: Optional[str] = None,
+               compute_dtype: Optional[torch.dtype] = None):
+    """The policy (not yet set up) with the storage the flags ask for (module docstring; a storage dtype
+    equal to compute_dtype, when given, is the policy as it is); ValueError with a one-line message
+    otherwise."""
     if bits in (32, 16):
         dtype = torch.float32 if bits == 32 else DTYPES[kv_dtype] if kv_dtype else None
         if bits == 32 and kv_dtype not in (None, "float32"):
             raise ValueError(f"--kv-bits 32 stores float32, not --kv-dtype {kv_dtype}")
-        if dtype is None:
+        if dtype is None or dtype == compute_dtype:
             return policy
         if type(policy) is not DenseCache:
             name = getattr(policy, "name", type(policy).__name__)

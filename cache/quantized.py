@@ -18,12 +18,19 @@ P = 32 // bits codes per int32 word, W = D // P; quantize.py's formats, token-co
     v_packed [B, H, C, W] int32, v_scale / v_min [B, H, C, D // G]   values per token over G channels
     k_ring, v_ring [B, H, R, D] (compute dtype)                      the residual: full precision
 The policy's slot table `pos` ([B, H, S] per head, or [B, S] shared for `full`; S <= C) says which
-position each slot holds.  A token is *young* while its position is among the newest R (pos > now - R,
-now = the current query's position); a young token's K/V are read from ring row pos % R (so the ring
-is a FIFO by position: the token at `now` overwrites the one at now - R, which is old from then on),
-every other token from the packed words.  No per-slot flag and no flush step: the ring membership
-follows from the positions, and every store writes the packed copy too (write-through), so a token
-that ages out needs nothing.
+position each slot holds.  The residual follows KIVI (kernels.kivi_attention.ring_flags; now = the
+current query's position, n = now + 1 tokens seen): a slot's *value* is read from ring row pos % R
+while its position is among the newest R (pos > now - R: a FIFO of R values); its *key* only while
+its position is in the R-block still filling (pos >= n - n mod R: keys are quantized block-wise, R at
+a time, so the n mod R newest are exact and the block becomes packed when it completes).  The key
+rule selects a subset of the ring (ring row pos % R holds the exact key and value of each of the
+newest R).  Every other slot is read from the packed words.  No per-slot flag and no flush step:
+membership follows from the positions, and every store writes the packed copy too (write-through),
+so a block that completes, or a token that ages out, needs nothing.  Under eviction the rule is the
+same by position (the kept tokens among the current block's positions are exact), so a slot-addressed
+cache keeps every guarantee below.  With left padding a slot group can straddle a position block:
+its flushed members are read from codes that are re-quantized (from exact ring values) while the
+group's later members arrive, so they may change once more until the group is full (padded rows only).
 
 Writes (every one requantizes exactly the key groups it touches, from the best values at hand):
 - a slot write (decode store, D2O merge target): the slot's key group [gG, gG+G) is re-coded from
@@ -32,35 +39,37 @@ Writes (every one requantizes exactly the key groups it touches, from the best v
   (empty slots are don't-care).  The value is quantized on its own (per token).  A young slot's ring
   row is written too.  So overwriting/evicting a packed token = dequantize its group, replace the
   row, requantize (tested against exactly that reference), and appending layers, whose groups fill
-  one slot per step with all earlier members still young (G <= R), end each group with the codes of
-  one block quantization of exact keys, as KIVI's block-wise flush: old keys are never re-rounded
-  there.  Evicting layers re-round a group's old members when a new member changes its min/max
+  one slot per step with all earlier members still in the ring (G <= R), end each group with the codes
+  of one block quantization of exact keys, as KIVI's block-wise flush: old keys are never re-rounded
+  there.  "Young" below = among the newest R (exact in the ring).  On fp32 CPU storage the writes run
+  in C++ (kvc::kivi_write / kivi_write_range, bit for bit with the torch code here).  Evicting layers re-round a group's old members when a new member changes its min/max
   (the price of per-channel keys under arbitrary slot overwrites; nothing drifts otherwise).
 - prefill: the kept tokens (selected and merged in full precision) are block-quantized by slot
   group in one call; the young ones also go to the ring.  `full` takes the prompt in chunks: a
   later chunk attends the stored slots through a dequantized copy (prefill only).
 Decode reads (sync-free, fixed shapes, one compiled graph for every step):
-- attention: the old slots straight from the words (kernels.quantized_attention: Triton on CUDA, the
-  torch twin elsewhere; no dequantized copy of the cache) + the ring in full precision, merged by
-  log-sum-exp;
-- H2O/D2O need the step's probabilities per slot: packed scores (`quantized_scores`) with the young
-  slots' scores taken from the ring, one joint softmax with the new token, then the weighted sum of
-  packed values (`quantized_weighted_values`) + ring rows;
+- attention: one op over the packed words and the residual (kernels.kivi_attention: the C++ op
+  kvc::kivi_attention on CPU, Triton on CUDA, a torch twin elsewhere; no dequantized copy);
+- H2O/D2O need the step's probabilities per slot: packed scores (`kivi_scores`) with the residual
+  keys' scores taken from the ring, one joint softmax with the new token, then the weighted sum of
+  packed values + ring rows (`kivi_values`);
 - D2O's cosine similarity: packed scores with the evicted key as the query, over key norms
   dequantized block by block.
 Memory (`kv_bytes`): packed words, scales, minimums and the ring, from the buffers; slot tables
-(`pos`) are not counted, as for 16-bit storage.  At 4 bits, G = R = 32, D = 64 a slot costs 80 bytes in
+(`pos`) are not counted, as for 16-bit storage.  At 4 bits, G = 32, D = 64 a slot costs 80 bytes in
 bf16 (32 + 32 packed, 8 + 8 of scales/minimums) against 256, plus the ring's fixed 2 R D dtype bytes
 per (row, head, layer), and for `full` one spare slot group (reads cover whole groups of the live
-length, which must never reach the buffers' end: compiled graphs would change there): under 1/3
-once a layer holds more than ~2000 slots (`full` at 4000 tokens: 32.3%; snapkv 2048: 32.8%); at a
-256-token budget the ring alone is 12.5% of the 16-bit size (streaming 256: 44%).
+length, which must never reach the buffers' end: compiled graphs would change there): with R = 32,
+under 1/3 once a layer holds more than ~2000 slots (`full` at 4000 tokens: 32.3%; snapkv 2048:
+32.8%); at a 256-token budget the ring alone is 12.5% of the 16-bit size (streaming 256: 44%); the
+default R = 128 adds 3 x 2 x 128 x D dtype bytes per (row, layer) (`full` at 4000 tokens: 34.6%).
 
 Sparse readers (HShare, DS, Quest, alone or as STORAGE+READER) over packed storage: `with_kv_bits`
 packs the reader's storage policy, and the reader goes through `kv_store(layer) -> (store, pos, now)`
-(cache/sparse_read.py, `InnerStorage`): `store.gather(idx, pos, now)` returns full-precision K/V
-[B, H, N, D] of just the N selected slots (each key with its own group's scale/minimum, young ones
-from the ring), so exact attention over the selection needs no dequantized cache;
+(cache/sparse_read.py, `InnerStorage`): attention over the N selected slots is the same op as the
+storage's own (kernels.kivi_attention with idx: each selected row dequantized in registers with its
+own group's scale/minimum, residual ones from the ring), so it needs no dequantized cache or copy;
+`store.gather(idx, pos, now)` returns the full-precision K/V of selected slots (Quest's page updates);
 `store.dequantized(pos, now, n)` builds the label cache / page bounds once after prefill; the new
 token's key arrives unquantized in decode (labels and page bounds update from it / from `gather`).
 """

@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (kernels/cpu_kernels.cpp): the sparse readers' fast path on CPU, beside the
-Triton kernels on CUDA and the torch twins everywhere.
+"""The C++ CPU kernels (kernels/cpu_kernels.cpp, kernels/kivi_kernels.cpp): the sparse readers', KIVI's
+and the 16-bit cache's fast path on CPU, beside the Triton kernels on CUDA and the torch twins everywhere.
 
     cpu_kernels_available()            builds the extension on first call (torch.utils.cpp_extension,
                                        -O3 -march=native, ~30 s once; cached under
@@ -7,6 +7,9 @@ Triton kernels on CUDA and the torch twins everywhere.
                                        False with one warning if it cannot be built (no compiler)
     sparse_decode_attention_cpu(...)   == kernels.sparse_decode_attention_torch (fp32, D 64 or 128)
     select_top_cpu(scores, bias, n)    == torch.topk of F.pad(scores, (0, n)) + bias, as a set per row
+    kivi_attention_cpu(...)            == kernels.kivi_attention.kivi_attention_torch (packed K/V + residual)
+    kivi_write_cpu / kivi_write_range_cpu  == SlotStore.write_torch / write_range_torch, bit for bit
+    dense_attention_cpu(q, k, v, n)    decode attention over fp32 or bf16 rows [0, n), all visible
 
 Why: on CPU the torch twin of sparse attention copies the N selected K and V rows (index_select)
 and runs two batched matmuls over the copies, so every selected byte crosses memory three times;

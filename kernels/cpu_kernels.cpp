@@ -6,6 +6,7 @@
 //       exact attention of each decode query over its index list, reading the selected K/V rows in
 //       place (no gathered copy): per list, scores q.k for the G query heads sharing it (Hidx = Hkv)
 //       or for the one head owning it (Hidx = Hq), softmax, weighted sum of V rows.  D % 16 == 0.
+//   kvc::dense_attention(q, k, v, n, scale): the same over rows 0..n-1 of fp32 or bf16 K/V (below)
 //   kvc::select_top(scores [B, h, S], bias [B, 1 or h, S + n], n) -> (idx, valid) [B, h, n]
 //       the n largest of scores + bias per row (torch.topk's set; ties go to the lower slot), in
 //       ascending slot order; where fewer than n entries exceed -inf, the rest are marked invalid

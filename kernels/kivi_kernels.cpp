@@ -37,6 +37,7 @@ namespace {
 
 constexpr int L = 16;                  // slot lanes per vector (dense path)
 constexpr int64_t AHEAD = 8;           // selected slots prefetched ahead (sparse path)
+constexpr int64_t AHEAD_SLOTS = 256;   // dense path: slots ahead (1 KiB of one word row, 16 cache lines)
 
 // one (batch row, KV head) of the storage: pointers and element strides of its eight buffers
 struct Row {
@@ -93,8 +94,19 @@ static inline v16 load16(const float* p) { v16 x; std::memcpy(&x, p, sizeof x); 
 static inline v16i load16i(const int32_t* p) { v16i x; std::memcpy(&x, p, sizeof x); return x; }
 static inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 static inline v16 bcast(float x) { return (v16){} + x; }
-static inline v16 codes(v16i words, int shift, int lvl) {
-  return __builtin_convertvector((words >> shift) & lvl, v16);
+// the codes at bit offset `shift` of 16 words as floats.  2 and 4 bits: a 16-entry table lookup
+// (__builtin_shuffle takes lane indices modulo 16, one vpermps on AVX-512) replaces the mask and the
+// int->float convert: TABLE[i] = i & (2^BITS - 1) reads the low 4 bits, which start with the code
+template <int BITS>
+static inline v16 codes(v16i words, int shift) {
+  if constexpr (BITS == 8) {
+    return __builtin_convertvector((words >> shift) & 255, v16);
+  } else {
+    constexpr int M = (1 << BITS) - 1;
+    const v16 table = {0 & M, 1 & M, 2 & M, 3 & M, 4 & M, 5 & M, 6 & M, 7 & M,
+                       8 & M, 9 & M, 10 & M, 11 & M, 12 & M, 13 & M, 14 & M, 15 & M};
+    return __builtin_shuffle(table, words >> shift);
+  }
 }
 
 static float dot(const float* a, const float* b, int D) {
@@ -105,46 +117,50 @@ static float dot(const float* a, const float* b, int D) {
 
 // ------------------------------------------------------------------------------------ dense path
 // scores of GB query rows over the chunks of 16 slots in [0, n): s[g * npad + t]; ring slots go to
-// `hits` (their key scores taken from the ring), invisible ones get -inf
+// `hits` (their key scores taken from the ring), invisible ones get -inf.  Memory order: the key
+// scales/minimums once (folded into qs / z per group), then each word row as one sequential sweep
+// (one stream at a time; the scores stay in L1/L2), then the slot table.
 template <int BITS, int GB>
 static void dense_scores(const float* q, const Row& r, int64_t n, int64_t npad, float* s, float* qs,
                          std::vector<RingHit>& hits) {
-  constexpr int P = 32 / BITS, LVL = (1 << BITS) - 1;
+  constexpr int P = 32 / BITS;
   const int D = r.D, W = D / P;
-  float z[GB];
-  for (int64_t t0 = 0; t0 < npad; t0 += L) {
-    if (t0 % r.G == 0) {                                      // a new key group: fold its scale/min
-      const float* ksg = r.ks + (t0 / r.G) * r.k_g;
-      const float* kmg = r.km + (t0 / r.G) * r.k_g;
-      for (int g = 0; g < GB; ++g) {
-        v16 zv = {};
-        for (int c = 0; c < D; c += L) {
-          const v16 qv = load16(q + g * D + c);
-          store16(qs + g * D + c, qv * load16(ksg + c));
-          zv += qv * load16(kmg + c);
-        }
-        z[g] = hsum(zv);
+  const int64_t ng = npad / r.G + (npad % r.G != 0);
+  for (int64_t grp = 0; grp < ng; ++grp) {                    // fold each group's scale and minimum
+    const float* ksg = r.ks + grp * r.k_g;
+    const float* kmg = r.km + grp * r.k_g;
+    for (int g = 0; g < GB; ++g) {
+      v16 zv = {};
+      for (int c = 0; c < D; c += L) {
+        const v16 qv = load16(q + g * D + c);
+        store16(qs + (grp * GB + g) * D + c, qv * load16(ksg + c));
+        zv += qv * load16(kmg + c);
       }
+      const v16 z = bcast(hsum(zv));
+      for (int64_t t = grp * r.G; t < std::min<int64_t>((grp + 1) * r.G, npad); t += L) store16(s + g * npad + t, z);
     }
-    v16 acc[GB];
-    for (int g = 0; g < GB; ++g) acc[g] = bcast(z[g]);
-    for (int w = 0; w < W; ++w) {
+  }
+  for (int w = 0; w < W; ++w)
+    for (int64_t t0 = 0; t0 < npad; t0 += L) {
+      __builtin_prefetch(r.kp + w * r.kp_w + t0 + AHEAD_SLOTS);
       const v16i words = load16i(r.kp + w * r.kp_w + t0);
+      const float* qg = qs + (t0 / r.G) * GB * D;
+      v16 acc[GB];
+      for (int g = 0; g < GB; ++g) acc[g] = load16(s + g * npad + t0);
 #pragma GCC unroll 16
       for (int j = 0; j < P; ++j) {
-        const v16 c = codes(words, BITS * j, LVL);
+        const v16 c = codes<BITS>(words, BITS * j);
         const int d = j * W + w;
-        for (int g = 0; g < GB; ++g) acc[g] += qs[g * D + d] * c;
+        for (int g = 0; g < GB; ++g) acc[g] += qg[g * D + d] * c;
       }
+      for (int g = 0; g < GB; ++g) store16(s + g * npad + t0, acc[g]);
     }
-    for (int g = 0; g < GB; ++g) store16(s + g * npad + t0, acc[g]);
-    for (int64_t t = t0; t < t0 + L; ++t) {                  // visibility and the ring, per slot
-      if (t >= n || (r.vis && !r.vis[t])) {
-        for (int g = 0; g < GB; ++g) s[g * npad + t] = -INFINITY;
-      } else if (r.ring_v(r.pos[t])) {
-        const int64_t p = r.pos[t];
-        hits.push_back({t, p % r.R, r.ring_k(p)});
-      }
+  for (int64_t t = 0; t < npad; ++t) {                        // visibility and the ring, per slot
+    if (t >= n || (r.vis && !r.vis[t])) {
+      for (int g = 0; g < GB; ++g) s[g * npad + t] = -INFINITY;
+    } else if (r.ring_v(r.pos[t])) {
+      const int64_t p = r.pos[t];
+      hits.push_back({t, p % r.R, r.ring_k(p)});
     }
   }
   for (const RingHit& h : hits)
@@ -178,7 +194,7 @@ static void softmax_rows(float* s, int64_t npad, float* inv) {
 template <int BITS, int GB>
 static void dense_values(const Row& r, int64_t npad, float* s, const std::vector<RingHit>& hits,
                          float* pv, float* out) {
-  constexpr int P = 32 / BITS, LVL = (1 << BITS) - 1;
+  constexpr int P = 32 / BITS;
   constexpr int PB = std::min(P, GB == 1 ? 16 : GB <= 3 ? 8 : 4);    // bit-planes per register block
   const int D = r.D, W = D / P, NCG = D / r.G;
   std::vector<float> ring_p(hits.size() * GB);
@@ -192,6 +208,10 @@ static void dense_values(const Row& r, int64_t npad, float* s, const std::vector
     for (int c = 0; c < NCG; ++c) {
       v16 zv = {};
       for (int64_t t = 0; t < npad; t += L) {
+        if (g == 0) {
+          __builtin_prefetch(r.vs + c * r.v_c + t + AHEAD_SLOTS);
+          __builtin_prefetch(r.vm + c * r.v_c + t + AHEAD_SLOTS);
+        }
         const v16 p = load16(s + g * npad + t);
         store16(pv + (g * NCG + c) * npad + t, p * load16(r.vs + c * r.v_c + t));
         zv += p * load16(r.vm + c * r.v_c + t);
@@ -202,10 +222,11 @@ static void dense_values(const Row& r, int64_t npad, float* s, const std::vector
     for (int jb = 0; jb < P; jb += PB) {
       v16 acc[GB][PB] = {};
       for (int64_t t = 0; t < npad; t += L) {
+        if (jb == 0) __builtin_prefetch(r.vp + w * r.vp_w + t + AHEAD_SLOTS);
         const v16i words = load16i(r.vp + w * r.vp_w + t);
 #pragma GCC unroll 16
         for (int jj = 0; jj < PB; ++jj) {
-          const v16 c = codes(words, BITS * (jb + jj), LVL);
+          const v16 c = codes<BITS>(words, BITS * (jb + jj));
           const int cg = ((jb + jj) * W + w) / r.G;
           for (int g = 0; g < GB; ++g) acc[g][jj] += load16(pv + (g * NCG + cg) * npad + t) * c;
         }
@@ -226,7 +247,7 @@ template <int BITS, int GB>
 static void dense_rows(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
   const int64_t npad = (n + L - 1) / L * L;
   const int D = r.D, NCG = D / r.G;
-  work.resize(GB * npad * (1 + NCG) + GB * D);
+  work.resize(GB * npad * (1 + NCG) + (npad / r.G + 1) * GB * D);
   float* s = work.data();
   float* pv = s + GB * npad;
   float* qs = pv + GB * NCG * npad;
@@ -443,41 +464,55 @@ static float dequant(uint32_t code, float scale, float minimum) {
 // re-code the key group of slots [g0, g0 + G): new keys for the slots [a, b) (kn + (t - a) * D), ring
 // rows for members among the newest R, dequantized codes for the others; min/max over the members
 // holding a token (and, with force, over the new ones whatever their position)
+__attribute__((optimize("fp-contract=off")))
 static void requant_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_t b, const float* kn, bool force) {
   const int bits = r.bits, G = r.G, D = r.D, W = D * bits / 32, P = 32 / bits;
   const uint32_t lvl = (1u << bits) - 1;
   const int64_t g = g0 / G;
-  std::vector<float> x(G * D);
-  std::vector<char> inc(G);
+  static thread_local std::vector<float> xbuf;
+  xbuf.resize((size_t)G * D);
+  float* x = xbuf.data();
+  float lo[128], hi[128], mn[128], safe[128];
+  for (int d = 0; d < D; ++d) { lo[d] = INFINITY; hi[d] = -INFINITY; }
+  bool any = false;
   for (int i = 0; i < G; ++i) {                               // the group's members at their best
     const int64_t t = g0 + i, p = t < S ? r.pos[t] : -1;
     const bool is_new = t >= a && t < b;
-    inc[i] = p >= 0 || (force && is_new);
-    for (int d = 0; d < D; ++d) {
-      if (is_new) x[i * D + d] = kn[(t - a) * D + d];
-      else if (r.ring_v(p)) x[i * D + d] = r.kr[(p % r.R) * r.r_row + d];
-      else {
-        const uint32_t word = (uint32_t)r.kp[t * r.kp_t + (d % W) * r.kp_w];
-        x[i * D + d] = dequant((word >> (bits * (d / W))) & lvl, r.ks[g * r.k_g + d], r.km[g * r.k_g + d]);
+    float* xr = x + i * D;
+    if (is_new) std::memcpy(xr, kn + (t - a) * D, D * sizeof(float));
+    else if (r.ring_v(p)) std::memcpy(xr, r.kr + (p % r.R) * r.r_row, D * sizeof(float));
+    else
+      for (int w = 0; w < W; ++w) {
+        const uint32_t word = (uint32_t)r.kp[t * r.kp_t + w * r.kp_w];
+        for (int j = 0; j < P; ++j)
+          xr[j * W + w] = dequant((word >> (bits * j)) & lvl, r.ks[g * r.k_g + j * W + w], r.km[g * r.k_g + j * W + w]);
       }
+    if (p >= 0 || (force && is_new)) {                        // min/max over the members holding a token
+      any = true;
+      for (int d = 0; d < D; ++d) { lo[d] = std::min(lo[d], xr[d]); hi[d] = std::max(hi[d], xr[d]); }
     }
   }
-  std::vector<Quant> qk(D);
-  for (int d = 0; d < D; ++d) {                               // per channel over the included members
-    float lo = INFINITY, hi = -INFINITY;
-    bool any = false;
-    for (int i = 0; i < G; ++i)
-      if (inc[i]) { lo = std::min(lo, x[i * D + d]); hi = std::max(hi, x[i * D + d]); any = true; }
-    qk[d] = any ? scale_min(lo, hi, bits) : Quant{0.f, 0.f};
-    r.ks[g * r.k_g + d] = qk[d].scale;
-    r.km[g * r.k_g + d] = qk[d].minimum;
+  for (int d = 0; d < D; ++d) {
+    const Quant q = any ? scale_min(lo[d], hi[d], bits) : Quant{0.f, 0.f};
+    r.ks[g * r.k_g + d] = q.scale;
+    r.km[g * r.k_g + d] = q.minimum;
+    mn[d] = q.minimum;
+    safe[d] = q.scale > 0.f ? q.scale : 1.f;
   }
-  for (int i = 0; i < G; ++i)
+  const float top = (float)lvl, magic = 12582912.f;          // 1.5 * 2^23: (v + magic) - magic rounds half to even
+  for (int i = 0; i < G; ++i) {
+    float c[128];
+    const float* xr = x + i * D;
+    for (int d = 0; d < D; ++d) {
+      const float v = (xr[d] - mn[d]) / safe[d];
+      c[d] = std::min(std::max((v + magic) - magic, 0.f), top);
+    }
     for (int w = 0; w < W; ++w) {
       uint32_t word = 0;
-      for (int j = 0; j < P; ++j) word |= code_of(x[i * D + j * W + w], qk[j * W + w], bits) << (bits * j);
+      for (int j = 0; j < P; ++j) word |= (uint32_t)c[j * W + w] << (bits * j);
       r.kp[(g0 + i) * r.kp_t + w * r.kp_w] = (int32_t)word;
     }
+  }
 }
 
 // the value v (D floats) of slot t, quantized alone (per token over groups of G channels), and the

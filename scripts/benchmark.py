@@ -405,6 +405,7 @@ class Config:
     kv_group: int = 32          # KIVI G and R (used when kv_bits is 4 or 2)
     kv_residual: int = RESIDUAL
     kv_dtype: Optional[str] = None   # storage dtype of kv_bits 16 (None: the compute dtype)
+    compute_dtype: Optional[torch.dtype] = None
 
     @property
     def label(self) -> str:
@@ -421,7 +422,8 @@ def build_policy(cfg: Config):
     policy without that storage is Unsupported: its rows are reported as skipped)."""
     policy = make_policy(registry_name(cfg.policy), cfg.policy_args)
     try:
-        return kv_storage(policy, cfg.kv_bits, cfg.kv_group, cfg.kv_residual, cfg.kv_dtype if cfg.kv_bits == 16 else None)
+        return kv_storage(policy, cfg.kv_bits, cfg.kv_group, cfg.kv_residual, cfg.kv_dtype if cfg.kv_bits == 16 else None,
+                          cfg.compute_dtype)
     except ValueError as e:
         raise Unsupported(str(e)) from None
 
@@ -637,7 +639,7 @@ class Bench:
     def configs(self) -> list[Config]:
         o = self.opts
         compiles = {"off": [False], "on": [True], "both": [False, True]}[o.compile]
-        return [Config(p, a, bits, c, o.kv_group_size, o.kv_residual, o.kv_dtype)
+        return [Config(p, a, bits, c, o.kv_group_size, o.kv_residual, o.kv_dtype, self.dtype)
                 for (p, a) in o.policy_list for bits in o.kv_bits_list for c in compiles]
 
     def fits_context(self, context: int, extra: int) -> Optional[str]:
