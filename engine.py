@@ -23,7 +23,8 @@ from typing import Optional, Sequence
 import torch
 
 from cache import PolicyError, make_policy, policy_names
-from cache.quantized import check_format, with_kv_bits
+from cache.kv_dtype import kv_storage
+from cache.quantized import GROUP, RESIDUAL, check_format
 from checkpoint import CheckpointError, build_model, read_checkpoint
 from model import Transformer
 from tokenizer import Tokenizer
@@ -377,28 +378,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_kv_flags(p: argparse.ArgumentParser) -> None:
-    """--kv-bits / --kv-group-size / --kv-residual (the evals and the benchmark take them too)."""
-    p.add_argument("--kv-bits", type=int, default=16, choices=[16, 4, 2],
-                   help="KV storage bits: 16 = the compute dtype, 4 or 2 = KIVI-packed (any policy but pod; "
-                        "sparse readers read packed storage)")
-    p.add_argument("--kv-group-size", type=int, default=32, help="KIVI group G: keys per channel over G tokens, "
+    """--kv-bits / --kv-dtype / --kv-group-size / --kv-residual (the evals and the benchmark take them too)."""
+    p.add_argument("--kv-bits", type=int, default=16, choices=[32, 16, 4, 2],
+                   help="KV storage bits: 16 = unquantized in --kv-dtype (default: the compute dtype), 32 = float32 "
+                        "(full), 4 or 2 = KIVI-packed (any policy but pod; sparse readers read packed storage)")
+    p.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"],
+                   help="storage dtype of the unquantized `full` cache (default: the compute dtype); attention "
+                        "computes in the compute dtype")
+    p.add_argument("--kv-group-size", type=int, default=GROUP, help="KIVI group G: keys per channel over G tokens, "
                                                                  "values per token over G channels (default 32)")
-    p.add_argument("--kv-residual", type=int, default=32, help="KIVI residual R: the newest R tokens stay in full "
-                                                               "precision (a multiple of G; default 32)")
+    p.add_argument("--kv-residual", type=int, default=RESIDUAL,
+                   help=f"KIVI residual R (a multiple of G; default {RESIDUAL}): keys are quantized R at a time, "
+                        f"the n mod R newest stay in full precision; values keep a FIFO of the newest R")
 
 
 def kv_policy(policy, args):
-    """The policy with --kv-bits/--kv-group-size/--kv-residual applied (UsageError for bad values or
-    a policy without packed storage)."""
+    """The policy with --kv-bits/--kv-dtype/--kv-group-size/--kv-residual applied (UsageError for bad values
+    or a policy without that storage)."""
     try:
-        return with_kv_bits(policy, args.kv_bits, args.kv_group_size, args.kv_residual)
+        return kv_storage(policy, args.kv_bits, args.kv_group_size, args.kv_residual, getattr(args, "kv_dtype", None))
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
 def check_kv_fits(args, model_args) -> None:
     """UsageError unless the model's head_dim suits --kv-group-size (and the packing) at --kv-bits."""
-    if args.kv_bits != 16:
+    if args.kv_bits not in (32, 16):
         try:
             check_format(model_args.head_dim, args.kv_bits, args.kv_group_size, args.kv_residual)
         except ValueError as e:

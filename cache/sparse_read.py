@@ -49,6 +49,7 @@ from cache.calibration import channel_importance, channels_path, ensure_channels
 from kernels import (approx_scores, dequantize_labels_4bit, quantize_labels_4bit, resolve_backend,
                      sparse_decode_attention)
 from kernels.cpu import cpu_kernels_available, select_top_cpu, use_cpu_kernel
+from kernels.kivi_attention import kivi_attention
 from model import DenseCache, ModelArgs
 
 INF = float("inf")
@@ -90,9 +91,10 @@ class InnerStorage:
     order = arrival order; the readable length is the host int n_filled) or an EvictionPolicy
     (per layer and head slot tables, fixed capacity, `store` returns the slot).  Either may keep
     KIVI-packed slots (`--kv-bits`, cache/quantized.py: `packed`): then the reader never sees K/V
-    tensors; attention gathers the N selected rows (`rows`), each dequantized with its own
-    group's scale and minimum (young ones from the full-precision ring), and the label cache / page
-    bounds are built once from a dequantized copy after prefill."""
+    tensors; attention reads the N selected rows through the packed storage's own op (`attend`), each
+    dequantized in registers with its own group's scale and minimum (residual ones from the
+    full-precision ring), and the label cache / page bounds are built once from a dequantized copy
+    after prefill."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -121,21 +123,22 @@ class InnerStorage:
             return pos >= 0, pos
         return inner.visible(layer), inner.pos[layer]
 
-    def rows(self, layer: int, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """What attention over the slots idx [B, H_kv, N] reads: (k, v, idx) with k, v [B, H_kv, S, D]
-        and idx into them: the readable storage and idx itself, or, for packed slots, just the N
-        rows dequantized ([B, H_kv, N, D]) and idx = 0..N-1.  Entries of idx past the readable slots
-        (invalid selections) are read as some slot and ignored by the caller's valid mask."""
+    def attend(self, layer: int, q: Tensor, idx: Tensor, valid: Tensor, backend: str, workspace=None) -> Tensor:
+        """Exact attention of q [B, H_q, 1, D] over the slots idx/valid [B, H_kv or H_q, N]: the selected
+        K/V rows read in place (kernels.sparse_decode_attention), or, for packed slots, the same op as
+        the packed storage's own attention (kernels.kivi_attention: each selected row dequantized in
+        registers, residual ones from the ring; no gathered copy).  Entries of idx past the readable
+        slots (invalid selections) are ignored through valid."""
         inner = self.inner
         if self.packed:
             store, pos, now = inner.kv_store(layer)
-            k, v = store.gather(idx.clamp(max=pos.shape[2] - 1), pos, now)
-            arange = torch.arange(idx.shape[2], device=idx.device).expand(idx.shape)
-            return k.to(store.dtype), v.to(store.dtype), arange
+            return kivi_attention(q, store.buffers, pos, None, now, pos.shape[2], None, idx, valid, backend=backend)
         if self.uniform:
             n = inner.n_filled
-            return inner.k[layer][:, :, :n], inner.v[layer][:, :, :n], idx
-        return inner.k[layer], inner.v[layer], idx
+            k, v = inner.k[layer][:, :, :n], inner.v[layer][:, :, :n]
+        else:
+            k, v = inner.k[layer], inner.v[layer]
+        return sparse_decode_attention(q, k, v, idx, valid, backend=backend, workspace=workspace)
 
     def keys_at(self, layer: int, slots: Tensor) -> Tensor:
         """Keys [B, H_kv, m, D] of slots [B, H_kv, m] (< capacity), in the compute dtype."""
@@ -491,9 +494,8 @@ class SparseReader:
         """Exact attention of q [B, H_q, 1, D] over the slots idx/valid [B, H_kv, N]."""
         if self.record_reads:
             self.last_read[layer] = (idx, valid)
-        k, v, idx = self.storage_.rows(layer, idx)
         workspace = None if torch.compiler.is_compiling() else self.workspace
-        return sparse_decode_attention(q, k, v, idx, valid, backend=self.backend, workspace=workspace)
+        return self.storage_.attend(layer, q, idx, valid, self.backend, workspace)
 
     def read_positions(self, layer: int) -> list:
         """Positions read by the last decode step's attention of `layer` (needs record_reads = True):

@@ -5,7 +5,8 @@ a torch "twin" (the CPU path and the reference) per operation, dispatched by dev
     approx_scores             approximate scores q_label . label (float or 4-bit packed labels)
     mask_sink_recent          force sinks / recent tokens (+inf) and hide positions >= length (-inf)
     select_critical           top-k of masked scores -> index list for sparse_decode_attention
-    quantized_decode_attention  attention of one decode query straight from a KIVI-packed cache
+    quantized_decode_attention  attention of one decode query straight from a KIVI-packed cache (QuantizedKV)
+    kivi_attention (kernels.kivi_attention)  the same over SlotStore's packed slots + residual ring, one op
     quantize_labels_4bit ...  4-bit label packing helpers
 
 Every dispatcher takes `backend="auto" | "triton" | "torch"`: "auto" runs Triton when the tensors live

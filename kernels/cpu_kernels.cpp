@@ -1,11 +1,12 @@
-// CPU kernels of the sparse readers (the CPU counterpart of the Triton kernels; built on first use by
-// kernels/cpu.py with torch.utils.cpp_extension, -O3 -march=native).  Two ops, fp32:
+// CPU kernels of the sparse readers and the 16-bit cache (the CPU counterpart of the Triton kernels;
+// built on first use by kernels/cpu.py with torch.utils.cpp_extension, -O3 -march=native).  Ops, fp32:
 //
 //   kvc::sparse_attention(q [B, Hq, D], k, v [B, Hkv, S, D] (rows contiguous), idx [B, Hidx, N] long,
 //                         valid [B, Hidx, N] bool (or an empty tensor: all valid), scale) -> [B, Hq, D]
 //       exact attention of each decode query over its index list, reading the selected K/V rows in
 //       place (no gathered copy): per list, scores q.k for the G query heads sharing it (Hidx = Hkv)
 //       or for the one head owning it (Hidx = Hq), softmax, weighted sum of V rows.  D % 16 == 0.
+//   kvc::dense_attention(q, k, v, n, scale): the same over rows 0..n-1 of fp32 or bf16 K/V (below)
 //   kvc::select_top(scores [B, h, S], bias [B, 1 or h, S + n], n) -> (idx, valid) [B, h, n]
 //       the n largest of scores + bias per row (torch.topk's set; ties go to the lower slot), in
 //       ascending slot order; where fewer than n entries exceed -inf, the rest are marked invalid
@@ -16,50 +17,30 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_vec.h"
+
 #include <cmath>
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int v16i __attribute__((vector_size(64)));
-
-static inline float hsum(v16 x) {
-  x += __builtin_shuffle(x, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  x += __builtin_shuffle(x, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  x += __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  x += __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return x[0];
-}
-
-// exp of 16 floats: 2^n * p(r) with a degree-6 polynomial (Cephes expf, relative error < 2e-7);
-// exactly 0 below -87.3 (so -inf, a masked score, gives 0)
-static inline v16 vexp(v16 x) {
-  const v16 zero = {};
-  const auto underflow = x < -87.3f;
-  x = x > 88.3f ? zero + 88.3f : x;
-  x = underflow ? zero : x;
-  const v16 t = x * 1.44269504088896341f + 0.5f;
-  v16i n = __builtin_convertvector(t, v16i);                   // truncates toward zero
-  n -= (v16i)(__builtin_convertvector(n, v16) > t) & 1;          // -> floor
-  const v16 nf = __builtin_convertvector(n, v16);
-  x = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  v16 y = 1.9875691500E-4f * x + 1.3981999507E-3f;
-  y = y * x + 8.3334519073E-3f;
-  y = y * x + 4.1665795894E-2f;
-  y = y * x + 1.6666665459E-1f;
-  y = y * x + 5.0000001201E-1f;
-  y = y * x * x + x + 1.f;
-  const v16 r = y * (v16)((n + 127) << 23);
-  return underflow ? zero : r;
-}
-
 constexpr int64_t PREFETCH = 8;      // rows ahead: the selected rows are random DRAM reads
 
-// GB query rows (qr, consecutive, D = 16 * DV floats each) over the rows il[0..N) of kb / vb: each
-// selected K and V row is loaded once for the GB rows (their q and accumulators stay in registers)
-template <int DV, int GB>
-static void attend_rows(const float* __restrict qr, const float* kb, int64_t k_row, const float* vb,
+// 16 channels of a K/V row as fp32: fp32 rows as they are, bf16 rows (uint16_t) widened in registers
+static inline v16 load_row(const float* p, int c) { v16 x; std::memcpy(&x, p + 16 * c, sizeof x); return x; }
+static inline v16 load_row(const uint16_t* p, int c) {
+  typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+  typedef uint32_t v16u __attribute__((vector_size(64)));
+  v16h h;
+  std::memcpy(&h, p + 16 * c, sizeof h);
+  return (v16)(__builtin_convertvector(h, v16u) << 16);
+}
+
+// GB query rows (qr, consecutive, D = 16 * DV floats each) over the rows il[0..N) of kb / vb (il null:
+// rows 0..N-1): each K and V row is loaded once for the GB rows (their q and accumulators stay in
+// registers).  T: the cache's element type, float or bf16 (uint16_t)
+template <int DV, int GB, typename T>
+static void attend_rows(const float* __restrict qr, const T* kb, int64_t k_row, const T* vb,
                         int64_t v_row, const int64_t* il, const bool* vl, int64_t N, float scale,
                         float* __restrict s, float* __restrict out) {
   constexpr int D = DV * 16;
@@ -77,13 +58,16 @@ static void attend_rows(const float* __restrict qr, const float* kb, int64_t k_r
       for (int g = 0; g < GB; ++g) s[g * N + n] = -INFINITY;
       continue;
     }
-    if (n + PREFETCH < N) {
+    if (il && n + PREFETCH < N) {
       const char* kf = (const char*)(kb + il[n + PREFETCH] * k_row);
       const char* vf = (const char*)(vb + il[n + PREFETCH] * v_row);
 #pragma GCC unroll 16
       for (int c = 0; c < DV; ++c) { __builtin_prefetch(kf + 64 * c); __builtin_prefetch(vf + 64 * c); }
     }
-    const v16* k = (const v16*)(kb + il[n] * k_row);
+    const T* kr = kb + (il ? il[n] : n) * k_row;
+    v16 k[DV];
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; ++c) k[c] = load_row(kr, c);
 #pragma GCC unroll 16
     for (int g = 0; g < GB; ++g) {
       v16 a = q[g][0] * k[0];
@@ -115,7 +99,10 @@ static void attend_rows(const float* __restrict qr, const float* kb, int64_t k_r
   v16 acc[GB][DV] = {};
   for (int64_t n = 0; n < N; ++n) {
     if (vl && !vl[n]) continue;
-    const v16* v = (const v16*)(vb + il[n] * v_row);
+    const T* vr = vb + (il ? il[n] : n) * v_row;
+    v16 v[DV];
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; ++c) v[c] = load_row(vr, c);
 #pragma GCC unroll 16
     for (int g = 0; g < GB; ++g) {
       const float p = s[g * N + n];
@@ -133,8 +120,8 @@ static void attend_rows(const float* __restrict qr, const float* kb, int64_t k_r
 }
 
 // one index list read by GL query rows, in register blocks of up to 4 (D 64) or 2 (D 128) rows
-template <int DV>
-static void attend_list(const float* qr, int64_t GL, const float* kb, int64_t k_row, const float* vb,
+template <int DV, typename T>
+static void attend_list(const float* qr, int64_t GL, const T* kb, int64_t k_row, const T* vb,
                         int64_t v_row, const int64_t* il, const bool* vl, int64_t N, float scale, float* s,
                         float* out) {
   constexpr int D = DV * 16, MAX_GB = DV == 4 ? 4 : 2;
@@ -150,25 +137,21 @@ static void attend_list(const float* qr, int64_t GL, const float* kb, int64_t k_
   }
 }
 
-torch::Tensor sparse_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor idx,
-                               torch::Tensor valid, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat && k.dtype() == torch::kFloat && v.dtype() == torch::kFloat,
-              "kvc::sparse_attention: fp32 only");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
-  TORCH_CHECK(idx.dim() == 3 && idx.is_contiguous() && idx.dtype() == torch::kLong, "idx must be a contiguous long [B, H, N]");
+// every (batch row, list) of q [B, Hq, D] over k, v [B, Hkv, S, D] (element type T): lists idx
+// [B, Hidx, N] (Hidx = Hkv: shared by a KV head's query rows; Hq: one per query row), or idx null:
+// rows 0..N-1 of each KV head
+template <typename T>
+static torch::Tensor attend_lists(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const int64_t* ip, const bool* vap, int64_t Hidx, int64_t N, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.dtype() == torch::kFloat, "q must be a contiguous fp32 [B, Hq, D]");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k/v rows must be contiguous");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t Hkv = k.size(1), Hidx = idx.size(1), N = idx.size(2), G = Hq / Hkv;
-  TORCH_CHECK(D == 64 || D == 128, "kvc::sparse_attention: head_dim 64 or 128");
-  const bool has_valid = valid.numel() > 0;
-  TORCH_CHECK(!has_valid || (valid.is_contiguous() && valid.sizes() == idx.sizes()), "valid must be shaped like idx");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
+  TORCH_CHECK(D == 64 || D == 128, "kvc attention kernels: head_dim 64 or 128");
   const int64_t GL = Hidx == Hkv ? G : 1;                        // query rows per list
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const int64_t* ip = idx.data_ptr<int64_t>();
-  const bool* vap = has_valid ? valid.data_ptr<bool>() : nullptr;
+  const T* kp = (const T*)k.data_ptr();
+  const T* vp = (const T*)v.data_ptr();
   float* op = out.data_ptr<float>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
@@ -177,18 +160,38 @@ torch::Tensor sparse_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = r / Hidx, h = r % Hidx;
       const int64_t hk = Hidx == Hkv ? h : h / G, hq = Hidx == Hkv ? h * G : h;
-      const float* kb = kp + b * ks0 + hk * ks1;
-      const float* vb = vp + b * vs0 + hk * vs1;
+      const T* kb = kp + b * ks0 + hk * ks1;
+      const T* vb = vp + b * vs0 + hk * vs1;
       const float* qr = qp + (b * Hq + hq) * D;
       float* o = op + (b * Hq + hq) * D;
+      const int64_t* il = ip ? ip + r * N : nullptr;
       const bool* vl = vap ? vap + r * N : nullptr;
-      if (D == 64)
-        attend_list<4>(qr, GL, kb, ks2, vb, vs2, ip + r * N, vl, N, (float)scale, s.data(), o);
-      else
-        attend_list<8>(qr, GL, kb, ks2, vb, vs2, ip + r * N, vl, N, (float)scale, s.data(), o);
+      if (D == 64) attend_list<4>(qr, GL, kb, ks2, vb, vs2, il, vl, N, (float)scale, s.data(), o);
+      else attend_list<8>(qr, GL, kb, ks2, vb, vs2, il, vl, N, (float)scale, s.data(), o);
     }
   });
   return out;
+}
+
+torch::Tensor sparse_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor idx,
+                               torch::Tensor valid, double scale) {
+  TORCH_CHECK(k.dtype() == torch::kFloat && v.dtype() == torch::kFloat, "kvc::sparse_attention: fp32 only");
+  TORCH_CHECK(idx.dim() == 3 && idx.is_contiguous() && idx.dtype() == torch::kLong, "idx must be a contiguous long [B, H, N]");
+  const bool has_valid = valid.numel() > 0;
+  TORCH_CHECK(!has_valid || (valid.is_contiguous() && valid.sizes() == idx.sizes()), "valid must be shaped like idx");
+  return attend_lists<float>(q, k, v, idx.data_ptr<int64_t>(), has_valid ? valid.data_ptr<bool>() : nullptr,
+                             idx.size(1), idx.size(2), scale);
+}
+
+//   kvc::dense_attention(q [B, Hq, D] fp32, k, v [B, Hkv, S, D] fp32 or bf16 (rows contiguous), n, scale)
+//       -> [B, Hq, D]: each decode query over slots [0, n) of its KV head (all visible), bf16 rows
+//       widened in registers: the 16-bit cache's decode attention without an fp32 copy.
+torch::Tensor dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n, double scale) {
+  TORCH_CHECK(k.dtype() == v.dtype() && (k.dtype() == torch::kFloat || k.dtype() == torch::kBFloat16),
+              "kvc::dense_attention: fp32 or bf16 K/V");
+  TORCH_CHECK(n >= 1 && n <= k.size(2), "kvc::dense_attention: 1 <= n <= S");
+  if (k.dtype() == torch::kFloat) return attend_lists<float>(q, k, v, nullptr, nullptr, k.size(1), n, scale);
+  return attend_lists<uint16_t>(q, k, v, nullptr, nullptr, k.size(1), n, scale);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> select_top(torch::Tensor scores, torch::Tensor bias, int64_t n) {
@@ -259,9 +262,11 @@ std::tuple<torch::Tensor, torch::Tensor> select_top(torch::Tensor scores, torch:
 TORCH_LIBRARY(kvc, m) {
   m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor idx, Tensor valid, float scale) -> Tensor");
   m.def("select_top(Tensor scores, Tensor bias, int n) -> (Tensor, Tensor)");
+  m.def("dense_attention(Tensor q, Tensor k, Tensor v, SymInt n, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvc, CPU, m) {
   m.impl("sparse_attention", &sparse_attention);
   m.impl("select_top", &select_top);
+  m.impl("dense_attention", &dense_attention);
 }

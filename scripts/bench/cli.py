@@ -19,7 +19,7 @@ from bench.runner import Bench
 from bench.specs import (KV_BITS, BenchmarkError, parse_int_list, parse_policies, require_positive,
                          with_reference)
 from cache import PolicyError, policy_names
-from cache.quantized import check_format
+from cache.quantized import RESIDUAL, check_format
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
@@ -43,9 +43,13 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps per run (memory mode: "
                    "generated tokens)")
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before the timed ones")
-    p.add_argument("--kv-bits", default="16", help="comma-separated KV storage bits: 16 (compute dtype), 4, 2")
+    p.add_argument("--kv-bits", default="16", help="comma-separated KV storage bits: 32 (float32), 16 (the compute "
+                                                   "dtype, or --kv-dtype), 4, 2 (KIVI-packed)")
     p.add_argument("--kv-group-size", type=int, default=32, help="KIVI group G for --kv-bits 4|2 (default 32)")
-    p.add_argument("--kv-residual", type=int, default=32, help="KIVI full-precision residual R (default 32)")
+    p.add_argument("--kv-residual", type=int, default=RESIDUAL,
+                   help=f"KIVI full-precision residual R (default {RESIDUAL})")
+    p.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"],
+                   help="storage dtype of the --kv-bits 16 rows of `full` (default: the compute dtype)")
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                    help="torch.compile the steps (Inductor on CPU, CUDA graphs on CUDA); 'both' = eager and "
                         "compiled rows side by side")
@@ -96,7 +100,7 @@ def check_options(o: argparse.Namespace) -> None:
 
 def check_kv_formats(o: argparse.Namespace, head_dim: Optional[int]) -> None:
     """The KIVI group/residual of --kv-bits 4|2 are valid (for this head_dim once it is known)."""
-    for bits in sorted(set(o.kv_bits_list) - {16}):
+    for bits in sorted(set(o.kv_bits_list) - {32, 16}):
         try:
             check_format(head_dim, bits, o.kv_group_size, o.kv_residual)
         except ValueError as e:
@@ -106,6 +110,7 @@ def check_kv_formats(o: argparse.Namespace, head_dim: Optional[int]) -> None:
 def load(o: argparse.Namespace):
     """(model, tokenizer, prompt-file token ids or None), checked against the options."""
     model, tokenizer = engine.load_model(o.checkpoint, engine.resolve_device(o.device), o.dtype)
+    o.compute_dtype = model.output.weight.dtype
     check_kv_formats(o, model.args.head_dim)
     file_ids = None
     if o.prompt_file:

@@ -117,7 +117,7 @@ def fmt(x, spec=".1f") -> str:
 
 
 def row_label(r: dict) -> str:
-    return config_label(r["policy"], r["policy_args"], r["kv_bits"], r["compile"])
+    return config_label(r["policy"], r["policy_args"], r["kv_bits"], r["compile"], r.get("kv_dtype"))
 
 
 def print_header(o, model, device: torch.device, bandwidth: Optional[float], meter_kind: str,

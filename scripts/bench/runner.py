@@ -47,7 +47,8 @@ class Bench:
         o = self.opts
         compile_mode = None if not cfg.compile else ("reduce-overhead" if self.device.type == "cuda" else "inductor")
         return {"mode": mode, "policy": cfg.policy, "policy_args": cfg.policy_args, "batch_size": batch,
-                "context_length": context, "kv_bits": cfg.kv_bits, "decode_steps": o.decode_steps,
+                "context_length": context, "kv_bits": cfg.kv_bits, "kv_dtype": cfg.row_kv_dtype,
+                "decode_steps": o.decode_steps,
                 "warmup_steps": o.warmup_steps, "repeats": o.repeats,
                 "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "torch_version": torch.__version__, "compile": cfg.compile, "compile_mode": compile_mode,
