@@ -8,7 +8,8 @@ Each cell runs a tiny random Llama (3 layers, GQA 4:2, head_dim 16) at the polic
 longer than the default budgets, and checks:
   - prefill + decode steps run, with finite logits;
   - kept tokens never exceed the budget (policies with a `budget`), reads never exceed N_c (readers);
-  - nothing is allocated after the first decode step (storage buffers and kv_bytes()["allocated"]);
+  - nothing is allocated after decode step 1 (storage buffers and kv_bytes()["allocated"]; the contract lets
+    before_decode_step reallocate, as SimLayerKV's decode strategy does once before step 1);
   - greedy runs are deterministic (bit for bit);
   - under `full_cache_args(n)` the logits equal the full cache's (where the policy makes that promise);
   - bad parameters are clear PolicyErrors naming the parameter.
@@ -130,7 +131,7 @@ def test_cell(model, cell):
     snapshots = {}
 
     def watch(i, policy):
-        if i == 0:
+        if i <= 1:      # the contract lets before_decode_step reallocate once (SimLayerKV trims before step 1)
             snapshots["buffers"] = storage_tensors(policy)
             snapshots["allocated"] = policy.kv_bytes()["allocated"]
         else:
