@@ -1,7 +1,7 @@
 """KIVI-style KV-cache quantization: asymmetric min/max, keys per channel, values per token.
 
-Layout (one place; kernels/quantized_attention.py reads exactly this)
----------------------------------------------------------------------
+Layout (one place; cache/quantized.py and kernels/ read exactly this)
+--------------------------------------------------------------------
 Codes and words.  `bits` b in {2, 4, 8}; a code is an integer in [0, 2^b - 1].  Codes are packed
 into int32 words, P = 32 // b codes per word (16, 8, 4).  `pack(codes, bits, dim)` turns n codes
 along `dim` (n a multiple of P) into W = n // P words; code i lives in word i % W at bits
@@ -27,9 +27,8 @@ A constant group has scale 0 and dequantizes to exactly its value: no division b
 no inf.  Per element |x - x~| <= scale / 2, up to the rounding of fp32 and the storage dtype.
 (hi - lo is formed in fp32: groups spanning more than fp32's range, |x| ~ 1.7e38, are out of scope.)
 
-Storage (`QuantizedKV`): one layer's KIVI cache, the newest R tokens in full precision; the same
-logical shapes per slot, kept token-contiguous in memory (see its docstring).  Everything here works
-on any device; nothing syncs with the host.
+The packed KV storage itself (slot-addressed, under every policy) is cache/quantized.py; attention
+over it is kernels/kivi_attention.py.  Everything here works on any device; nothing syncs with the host.
 """
 from __future__ import annotations
 
@@ -39,7 +38,6 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from kernels.quantized_attention import merge_partials, quantized_decode_attention
 
 BITS = (2, 4, 8)
 
@@ -162,234 +160,3 @@ def _cast(x: Tensor, dtype: torch.dtype) -> Tensor:
     the edge of fp16's range can land a rounding step beyond it (its value is within range)."""
     fi = torch.finfo(dtype)
     return x.clamp(fi.min, fi.max).to(dtype)
-
-
-# ------------------------------------------------------------------------------ storage
-class QuantizedKV:
-    """One layer's KIVI cache: `capacity` token slots per (batch row, KV head), preallocated.
-
-    Buffers (B batch rows, H KV heads, C = capacity, D = head_dim, P = 32 // bits, G = group,
-    R = residual; dtype = the compute dtype):
-        k_packed  [B, H, C, D // P] int32    keys of slots [0, n_packed_keys), per channel
-        k_scale   [B, H, C // G, D] dtype    (k_min alike)
-        k_res     [B, H, R, D]      dtype    full-precision keys of slots [n_packed_keys, n):
-                                             slot t sits at row t % R (= t - n_packed_keys)
-        v_packed  [B, H, C, D // P] int32    values of slots [0, n_packed_values), per token
-        v_scale   [B, H, C, D // G] dtype    (v_min alike)
-        v_res     [B, H, R, D]      dtype    FIFO of the last min(n, R) values: slot t at row t % R
-    k_packed, v_packed, v_scale and v_min are [B, H, C, X] *views* of token-contiguous [B, H, X, C]
-    buffers (X = words or channel groups): per word index (or group), the C slots' entries are
-    adjacent, so a decode step streams them with unit stride, vectorized over tokens (the fused
-    CPU reduction; coalesced loads in the Triton kernel).  Writes go through the views.
-    Counters are host ints (never tensors): n slots filled, the same for every row and head;
-    n_packed_keys = n - n % R (keys flush block-wise: every R-th append quantizes the R residual
-    keys as R // G groups; old packed words are never touched again); n_packed_values = max(0, n - R)
-    (each append quantizes the one value that leaves the FIFO).  R is a multiple of G, C of R.
-
-    API (q: [B, H_q, 1, D] with H_q a multiple of H: query head h reads KV head h // (H_q // H)):
-        append_prefill(k, v)      k, v [B, H, T, D]: T slots at once; the packed part is quantized in
-                                  one call (the same state as T calls of `append`, bit for bit)
-        append(k, v)              k, v [B, H, 1, D]: one decode token for the whole batch
-        attend(q, mask, scale)    -> [B, H_q, 1, D] softmax attention over slots [0, n); mask: bool
-                                  [B, n'] or [B, 1 or H, n'] over slots (n' >= n, only [0, n) read;
-                                  True = attend) or None; scale default 1/sqrt(D)
-        dequantized()             (k, v) [B, H, n, D] as attention sees them (tests / debugging:
-                                  this *is* a full copy; attend never makes one)
-        nbytes(live=False)        bytes of all buffers (allocated), or live=True: bytes holding the
-                                  n slots (packed words + scales + minimums of the packed slots,
-                                  the residual rows in use) = what one `attend` reads
-        reset()                   n = 0 (buffers stay allocated)
-
-    attend reads the packed prefix [0, n_packed_values) straight from the words through
-    `kernels.quantized_attention` (Triton on CUDA, the torch twin elsewhere: nothing the size of
-    the cache is dequantized) and the < 2R-token tail [n_packed_values, n) in full precision (its
-    keys partly from the last packed groups, dequantized, partly from k_res), then merges the two
-    softmax partials by log-sum-exp.
-
-    torch.compile: pass n into the compiled step and assign `kv.n = n` there (as engine.py does for
-    DenseCache.n_filled) so n is a dynamic int; the host-int branches then give a few graph variants
-    (a key flush every R-th step or not), and attend's packed part compiles to the fused bit-plane
-    formulation of kernels/quantized_attention.py (minutes of Inductor time on a 2-core CPU).
-
-    Evicting an arbitrary slot t (not implemented; for eviction policies later): a value is
-    quantized on its own, so the slot's value words/scale/min can simply be overwritten by
-    quantize_values of the new token.  A packed key shares its scale/min with the G - 1 other
-    tokens of its group: either requantize the whole group (G tokens, needs their full keys or a
-    second rounding error from their dequantized ones) or keep the slot masked until its group is
-    evicted; a residual key (t >= n_packed_keys) can be overwritten in place.
-    """
-
-    def __init__(self, batch: int, heads: int, head_dim: int, capacity: int, bits: int = 4,
-                 group: int = 32, residual: int = 32, dtype: torch.dtype = torch.float32,
-                 device=None, backend: str = "auto"):
-        P = codes_per_word(bits)
-        if residual < group or residual % group:
-            raise ValueError(f"residual R={residual} must be a positive multiple of the group G={group}")
-        if capacity % residual:
-            raise ValueError(f"capacity {capacity} must be a multiple of the residual R={residual}")
-        if head_dim % P or head_dim % group:
-            raise ValueError(f"head_dim {head_dim} must be a multiple of {P} ({bits}-bit codes per "
-                             f"int32) and of the group G={group}")
-        B, H, C, D, G, R = batch, heads, capacity, head_dim, group, residual
-        self.bits, self.group, self.residual, self.capacity = bits, G, R, C
-        self.dtype, self.backend = dtype, backend
-        z = {"device": device}
-        # token-contiguous buffers (see the class docstring), exposed as [B, H, C, ...] views
-        self.k_packed = torch.zeros(B, H, D // P, C, dtype=torch.int32, **z).transpose(-1, -2)
-        self.k_scale = torch.zeros(B, H, C // G, D, dtype=dtype, **z)
-        self.k_min = torch.zeros(B, H, C // G, D, dtype=dtype, **z)
-        self.k_res = torch.zeros(B, H, R, D, dtype=dtype, **z)
-        self.v_packed = torch.zeros(B, H, D // P, C, dtype=torch.int32, **z).transpose(-1, -2)
-        self.v_scale = torch.zeros(B, H, D // G, C, dtype=dtype, **z).transpose(-1, -2)
-        self.v_min = torch.zeros(B, H, D // G, C, dtype=dtype, **z).transpose(-1, -2)
-        self.v_res = torch.zeros(B, H, R, D, dtype=dtype, **z)
-        self.n = 0
-
-    # -------------------------------------------------------------- counters
-    @property
-    def n_packed_keys(self) -> int:
-        return self.n - self.n % self.residual
-
-    @property
-    def n_packed_values(self) -> int:
-        return max(0, self.n - self.residual)
-
-    def reset(self) -> None:
-        self.n = 0
-
-    def _check(self, k: Tensor, v: Tensor) -> int:
-        B, H, _, D = self.k_res.shape
-        if k.shape != v.shape or k.dim() != 4 or k.shape[0] != B or k.shape[1] != H or k.shape[3] != D:
-            raise ValueError(f"k, v must both be [B={B}, H={H}, T, D={D}], got {tuple(k.shape)}, "
-                             f"{tuple(v.shape)}")
-        if self.n + k.shape[2] > self.capacity:
-            raise ValueError(f"QuantizedKV full: {self.n} + {k.shape[2]} slots > capacity {self.capacity}")
-        return k.shape[2]
-
-    def _ordered_values(self) -> Tensor:
-        """The FIFO in slot order: rows for slots [n_packed_values, n), [B, H, min(n, R), D]."""
-        R = self.residual
-        return self.v_res.roll(-(self.n_packed_values % R), dims=2)[:, :, :self.n - self.n_packed_values]
-
-    # -------------------------------------------------------------- writes
-    def append_prefill(self, k: Tensor, v: Tensor) -> None:
-        """Store T new slots [n, n + T) at once; k, v [B, H, T, D] (any T, also after earlier appends)."""
-        T = self._check(k, v)
-        R, G = self.residual, self.group
-        n0, n1 = self.n, self.n + T
-        k, v = k.to(self.dtype), v.to(self.dtype)
-        # keys: residual slots [kp0, n0) + the new ones; whole R-blocks go to the packed region
-        kp0, kp1 = self.n_packed_keys, n1 - n1 % R
-        pending = torch.cat([self.k_res[:, :, :n0 - kp0], k], dim=2)        # slots [kp0, n1)
-        if kp1 > kp0:
-            qk = quantize_keys(pending[:, :, :kp1 - kp0], self.bits, G)
-            self.k_packed[:, :, kp0:kp1] = qk.packed
-            self.k_scale[:, :, kp0 // G:kp1 // G] = qk.scale
-            self.k_min[:, :, kp0 // G:kp1 // G] = qk.minimum
-        self.k_res[:, :, :n1 - kp1] = pending[:, :, kp1 - kp0:]
-        # values: the FIFO keeps the last R slots; everything older is quantized per token
-        vp0, vp1 = self.n_packed_values, max(0, n1 - R)
-        seq = torch.cat([self._ordered_values(), v], dim=2)                 # slots [vp0, n1)
-        if vp1 > vp0:
-            qv = quantize_values(seq[:, :, :vp1 - vp0], self.bits, G)
-            self.v_packed[:, :, vp0:vp1] = qv.packed
-            self.v_scale[:, :, vp0:vp1] = qv.scale
-            self.v_min[:, :, vp0:vp1] = qv.minimum
-        tail = seq[:, :, vp1 - vp0:]                                        # slots [vp1, n1)
-        if tail.shape[2] == R:
-            self.v_res.copy_(tail.roll(vp1 % R, dims=2))                   # slot t -> row t % R
-        else:                                                               # n1 < R: rows = slots
-            self.v_res[:, :, :tail.shape[2]] = tail
-        self.n = n1
-
-    def append(self, k: Tensor, v: Tensor) -> None:
-        """Store one decode token (slot n) for every row and head; k, v [B, H, 1, D].
-        Branches only on the host counter; at most one R-block of keys and one value are quantized."""
-        self._check(k, v)
-        R, G, t = self.residual, self.group, self.n
-        row = t % R
-        if t >= R:   # the value of slot t - R leaves the FIFO (it sits at row t % R)
-            qv = quantize_values(self.v_res[:, :, row:row + 1], self.bits, G)
-            self.v_packed[:, :, t - R:t - R + 1] = qv.packed
-            self.v_scale[:, :, t - R:t - R + 1] = qv.scale
-            self.v_min[:, :, t - R:t - R + 1] = qv.minimum
-        self.v_res[:, :, row:row + 1] = v.to(self.dtype)
-        self.k_res[:, :, row:row + 1] = k.to(self.dtype)
-        if row == R - 1:   # R residual keys: flush them as R // G groups, never one token at a time
-            qk = quantize_keys(self.k_res, self.bits, G)
-            s = t + 1 - R
-            self.k_packed[:, :, s:t + 1] = qk.packed
-            self.k_scale[:, :, s // G:(t + 1) // G] = qk.scale
-            self.k_min[:, :, s // G:(t + 1) // G] = qk.minimum
-        self.n = t + 1
-
-    # -------------------------------------------------------------- reads
-    def _tail_keys(self) -> Tensor:
-        """Full-precision keys of slots [n_packed_values, n): [B, H, min(n, R), D]."""
-        G = self.group
-        a, b = self.n_packed_values, self.n_packed_keys
-        parts = []
-        if b > a:   # packed keys newer than the packed values: dequantize their groups only
-            g0, g1 = a // G, b // G
-            qt = QuantizedTensor(self.k_packed[:, :, g0 * G:g1 * G], self.k_scale[:, :, g0:g1],
-                                 self.k_min[:, :, g0:g1], self.bits, G)
-            parts.append(dequantize_keys(qt, torch.float32)[:, :, a - g0 * G:])
-        parts.append(self.k_res[:, :, :self.n - b])
-        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
-
-    def attend(self, q: Tensor, mask: Optional[Tensor] = None, scale: Optional[float] = None) -> Tensor:
-        """q [B, H_q, 1, D] -> [B, H_q, 1, D] in q's dtype; mask bool broadcastable to [B, H, n]."""
-        B, Hq, T, D = q.shape
-        H = self.k_res.shape[1]
-        if T != 1 or Hq % H or D != self.k_res.shape[3]:
-            raise ValueError(f"q must be [B, H_q (multiple of {H}), 1, {D}], got {tuple(q.shape)}")
-        if self.n == 0:
-            raise ValueError("attend on an empty QuantizedKV")
-        scale = 1.0 / math.sqrt(D) if scale is None else scale
-        n, nv = self.n, self.n_packed_values
-        if mask is not None:   # [B, n'] or [B, 1 | H, n'] with n' >= n (e.g. over the capacity)
-            mask = (mask[:, None] if mask.dim() == 2 else mask)[..., :n].expand(B, H, n)
-        qh = q[:, :, 0]                                                     # [B, Hq, D]
-        # tail [nv, n): at most R slots in full precision
-        k_t, v_t = self._tail_keys(), self._ordered_values()
-        qg = qh.float().view(B, H, Hq // H, D)
-        s = torch.matmul(qg, k_t.float().transpose(-1, -2)) * scale         # [B, H, Gq, L]
-        if mask is not None:
-            s = s.masked_fill(~mask[:, :, None, nv:], float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)                                    # [B, H, Gq]
-        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-        out = torch.matmul(p, v_t.float()).view(B, Hq, D)
-        lse = lse.view(B, Hq)
-        if nv:   # packed prefix [0, nv): straight from the words
-            o1, l1 = quantized_decode_attention(
-                qh, self.k_packed, self.k_scale, self.k_min, self.v_packed, self.v_scale, self.v_min,
-                nv, self.bits, self.group, None if mask is None else mask[:, :, :nv], scale,
-                backend=self.backend)
-            out, lse = merge_partials(o1, l1, out, lse)
-        return out.to(q.dtype).unsqueeze(2)
-
-    def dequantized(self, dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
-        """(k, v) [B, H, n, D] in `dtype` (default the compute dtype); with dtype=torch.float32
-        exactly the keys and values `attend` attends over."""
-        G, nk, nv = self.group, self.n_packed_keys, self.n_packed_values
-        k = dequantize_keys(QuantizedTensor(self.k_packed[:, :, :nk], self.k_scale[:, :, :nk // G],
-                                            self.k_min[:, :, :nk // G], self.bits, G), dtype)
-        v = dequantize_values(QuantizedTensor(self.v_packed[:, :, :nv], self.v_scale[:, :, :nv],
-                                              self.v_min[:, :, :nv], self.bits, G), dtype)
-        return (torch.cat([k, self.k_res[:, :, :self.n - nk].to(k.dtype)], dim=2),
-                torch.cat([v, self._ordered_values().to(v.dtype)], dim=2))
-
-    def nbytes(self, live: bool = False) -> int:
-        """Allocated bytes of every buffer, or (live=True) the bytes that hold the n slots."""
-        bufs = (self.k_packed, self.k_scale, self.k_min, self.k_res,
-                self.v_packed, self.v_scale, self.v_min, self.v_res)
-        if not live:
-            return sum(t.numel() * t.element_size() for t in bufs)
-
-        def rows(t: Tensor, r: int) -> int:   # bytes of the first r rows along dim 2
-            return t[:, :, :r].numel() * t.element_size()
-        G, nk, nv = self.group, self.n_packed_keys, self.n_packed_values
-        return (rows(self.k_packed, nk) + rows(self.k_scale, nk // G) + rows(self.k_min, nk // G)
-                + rows(self.k_res, self.n - nk)
-                + rows(self.v_packed, nv) + rows(self.v_scale, nv) + rows(self.v_min, nv)
-                + rows(self.v_res, self.n - nv))

@@ -12,7 +12,7 @@ prompt tokens are selected (and D2O-merged) in full precision, then packed.  The
 packed storage ("Sparse readers" below); POD is refused with a clear error.
 
 Layout (`SlotStore`, one layer; B rows, H KV heads, C slots rounded up to a multiple of G, D = head_dim,
-P = 32 // bits codes per int32 word, W = D // P; quantize.py's formats, token-contiguous like QuantizedKV):
+P = 32 // bits codes per int32 word, W = D // P; quantize.py's formats, token-contiguous):
     k_packed [B, H, C, W] int32, k_scale / k_min [B, H, C // G, D]   keys per channel over the G slots
                                                                    of a slot group (slots gG .. gG+G-1)
     v_packed [B, H, C, W] int32, v_scale / v_min [B, H, C, D // G]   values per token over G channels
