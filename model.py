@@ -395,7 +395,7 @@ class Transformer(nn.Module):
         if max_seq_length > self.args.max_position_embeddings:
             raise ValueError(f"max_seq_length {max_seq_length} exceeds the model's context "
                              f"length {self.args.max_position_embeddings}")
-        weight = self.output.weight
+        weight = self.norm.weight          # the compute dtype (linear layers may be swapped for quantized ones)
         policy = policy if policy is not None else DenseCache()
         policy.setup(self.args, max_batch_size, max_seq_length, weight.dtype, weight.device)
         self.cache = policy

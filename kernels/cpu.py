@@ -1,5 +1,6 @@
-"""The C++ CPU kernels (kernels/cpu_kernels.cpp): the sparse readers' fast path on CPU, beside the
-Triton kernels on CUDA and the torch twins everywhere.
+"""The C++ CPU kernels (kernels/cpu_kernels.cpp: the sparse readers' fast path on CPU, beside the
+Triton kernels on CUDA and the torch twins everywhere; kernels/cpu_qlinear.cpp: the weight-quantized
+linear layers, see kernels/qlinear.py).
 
     cpu_kernels_available()            builds the extension on first call (torch.utils.cpp_extension,
                                        -O3 -march=native, ~30 s once; cached under
@@ -29,16 +30,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = [Path(__file__).with_name("cpu_kernels.cpp"), Path(__file__).with_name("cpu_qlinear.cpp")]
 
 
-def _cpu_tag() -> str:
-    """A short hash of the CPU's feature flags: -march=native code must not be reused on another CPU."""
+def _build_tag() -> str:
+    """A short hash of the CPU's feature flags (-march=native code must not be reused on another CPU)
+    and of the sources (checkouts with different kernels never share, and so never rebuild, one build)."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    return hashlib.sha1(flags.encode() + b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:10]
 
 
 _available: Optional[bool] = None       # a plain global, not lru_cache: torch.compile reads it as a constant
@@ -67,7 +69,7 @@ def use_cpu_kernel(backend: str, supported: bool) -> bool:
 def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
-        load(name=f"kvc_cpu_kernels_{_cpu_tag()}", sources=[str(SOURCE)],
+        load(name=f"kvc_cpu_kernels_{_build_tag()}", sources=[str(p) for p in SOURCES],
              extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:                                              # no compiler, no headers, ...
         warnings.warn(f"the C++ CPU kernels could not be built ({type(e).__name__}: {str(e)[:200]}); "
@@ -87,6 +89,14 @@ def _register_fakes() -> None:
     def _(scores, bias, n):
         B, H = scores.shape[:2]
         return (scores.new_empty((B, H, n), dtype=torch.long), scores.new_empty((B, H, n), dtype=torch.bool))
+
+    @torch.library.register_fake("kvc::qlinear")
+    def _(x, w, scales, mins, bits, group, portable):
+        return x.new_empty((x.shape[0], w.shape[0] * 16))
+
+    @torch.library.register_fake("kvc::qdequant")
+    def _(w, scales, mins, bits, group, K):
+        return scales.new_empty((w.shape[0] * 16, K), dtype=torch.float32)
 
 
 def sparse_attention_supported(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
