@@ -1,108 +1,146 @@
-// CPU kernels of the weight-only quantized linear layers (built with kernels/cpu_kernels.cpp by
+// CPU kernels of the weight-quantized linear layers (built with kernels/cpu_kernels.cpp by
 // kernels/cpu.py; the Python side, layouts and twins are in kernels/qlinear.py):
 //
-//   kvc::qlinear(x [M, K] fp32, w uint8/int8 tiles, scales fp16 [N/16, K/G, 16], mins fp16 like scales
-//                (int4) or an empty tensor (int8), bits 4|8, group G, portable bool) -> y [M, N] fp32
-//       y = x W~^T with W~ = scale * q (int8) or scale * q + min (int4, q in [0, 16)), in fp32: the
-//       activations are used as they are (weight-only; no activation rounding), so the result is the
-//       dense product with the dequantized weight up to the order of fp32 additions.  Per group,
-//       sum_k x_k (s q_k + m) = s * sum_k x_k q_k + m * sum_k x_k: the codes are converted to fp32 and
-//       multiplied in registers, the scale and minimum applied once per group.  For decode-sized M
-//       (batches); kernels/qlinear.py uses qdequant + a dense matmul for prefill.
-//   kvc::qdequant(w, scales, mins, bits, group, portable) -> W~ [N, K] fp32
+//   kvc::qlinear(x [M, K] fp32, w tiles, scales fp16 [N/16, K/G, 16], mins fp16 like scales (int4) or an
+//                empty tensor (int8), bits 4|8, group G, portable bool) -> y [M, N] fp32
+//       y = W~ x~: W~ the dequantized weight (int8: scale * q; int4: scale * q + min, q in [0, 16)) and
+//       x~ the activations rounded to 16-bit integers in blocks of 32 (d = max|x| / 32767,
+//       q_x = round(x / d)): a relative error of at most 2^-16 of the block's largest value, 256x below
+//       int8 activations (which changed the default model's greedy answer) and 128x below bf16's per
+//       element rounding.  Per block, the 32 products q_w q_x are summed exactly in int32 by AVX-512
+//       VNNI's vpdpwssd (pairs of int16 x int16 per lane), then scaled by scale * d in fp32; the int4
+//       minimum multiplies the block sums of x~.  For decode-sized M; kernels/qlinear.py uses
+//       qdequant + a dense matmul for prefill.
+//   kvc::qdequant(w, scales, mins, bits, group, K) -> W~ [N, K] fp32
 //
-// Tiles (16 output rows; kernels/qlinear.py `to_tiles` writes them from the row-major codes):
-//   int8: [N/16, K, 16] int8:        [t, k, r] = q[16t + r, k]
-//   int4: [N/16, K/2, 16] uint8:     [t, i, r] = q[16t + r, 2i] | q[16t + r, 2i + 1] << 4
-// so a 16-byte load holds one (int8) or two (int4) input channels of 16 rows: a row per AVX-512 lane,
-// no horizontal sums.  Work is split over pairs of tiles with at::parallel_for.  Without AVX-512 (or with
-// portable=true) the same arithmetic runs as plain loops.
+// Tiles of 16 output rows (kernels/qlinear.py `to_tiles` writes them from the row-major codes), read as
+// one dword per row (lane) of a 64-byte load:
+//   int8: [N/16, K/4, 16, 4] int8:  bytes (q0, q2, q1, q3) of channels 4c..4c+3: words (b0, b2) and
+//         (b1, b3), sign-extended, are the int16 pairs (q0, q1), (q2, q3)
+//   int4: [N/16, K/8, 16, 4] uint8: bytes (q0 | q2 << 4, q4 | q6 << 4, q1 | q3 << 4, q5 | q7 << 4) of
+//         channels 8c..8c+7: (dword >> 4j) & 0x000F000F is the pair (q_2j, q_2j+1)
+// so no horizontal sums are needed, and x~ pairs are consecutive int16.  Work is split over pairs of
+// tiles with at::parallel_for.  Without AVX-512 VNNI (or with portable=true) the same integer
+// arithmetic runs as plain loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
-#if defined(__AVX512F__)
+#include <cmath>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
-#define KVC_AVX512 1
+#define KVC_VNNI 1
 #endif
 
 namespace {
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
+constexpr int64_t BLOCK = 32;   // activation block
+
 struct Problem {
   const uint8_t* w;
   const uint16_t* scale;
   const uint16_t* mins;          // nullptr for int8
-  const float* x;                // [M, K]
-  const float* xsum;             // [M, K/G] group sums of x (int4)
+  const int16_t* xq;             // [M, K] x~ codes
+  const float* xd;               // [M, K/32] block scales d
+  const float* xs;               // [M, K/32] block sums of x~ (d * sum q_x)
   float* out;                    // [M, N]
   int64_t M, N, K, G;
   int bits;
-  int64_t tile_bytes() const { return K * 16 * bits / 8; }
+  int64_t tile_bytes() const { return K * 2 * bits; }
 };
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* d, float* s) {
+  const int64_t KB = K / BLOCK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < KB; ++b) {
+      const float* xb = x + m * K + b * BLOCK;
+      float amax = 0.f;
+      for (int i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float dm = amax / 32767.f, inv = dm > 0.f ? 1.f / dm : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < BLOCK; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+        q[m * K + b * BLOCK + i] = static_cast<int16_t>(v);
+        sum += v;
+      }
+      d[m * KB + b] = dm;
+      s[m * KB + b] = dm * static_cast<float>(sum);
+    }
+}
+
+// the code of channel k of tile row r (layouts in the header)
+inline int32_t code(const uint8_t* wt, int bits, int64_t k, int r) {
+  if (bits == 8) {
+    static const int slot[4] = {0, 2, 1, 3};
+    return reinterpret_cast<const int8_t*>(wt)[((k / 4) * 16 + r) * 4 + slot[k % 4]];
+  }
+  const int j = k % 8, byte = (j % 2) * 2 + (j / 2) / 2, shift = 4 * ((j / 2) % 2);
+  return (wt[((k / 8) * 16 + r) * 4 + byte] >> shift) & 15;
+}
 
 // ---------------------------------------------------------------------------------------- portable
 void tile_portable(const Problem& p, int64_t t, int64_t m) {
-  const int64_t NG = p.K / p.G;
+  const int64_t NG = p.K / p.G, KB = p.K / BLOCK;
   const uint8_t* wt = p.w + t * p.tile_bytes();
-  const float* x = p.x + m * p.K;
   float acc[16] = {};
-  for (int64_t g = 0; g < NG; ++g) {
-    float part[16] = {};
-    for (int64_t k = g * p.G; k < (g + 1) * p.G; ++k)
-      for (int r = 0; r < 16; ++r) {
-        const float q = p.bits == 8 ? static_cast<float>(reinterpret_cast<const int8_t*>(wt)[k * 16 + r])
-                                    : static_cast<float>((wt[(k / 2) * 16 + r] >> (4 * (k & 1))) & 15);
-        part[r] += x[k] * q;
-      }
+  for (int64_t b = 0; b < KB; ++b) {
+    const int64_t g = b * BLOCK / p.G;
     for (int r = 0; r < 16; ++r) {
-      acc[r] += part[r] * half_to_float(p.scale[(t * NG + g) * 16 + r]);
-      if (p.mins) acc[r] += half_to_float(p.mins[(t * NG + g) * 16 + r]) * p.xsum[m * NG + g];
+      int32_t isum = 0;
+      for (int64_t k = b * BLOCK; k < (b + 1) * BLOCK; ++k) isum += code(wt, p.bits, k, r) * p.xq[m * p.K + k];
+      const float sc = half_to_float(p.scale[(t * NG + g) * 16 + r]);
+      acc[r] += static_cast<float>(isum) * (sc * p.xd[m * KB + b]);
+      if (p.mins) acc[r] += half_to_float(p.mins[(t * NG + g) * 16 + r]) * p.xs[m * KB + b];
     }
   }
   std::memcpy(p.out + m * p.N + t * 16, acc, sizeof acc);
 }
 
-#ifdef KVC_AVX512
-// ------------------------------------------------------------------------------------------ AVX-512
+#ifdef KVC_VNNI
+// ------------------------------------------------------------------------------------------- VNNI
 inline __m512 load_half16(const uint16_t* h) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 }
 
-// TT consecutive tiles x MR rows of x, all in registers: per input channel one load of 16 codes per
-// tile (two channels per load for int4), converted once and used by the MR rows
+// TT consecutive tiles x MR rows of x: each 64-byte load is unpacked once into int16 pairs and used by
+// the MR rows; one int32 accumulator per (row, tile) and block
 template <int BITS, int MR, int TT>
-void tiles_avx512(const Problem& p, int64_t t, int64_t m0) {
-  const int64_t NG = p.K / p.G, TB = p.tile_bytes();
-  const __m512i low4 = _mm512_set1_epi32(15);
+void tiles_vnni(const Problem& p, int64_t t, int64_t m0) {
+  const int64_t NG = p.K / p.G, KB = p.K / BLOCK, TB = p.tile_bytes();
+  constexpr int LOADS = BITS == 4 ? 4 : 8;           // 64-byte loads per tile and block of 32 channels
+  const __m512i nib = _mm512_set1_epi32(0x000F000F);
   __m512 acc[MR][TT];
   for (int m = 0; m < MR; ++m)
     for (int u = 0; u < TT; ++u) acc[m][u] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < NG; ++g) {
-    __m512 part[MR][TT];
+  for (int64_t b = 0; b < KB; ++b) {
+    const int64_t g = b * BLOCK / p.G;
+    __m512i ia[MR][TT];
     for (int m = 0; m < MR; ++m)
-      for (int u = 0; u < TT; ++u) part[m][u] = _mm512_setzero_ps();
-    for (int64_t k = g * p.G; k < (g + 1) * p.G; k += 2) {
+      for (int u = 0; u < TT; ++u) ia[m][u] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int l = 0; l < LOADS; ++l) {
 #pragma GCC unroll 4
       for (int u = 0; u < TT; ++u) {
-        const uint8_t* wt = p.w + (t + u) * TB;
-        __m512 w0, w1;
-        if (BITS == 8) {
-          const __m128i* src = reinterpret_cast<const __m128i*>(wt + k * 16);
-          w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
-          w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));
+        const __m512i v = _mm512_loadu_si512(p.w + (t + u) * TB + (b * LOADS + l) * 64);
+        __m512i pairs[4];
+        if (BITS == 4) {
+          pairs[0] = _mm512_and_si512(v, nib);
+          pairs[1] = _mm512_and_si512(_mm512_srli_epi32(v, 4), nib);
+          pairs[2] = _mm512_and_si512(_mm512_srli_epi32(v, 8), nib);
+          pairs[3] = _mm512_and_si512(_mm512_srli_epi32(v, 12), nib);
         } else {
-          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wt + k * 8)));
-          w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, low4));
-          w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+          pairs[0] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+          pairs[1] = _mm512_srai_epi16(v, 8);
         }
 #pragma GCC unroll 4
         for (int m = 0; m < MR; ++m) {
-          const float* x = p.x + (m0 + m) * p.K + k;
-          part[m][u] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[0]), part[m][u]);
-          part[m][u] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[1]), part[m][u]);
+          const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq + (m0 + m) * p.K + b * BLOCK) + l * (BITS == 4 ? 4 : 2);
+#pragma GCC unroll 4
+          for (int j = 0; j < (BITS == 4 ? 4 : 2); ++j)
+            ia[m][u] = _mm512_dpwssd_epi32(ia[m][u], pairs[j], _mm512_set1_epi32(xq[j]));
         }
       }
     }
@@ -112,8 +150,9 @@ void tiles_avx512(const Problem& p, int64_t t, int64_t m0) {
       const __m512 sc = load_half16(p.scale + so);
       const __m512 mn = BITS == 4 ? load_half16(p.mins + so) : _mm512_setzero_ps();
       for (int m = 0; m < MR; ++m) {
-        acc[m][u] = _mm512_fmadd_ps(part[m][u], sc, acc[m][u]);
-        if (BITS == 4) acc[m][u] = _mm512_fmadd_ps(mn, _mm512_set1_ps(p.xsum[(m0 + m) * NG + g]), acc[m][u]);
+        const int64_t xb = (m0 + m) * KB + b;
+        acc[m][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][u]), _mm512_mul_ps(sc, _mm512_set1_ps(p.xd[xb])), acc[m][u]);
+        if (BITS == 4) acc[m][u] = _mm512_fmadd_ps(mn, _mm512_set1_ps(p.xs[xb]), acc[m][u]);
       }
     }
   }
@@ -122,11 +161,11 @@ void tiles_avx512(const Problem& p, int64_t t, int64_t m0) {
 }
 
 template <int BITS, int TT>
-void rows_avx512(const Problem& p, int64_t t) {
+void rows_vnni(const Problem& p, int64_t t) {
   int64_t m = 0;
-  for (; m + 4 <= p.M; m += 4) tiles_avx512<BITS, 4, TT>(p, t, m);
-  for (; m + 2 <= p.M; m += 2) tiles_avx512<BITS, 2, TT>(p, t, m);
-  for (; m < p.M; ++m) tiles_avx512<BITS, 1, TT>(p, t, m);
+  for (; m + 4 <= p.M; m += 4) tiles_vnni<BITS, 4, TT>(p, t, m);
+  for (; m + 2 <= p.M; m += 2) tiles_vnni<BITS, 2, TT>(p, t, m);
+  for (; m < p.M; ++m) tiles_vnni<BITS, 1, TT>(p, t, m);
 }
 #endif
 
@@ -135,10 +174,10 @@ void run(const Problem& p, bool portable) {
   at::parallel_for(0, (NT + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = 2 * begin; t < std::min(2 * end, NT); t += 2) {
       const bool pair = t + 1 < NT;
-#ifdef KVC_AVX512
+#ifdef KVC_VNNI
       if (!portable) {
-        if (p.bits == 4) pair ? rows_avx512<4, 2>(p, t) : rows_avx512<4, 1>(p, t);
-        else pair ? rows_avx512<8, 2>(p, t) : rows_avx512<8, 1>(p, t);
+        if (p.bits == 4) pair ? rows_vnni<4, 2>(p, t) : rows_vnni<4, 1>(p, t);
+        else pair ? rows_vnni<8, 2>(p, t) : rows_vnni<8, 1>(p, t);
         continue;
       }
 #endif
@@ -151,7 +190,8 @@ void run(const Problem& p, bool portable) {
 void check(const torch::Tensor& w, const torch::Tensor& scales, const torch::Tensor& mins, int64_t bits,
            int64_t group, int64_t K) {
   TORCH_CHECK(bits == 4 || bits == 8, "kvc::qlinear: bits must be 4 or 8");
-  TORCH_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "kvc::qlinear: the group must be even and divide K");
+  TORCH_CHECK(K % BLOCK == 0 && group % BLOCK == 0 && K % group == 0,
+              "kvc::qlinear: K and the group must be multiples of 32, the group must divide K");
   const int64_t NT = w.size(0);
   TORCH_CHECK(w.is_contiguous() && w.numel() == NT * K * 2 * bits && w.element_size() == 1,
               "kvc::qlinear: w must hold [N/16] tiles of 16 rows x K codes");
@@ -171,10 +211,12 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, to
   check(w, scales, mins, bits, group, K);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
-  torch::Tensor xsum = bits == 4 ? x.view({M, K / group, group}).sum(-1).contiguous() : torch::Tensor();
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kShort));
+  auto xd = torch::empty({M, K / BLOCK}, x.options()), xs = torch::empty({M, K / BLOCK}, x.options());
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int16_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
   Problem p{reinterpret_cast<const uint8_t*>(w.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
             bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr,
-            x.data_ptr<float>(), bits == 4 ? xsum.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+            xq.data_ptr<int16_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), out.data_ptr<float>(),
             M, N, K, group, static_cast<int>(bits)};
   run(p, portable);
   return out;
@@ -196,9 +238,7 @@ torch::Tensor qdequant(torch::Tensor w, torch::Tensor scales, torch::Tensor mins
         float* row = op + (t * 16 + r) * K;
         for (int64_t k = 0; k < K; ++k) {
           const int64_t so = (t * NG + k / group) * 16 + r;
-          const float q = bits == 8 ? static_cast<float>(reinterpret_cast<const int8_t*>(wt)[k * 16 + r])
-                                    : static_cast<float>((wt[(k / 2) * 16 + r] >> (4 * (k & 1))) & 15);
-          row[k] = q * half_to_float(sp[so]) + (mp ? half_to_float(mp[so]) : 0.f);
+          row[k] = code(wt, bits, k, r) * half_to_float(sp[so]) + (mp ? half_to_float(mp[so]) : 0.f);
         }
       }
     }

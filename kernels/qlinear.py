@@ -10,20 +10,22 @@ G consecutive input channels per output row (K % G == 0, G % 32 == 0):
     min = -8 * scale, exactly representable, so one kernel serves both)
 A `QWeight` holds one such tensor; `dequantize(qw)` -> W~ fp32.
 
-Backends of `QuantizedLinear` (chosen when the module is built, by its device); all compute
-y = x W~^T with the activations as they are (weight-only: no activation rounding):
-    cpp     CPU: kernels/cpu_qlinear.cpp on 16-row tiles (`to_tiles`): for up to MAX_GEMV_ROWS rows of
-            x a GEMV that converts the codes in registers (AVX-512, or portable loops); more rows
-            (prefill) dequantize W~ once (`kvc::qdequant`) and use the dense matmul.
-    triton  CUDA: a GEMV that dequantizes the row-major codes in registers, for up to MAX_GEMV_ROWS
-            rows; more rows dequantize W~ once and use the dense matmul.
+Backends of `QuantizedLinear` (chosen when the module is built, by its device):
+    cpp     CPU: kernels/cpu_qlinear.cpp on 16-row tiles (`to_tiles`).  For up to MAX_GEMV_ROWS rows of x
+            a GEMV: y = W~ x~, with x~ the activations rounded to 16-bit integers per block of 32
+            (relative error <= 2^-16 of the block's largest value), summed exactly in int32 by AVX-512
+            VNNI (portable loops without it).  Twin: `qlinear_reference`.  More rows (prefill):
+            W~ dequantized once (`kvc::qdequant`) and the dense matmul, y = x W~^T.
+    triton  CUDA: a GEMV that dequantizes the row-major codes in registers (y = x W~^T) for up to
+            MAX_GEMV_ROWS rows; more rows dequantize W~ once and use the dense matmul.
     torch   anywhere (no compiler for the C++ kernels, or backend="torch"): dequantize + F.linear.
-The twin of every kernel is `qlinear_torch`.  Quantizing the activations too (int8 in blocks of 32,
-llama.cpp's Q8 activations, so that AVX-512 VNNI integer dot products apply) was measured and
-rejected: it changed the default model's greedy chat answer with int8 weights (the first answer
-token is a near-tie), while weight-only int8 kept it (README).  torch's own packed CPU ops
+`qlinear_torch` (y = x W~^T) is the twin of the Triton GEMV and the oracle of the others.
+Measured alternatives (README): 8-bit activations in blocks of 32 (llama.cpp's Q8 activations; VNNI's
+vpdpbusd, ~2x fewer instructions than the 16-bit path) changed the default model's greedy chat answer
+with int8 weights, the 16-bit ones do not; an fp32 FMA kernel (exact activations) needs ~2x the
+instructions of the 16-bit VNNI one and was ~1.8x slower per thread; torch's own packed CPU ops
 (aten._weight_int8pack_mm, _weight_int4pack_mm_for_cpu, _dyn_quant_matmul_4bit) are slower here at
-batch 1 or need bf16 activations (README), so no backend uses them.
+batch 1 or need bf16 activations, so no backend uses them.
 """
 from __future__ import annotations
 
@@ -109,26 +111,58 @@ def dequantize(qw: QWeight, dtype: torch.dtype = torch.float32) -> Tensor:
 
 
 # ------------------------------------------------------------------------------ CPU tiles
+_INT8_ORDER = [0, 2, 1, 3]              # channel order of a tile dword's bytes (int8), its own inverse
+_INT4_LOW, _INT4_HIGH = [0, 4, 1, 5], [2, 6, 3, 7]   # channels in the low / high nibbles of its 4 bytes
+
+
 def to_tiles(qw: QWeight) -> tuple[Tensor, Tensor, Tensor]:
-    """Row-major -> the C++ kernel's tiles (kernels/cpu_qlinear.cpp): (w [N'/16, K, 16] int8 or
-    [N'/16, K/2, 16] uint8 (the row-major bytes, 16 rows interleaved), scales, mins fp16
-    [N'/16, K/G, 16]; mins empty for int8), rows padded with zeros to N' = a multiple of 16."""
+    """Row-major -> the C++ kernel's tiles (layouts: kernels/cpu_qlinear.cpp): (w [N'/16, K/4 or K/8,
+    16, 4] int8 / uint8, scales, mins fp16 [N'/16, K/G, 16]; mins empty for int8), rows padded with
+    zeros to N' = a multiple of 16."""
     pad = -qw.shape[0] % TILE
 
-    def per_tile(t: Tensor) -> Tensor:
+    def per_tile(t: Tensor) -> Tensor:                   # [N, X] -> [N'/16, X, 16]
         t = F.pad(t, (0, 0, 0, pad))
         return t.view(t.shape[0] // TILE, TILE, -1).transpose(1, 2).contiguous()
+    q = F.pad(codes_of(qw), (0, 0, 0, pad))
+    NT = q.shape[0] // TILE
+    if qw.bits == 8:
+        dwords = q.view(NT, TILE, -1, 4)[..., _INT8_ORDER]
+    else:
+        c = q.view(NT, TILE, -1, 8)
+        dwords = c[..., _INT4_LOW] | (c[..., _INT4_HIGH] << 4)
     mins = per_tile(qw.mins) if qw.mins is not None else qw.scales.new_empty(0)
-    return per_tile(qw.qweight), per_tile(qw.scales), mins
+    return dwords.transpose(1, 2).contiguous(), per_tile(qw.scales), mins
 
 
 def tile_rows(w: Tensor, scales: Tensor, mins: Tensor, bits: int, group: int, rows: Tensor) -> QWeight:
     """The row-major QWeight of `rows` (long [L]) of tiled tensors (embedding lookups of a tied head)."""
     t, r = rows // TILE, rows % TILE
-    return QWeight(w[t, :, r], scales[t, :, r], mins[t, :, r] if bits == 4 else None, bits, group)
+    dwords = w[t, :, r]                                  # [L, K/4 or K/8, 4]
+    if bits == 8:
+        q = dwords[..., _INT8_ORDER].flatten(1)
+    else:
+        c = torch.cat((dwords & 15, dwords >> 4), dim=-1)[..., [0, 2, 4, 6, 1, 3, 5, 7]]
+        q = pack_int4(c.flatten(1))
+    return QWeight(q, scales[t, :, r], mins[t, :, r] if bits == 4 else None, bits, group)
 
 
 # ------------------------------------------------------------------------------ twins
+def quantize_activations(x: Tensor) -> Tensor:
+    """x~ [M, K] fp32: x in blocks of 32 rounded to 16-bit integers, d = max|x| / 32767, round(x / d) * d:
+    exactly the C++ kernel's codes and scales (fp32 arithmetic, round half to even)."""
+    M, K = x.shape
+    xb = x.float().view(M, K // MIN_GROUP, MIN_GROUP)
+    d = xb.abs().amax(-1, keepdim=True) / 32767
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).view(M, K)
+
+
+def qlinear_reference(x: Tensor, qw: QWeight) -> Tensor:
+    """The C++ GEMV's twin: x [M, K] -> W~ x~ [M, N] fp32 (x~: quantize_activations)."""
+    return F.linear(quantize_activations(x), dequantize(qw))
+
+
 def qlinear_torch(x: Tensor, qw: QWeight) -> Tensor:
     """x [..., K] -> x W~^T [..., N] in x's dtype (the kernels' twin)."""
     return F.linear(x, dequantize(qw, x.dtype))

@@ -29,7 +29,7 @@ import quantize  # noqa: E402
 from checkpoint import CheckpointError, read_checkpoint  # noqa: E402
 from kernels.cpu import cpu_kernels_available  # noqa: E402
 from kernels.qlinear import (MAX_GEMV_ROWS, QuantizedLinear, QWeight, dequantize,  # noqa: E402
-                             qlinear_torch, tile_rows, to_tiles)
+                             qlinear_reference, qlinear_torch, quantize_activations, tile_rows, to_tiles)
 from quantize import quantize_int4, quantize_weight  # noqa: E402
 from tests.helpers import compiled_and_eager_decode, prompt_logits  # noqa: E402
 
@@ -119,26 +119,35 @@ def summed(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
 @needs_cpp
 @pytest.mark.parametrize("mode,group,sym", SCHEMES, ids=IDS)
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 16])
-@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+@pytest.mark.parametrize("portable", [False, True], ids=["vnni", "portable"])
 def test_cpp_kernel_equals_twin(mode, group, sym, M, portable):
     qw = quantize_weight(weight(N=40), mode, group, sym)                     # padded rows, odd tile count
     w, s, m = to_tiles(qw)
     x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)) * 2
+    x[0, :32] = 0                                                             # an all-zero activation block
     out = torch.ops.kvc.qlinear(x, w, s, m, qw.bits, qw.group, portable)
     assert out.shape == (M, 48) and (out[:, 40:] == 0).all()                  # zero padding rows
-    assert ((out[:, :40] - qlinear_torch(x, qw)).abs() <= 1e-6 * summed(x, qw) + 1e-7).all()
+    assert ((out[:, :40] - qlinear_reference(x, qw)).abs() <= 1e-6 * summed(x, qw) + 1e-7).all()
     deq = torch.ops.kvc.qdequant(w, s, m, qw.bits, qw.group, 256)
     assert torch.equal(deq[:40], dequantize(qw))
+
+
+def act_bound(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
+    """|W~ (x - x~)| <= |x - x~| |W~|^T per output: the 16-bit activation rounding of the GEMV."""
+    return (x - quantize_activations(x)).abs() @ dequantize(qw).abs().T
 
 
 @needs_cpp
 @pytest.mark.parametrize("M", [1, MAX_GEMV_ROWS, MAX_GEMV_ROWS + 1, 300])
 def test_quantized_linear_rows_and_dtypes(M):
-    """GEMV (up to MAX_GEMV_ROWS rows) and dequantize + matmul (more) agree; bf16 in, bf16 out."""
+    """GEMV (up to MAX_GEMV_ROWS rows: 16-bit activations) and dequantize + matmul (more: exact) agree
+    with x W~^T within 2^-15 of each block's largest |x| (times |W~|); bf16 in, bf16 out."""
     qw = quantize_int4(weight(), 32)
     lin = QuantizedLinear(qw)
     x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M))
-    torch.testing.assert_close(lin(x), qlinear_torch(x, qw), atol=1e-5, rtol=1e-5)
+    err = (lin(x) - qlinear_torch(x, qw)).abs()
+    assert (err <= act_bound(x, qw) + 1e-5 * summed(x, qw)).all()
+    assert (err == 0).all() or M <= MAX_GEMV_ROWS
     out = lin(x.bfloat16())
     assert out.dtype == torch.bfloat16 and out.shape == (M, 96)
     torch.testing.assert_close(out.float(), qlinear_torch(x.bfloat16().float(), qw), atol=0.02, rtol=0.01)
@@ -159,6 +168,9 @@ def test_quantized_linear_vs_fp32_within_bound(mode, group, sym, backend):
     x2 = x.view(10, 256)
     exact = F.linear(x2, w, bias)
     limit = x2.abs() @ bound(qw).T + 1e-5 * (x2.abs() @ w.abs().T) + 1e-5
+    if backend == "cpp":
+        limit = limit + act_bound(x2, qw)
+        assert (act_bound(x2, qw) <= 2 ** -15 * x2.abs().amax() * (x2.abs() @ dequantize(qw).abs().T)).all()
     assert ((y - exact).abs() <= limit).all()
     assert (y - exact).abs().max() > 0                                        # it did quantize
     torch.testing.assert_close(lin.qweight().qweight, qw.qweight, atol=0, rtol=0)
@@ -196,7 +208,7 @@ def test_gguf_native_repack_is_exact(tmp_path):
     ids = torch.randint(0, m_native.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     outs = prompt_logits((m_native, m_float), ids)
     assert torch.equal(m_native.tok_embeddings(ids), m_float.tok_embeddings(ids))  # the table itself: exact
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)         # the same weights, exactly
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-3, rtol=1e-3)         # the same weights; 16-bit activations
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -312,7 +324,8 @@ def test_compiled_quantized_decode_matches_eager_without_recompiles(tiny_dir, tm
     model, _ = engine.load_model(out)
     ids = torch.randint(0, model.args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     compiled, eager = compiled_and_eager_decode(model, ids)
-    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+    # Inductor's fused norms round differently; a last-bit change of an activation can move its 16-bit code
+    torch.testing.assert_close(compiled, eager, atol=1e-3, rtol=1e-3)
 
 
 # ------------------------------------------------------------------------------ the real model
@@ -338,7 +351,7 @@ def test_real_model_runs_its_own_q4_1_weights(default_gguf):
     assert q_bytes < 0.2 * f_bytes, (q_bytes, f_bytes)
     ids = torch.tensor([tok.encode(TEXT)])
     outs = prompt_logits((native, flt), ids)
-    torch.testing.assert_close(outs[0], outs[1], atol=2e-4, rtol=1e-4)        # the same weights, exactly
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=1e-3)        # the same weights; 16-bit activations
     r = engine.generate(native, tok, ["What is the capital of France?"], max_new_tokens=12, chat=True)
     assert "Paris" in r.texts[0]
 
