@@ -16,12 +16,14 @@ import json
 import mmap
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
+from kernels.cpu import decode_attention, fuse_norms
 from kernels.qlinear import QuantizedEmbedding, QuantizedLinear, QWeight, check_qweight, dequantize
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer
@@ -258,7 +260,9 @@ def gguf_qweight(t) -> QWeight:
     Q8_0 block = fp16 d, 32 int8 q (w = d q); Q4_0 = fp16 d, 16 bytes (w = d (q - 8)); Q4_1 = fp16 d,
     fp16 m, 16 bytes (w = d q + m), byte j holding q[j] in its low nibble and q[j + 16] in its high one."""
     kind = t.tensor_type.name
-    raw = torch.from_numpy(np.require(t.data, requirements=["C", "W"]).view(np.uint8))
+    with warnings.catch_warnings():   # a read-only view of the file: only read (the results are new tensors)
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8))
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, _GGUF_NATIVE[kind])                      # [N, K/32, bytes]
     d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]           # [N, K/32]
@@ -338,12 +342,13 @@ def cat_rows(parts: list):
     return QWeight(cat("qweight"), cat("scales"), cat("mins"), first.bits, first.group)
 
 
-def engine_state_dict(args: ModelArgs, hf: dict) -> dict:
-    """Rename HF tensors to model.py's names, fusing q|k|v and gate|up (float tensors or QWeights)."""
+def engine_state_dict(args: ModelArgs, hf: dict, consume: bool = False) -> dict:
+    """Rename HF tensors to model.py's names, fusing q|k|v and gate|up (float tensors or QWeights);
+    consume=True pops them from `hf` (the unfused parts are freed as soon as they are fused)."""
     def take(name):
         if name not in hf:
             raise CheckpointError(f"checkpoint is missing tensor {name}")
-        return hf[name]
+        return hf.pop(name) if consume else hf[name]
 
     sd = {"tok_embeddings.weight": take("model.embed_tokens.weight"),
           "norm.weight": take("model.norm.weight")}
@@ -363,28 +368,35 @@ def engine_state_dict(args: ModelArgs, hf: dict) -> dict:
     return sd
 
 
-def build_model(args: ModelArgs, hf_tensors: dict, device, dtype: torch.dtype) -> Transformer:
+def build_model(args: ModelArgs, hf_tensors: dict, device, dtype: torch.dtype, consume: bool = False) -> Transformer:
     """Construct on the meta device, then assign the (cast) checkpoint tensors; every QWeight becomes a
-    QuantizedLinear (a tied quantized head also serves the embedding lookups)."""
+    QuantizedLinear (a tied quantized head also serves the embedding lookups).  consume=True empties
+    `hf_tensors` on the way, so a quantized checkpoint is never held in two layouts at once."""
     with torch.device("meta"):
         model = Transformer(args)
-    sd = engine_state_dict(args, hf_tensors)
+    sd = engine_state_dict(args, hf_tensors, consume)
     if args.tie_word_embeddings:
         sd["output.weight"] = sd["tok_embeddings.weight"]
     elif isinstance(sd["tok_embeddings.weight"], QWeight):   # an untied table is only looked up
         sd["tok_embeddings.weight"] = dequantize(sd["tok_embeddings.weight"])
-    quantized = {k[:-len(".weight")]: v for k, v in sd.items() if isinstance(v, QWeight) and k != "tok_embeddings.weight"}
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items() if not isinstance(v, QWeight)}
-    for name, qw in quantized.items():
+    if isinstance(sd["tok_embeddings.weight"], QWeight):
+        del sd["tok_embeddings.weight"]                      # tied: the head's QuantizedLinear serves it
+    quantized = [k[:-len(".weight")] for k, v in sd.items() if isinstance(v, QWeight)]
+    for name in quantized:
+        qw = sd.pop(name + ".weight").map(lambda t: t.to(device))
+        bias = sd.pop(name + ".bias", None)
         try:
-            layer = QuantizedLinear(qw.map(lambda t: t.to(device)), sd.pop(name + ".bias", None))
+            layer = QuantizedLinear(qw, None if bias is None else bias.to(device=device, dtype=dtype))
         except ValueError as e:
             raise CheckpointError(f"quantized weight {name}: {e}") from e
+        del qw
         if (layer.out_features, layer.in_features) != tuple(model.get_submodule(name).weight.shape):
-            raise CheckpointError(f"quantized weight {name} is {tuple(qw.shape)}, the config needs "
-                                  f"{tuple(model.get_submodule(name).weight.shape)}")
+            raise CheckpointError(f"quantized weight {name} is {(layer.out_features, layer.in_features)}, the "
+                                  f"config needs {tuple(model.get_submodule(name).weight.shape)}")
         model.set_submodule(name, layer)
-        sd.update({f"{name}.{k}": v for k, v in layer.state_dict().items()})
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+    for name in quantized:
+        sd.update({f"{name}.{k}": v for k, v in model.get_submodule(name).state_dict().items()})
     if args.tie_word_embeddings and "output" in quantized:
         model.tok_embeddings = QuantizedEmbedding(model.output, dtype)
     try:
@@ -393,6 +405,8 @@ def build_model(args: ModelArgs, hf_tensors: dict, device, dtype: torch.dtype) -
         raise CheckpointError(f"checkpoint does not fit the config: {e}") from e
     if args.tie_word_embeddings and "output" not in quantized:
         model.output.weight = model.tok_embeddings.weight
+    model.decode_attention = decode_attention     # the C++ kernel on CPU (grouped_attention elsewhere)
+    fuse_norms(model)                             # one op per RMSNorm in eager CPU steps
     return model.eval()
 
 

@@ -70,7 +70,7 @@ def load_model(checkpoint, device="cpu", dtype=None, weights: str = "auto") -> t
     dtype = resolve_dtype(dtype, device)
     args, tensors, tokenizer = read_checkpoint(checkpoint, weights)
     args.checkpoint_path = str(checkpoint)   # lets policies find per-checkpoint calibration files
-    model = build_model(args, tensors, device, dtype)
+    model = build_model(args, tensors, device, dtype, consume=True)
     return model, tokenizer
 
 

@@ -8,6 +8,8 @@ linear layers, see kernels/qlinear.py).
                                        False with one warning if it cannot be built (no compiler)
     sparse_decode_attention_cpu(...)   == kernels.sparse_decode_attention_torch (fp32, D 64 or 128)
     select_top_cpu(scores, bias, n)    == torch.topk of F.pad(scores, (0, n)) + bias, as a set per row
+    decode_attention(q, k, v, visible) == model.grouped_attention of one decode query over a dense cache
+                                       (the C++ kernel on fp32 CPU tensors, grouped_attention otherwise)
 
 Why: on CPU the torch twin of sparse attention copies the N selected K and V rows (index_select)
 and runs two batched matmuls over the copies, so every selected byte crosses memory three times;
@@ -29,6 +31,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from model import RMSNorm
 
 SOURCES = [Path(__file__).with_name("cpu_kernels.cpp"), Path(__file__).with_name("cpu_qlinear.cpp")]
 
@@ -90,6 +94,14 @@ def _register_fakes() -> None:
         B, H = scores.shape[:2]
         return (scores.new_empty((B, H, n), dtype=torch.long), scores.new_empty((B, H, n), dtype=torch.bool))
 
+    @torch.library.register_fake("kvc::decode_attention")
+    def _(q, k, v, visible, scale):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("kvc::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("kvc::qlinear")
     def _(x, w, scales, mins, bits, group, portable):
         return x.new_empty((x.shape[0], w.shape[0] * 16))
@@ -127,3 +139,41 @@ def select_top_cpu(scores: Tensor, bias: Tensor, n: int) -> tuple[Tensor, Tensor
 def _unit_stride_rows(t: Tensor) -> Tensor:
     """t itself when its last dim is contiguous (the kernels take the other strides as they are)."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor]) -> Tensor:
+    """Decode attention over a dense cache: q [B, H_q, 1, D], k, v [B, H_kv, S, D], visible bool
+    [B, 1 or H_kv, >= S] (True = attend) or None -> [B, H_q, 1, D]; query head h reads KV head
+    h // (H_q / H_kv).  The C++ kernel (each K/V row read once, in place; ~2.5x the rate of
+    F.scaled_dot_product_attention's CPU kernel for one query) on fp32 CPU tensors with head_dim 64 or
+    128, else model.grouped_attention with the equivalent mask."""
+    B, Hq, T, D = q.shape
+    S = k.shape[2]
+    if (T == 1 and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and D in (64, 128)
+            and k.stride(3) == 1 and v.stride(3) == 1 and cpu_kernels_available()):
+        vis = torch.empty(0, dtype=torch.bool) if visible is None else _unit_stride_rows(visible)
+        return torch.ops.kvc.decode_attention(q.reshape(B, Hq, D).contiguous(), k, v, vis,
+                                              1.0 / math.sqrt(D)).view(B, Hq, 1, D)
+    from model import grouped_attention
+    mask = None if visible is None else visible[..., None, :S].expand(B, visible.shape[1], (Hq // k.shape[1]) * T, S)
+    return grouped_attention(q, k, v, mask)
+
+
+class FusedRMSNorm(RMSNorm):
+    """model.RMSNorm with the eager fp32 CPU step as one C++ op (kvc::rms_norm) instead of F.rms_norm's
+    half dozen; under torch.compile (Inductor fuses it anyway) and elsewhere model.RMSNorm's own."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
+                and self.weight.dtype == torch.float32 and x.is_contiguous() and cpu_kernels_available()):
+            return torch.ops.kvc.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+def fuse_norms(model: torch.nn.Module) -> None:
+    """Swap FusedRMSNorm in for every model.RMSNorm of `model` (same weight Parameter)."""
+    for name, mod in list(model.named_modules()):
+        if type(mod) is RMSNorm:
+            fused = FusedRMSNorm(mod.weight.shape[0], mod.eps)
+            fused.weight = mod.weight
+            model.set_submodule(name, fused)

@@ -115,10 +115,18 @@ _INT8_ORDER = [0, 2, 1, 3]              # channel order of a tile dword's bytes 
 _INT4_LOW, _INT4_HIGH = [0, 4, 1, 5], [2, 6, 3, 7]   # channels in the low / high nibbles of its 4 bytes
 
 
-def to_tiles(qw: QWeight) -> tuple[Tensor, Tensor, Tensor]:
+def to_tiles(qw: QWeight, chunk: int = 2048) -> tuple[Tensor, Tensor, Tensor]:
     """Row-major -> the C++ kernel's tiles (layouts: kernels/cpu_qlinear.cpp): (w [N'/16, K/4 or K/8,
     16, 4] int8 / uint8, scales, mins fp16 [N'/16, K/G, 16]; mins empty for int8), rows padded with
-    zeros to N' = a multiple of 16."""
+    zeros to N' = a multiple of 16.  Converted `chunk` rows at a time (small temporaries: a large
+    head would otherwise raise the loader's peak memory by a few copies of itself)."""
+    if qw.shape[0] > chunk:
+        parts = [_tiles(qw.map(lambda t: t[i:i + chunk])) for i in range(0, qw.shape[0], chunk)]
+        return tuple(torch.cat(p) if p[0].numel() else p[0] for p in zip(*parts))
+    return _tiles(qw)
+
+
+def _tiles(qw: QWeight) -> tuple[Tensor, Tensor, Tensor]:
     pad = -qw.shape[0] % TILE
 
     def per_tile(t: Tensor) -> Tensor:                   # [N, X] -> [N'/16, X, 16]

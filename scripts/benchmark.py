@@ -607,7 +607,7 @@ class Bench:
                  file_ids: Optional[list[int]]):
         self.model, self.opts, self.writer, self.meter = model, opts, writer, meter
         self.device = model.output.weight.device
-        self.dtype = model.output.weight.dtype
+        self.dtype = model.norm.weight.dtype          # the compute dtype (linear layers may be quantized)
         self.bandwidth_gbs = bandwidth_gbs
         self.weight_bytes = unique_weight_bytes(model)
         self.file_ids = file_ids
@@ -1245,6 +1245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-runs", type=int, default=3,
                    help="--memory-limit: at most this many real runs per policy and limit (refit after each)")
     p.add_argument("--max-batch", type=int, default=65536, help="--memory-limit: upper end of the search")
+    p.add_argument("--peers", metavar="llama.cpp,hf", help="e2e: also run these peers (scripts/peers.py, each in a "
+                                                          "subprocess) at the batch-1 contexts and print ours / theirs")
     p.add_argument("--json", type=Path, help="write the rows as a JSON list (atomically, after every row)")
     p.add_argument("--csv", type=Path, help="write the rows as CSV (atomically, after every row)")
     p.add_argument("--plot", type=Path, help="write a PNG plot (needs matplotlib)")
@@ -1293,7 +1295,7 @@ def header(o, model, device, bandwidth: Optional[float], meter: MemoryMeter) -> 
     a = model.args
     print(f"# kvpolicy-engine benchmark | torch {torch.__version__} | device {device} "
           f"({cpu_name() if device.type == 'cpu' else torch.cuda.get_device_name(device)}) | "
-          f"dtype {str(model.output.weight.dtype).replace('torch.', '')} | threads {torch.get_num_threads()} | "
+          f"dtype {str(model.norm.weight.dtype).replace('torch.', '')} | threads {torch.get_num_threads()} | "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset; ACTIVE recommended)')}")
     print(f"# model {o.checkpoint.name}: {a.n_layers} layers, {a.n_heads} q / {a.n_kv_heads} kv heads, head_dim "
           f"{a.head_dim}, context {a.max_position_embeddings}; weights {fmt_bytes(unique_weight_bytes(model))}")
@@ -1362,6 +1364,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"\ninterrupted: kept {len(writer.rows)} finished row(s) ({kept} measured) in {where}", file=sys.stderr)
         return 130
     print_summary(writer.rows)
+    if o.peers and mode == "e2e":
+        from peers import compare_with_rows
+        compare_with_rows(writer.rows, o.peers, torch.get_num_threads(), o.decode_steps)
     if o.plot:
         plot(writer.rows, o.plot, mode)
     return 1 if bench.errors else 0
