@@ -174,6 +174,11 @@ def decode_tps(side: dict, ids: list[int], steps: int = 32, threads: int = 2, wa
                                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
+    return worker_result(proc)
+
+
+def worker_result(proc: subprocess.CompletedProcess) -> dict:
+    """The worker's JSON line, or {"error": ...} naming the signal or the last line of its stderr."""
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     if lines:
         return json.loads(lines[-1])
