@@ -39,6 +39,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from kernels.qlinear import QWeight, pack_int4
 from kernels.quantized_attention import merge_partials, quantized_decode_attention
 
 BITS = (2, 4, 8)
@@ -434,9 +435,8 @@ def _safe(scale: Tensor) -> Tensor:
     return torch.where(s != 0, s, torch.ones_like(s))
 
 
-def quantize_int8(w: Tensor, group: int = 0):
+def quantize_int8(w: Tensor, group: int = 0) -> QWeight:
     """w [N, K] -> QWeight int8, symmetric; group 0 = per output channel (G = K)."""
-    from kernels.qlinear import QWeight
     N, K = w.shape
     G = group or K
     x = w.float().reshape(N, K // G, G)
@@ -445,9 +445,8 @@ def quantize_int8(w: Tensor, group: int = 0):
     return QWeight(q.to(torch.int8).reshape(N, K), scale, None, 8, G)
 
 
-def quantize_int4(w: Tensor, group: int = 32, symmetric: bool = False):
+def quantize_int4(w: Tensor, group: int = 32, symmetric: bool = False) -> QWeight:
     """w [N, K] -> QWeight int4 (scheme in the section comment above)."""
-    from kernels.qlinear import QWeight, pack_int4
     N, K = w.shape
     x = w.float().reshape(N, K // group, group)
     if symmetric:
@@ -463,7 +462,7 @@ def quantize_int4(w: Tensor, group: int = 32, symmetric: bool = False):
     return QWeight(pack_int4(codes), scale, minimum, 4, group)
 
 
-def quantize_weight(w: Tensor, mode: str, group: int = 0, symmetric: bool = False):
+def quantize_weight(w: Tensor, mode: str, group: int = 0, symmetric: bool = False) -> QWeight:
     """One weight [N, K] -> QWeight of `mode` ("int8": group 0 = per channel; "int4": group 32..)."""
     if not torch.isfinite(w).all():
         raise ValueError("weight has non-finite values")
