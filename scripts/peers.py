@@ -65,11 +65,13 @@ def run_llama_cpp(opts: dict, ids: list[int], steps: int, warmup: int, threads: 
     llm.eval(ids)
     prefill = time.perf_counter() - t
 
+    def last_argmax() -> int:   # without logits_all, llama-cpp-python 0.3 keeps no scores: read the context's
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
     def step(tok: int) -> int:
         llm.eval([tok])
-        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    return {"tok_s": timed_decode(step, int(np.argmax(llm.scores[llm.n_tokens - 1])), steps, warmup),
-            "prefill_s": prefill}
+        return last_argmax()
+    return {"tok_s": timed_decode(step, last_argmax(), steps, warmup), "prefill_s": prefill}
 
 
 def run_hf(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) -> dict:
