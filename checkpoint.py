@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kernels.cpu import decode_attention, fuse_norms
+from kernels.cpu import cpu_kernels_available, decode_attention, fuse_norms
 from kernels.qlinear import QuantizedEmbedding, QuantizedLinear, QWeight, check_qweight, dequantize
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer
@@ -405,6 +405,8 @@ def build_model(args: ModelArgs, hf_tensors: dict, device, dtype: torch.dtype, c
         raise CheckpointError(f"checkpoint does not fit the config: {e}") from e
     if args.tie_word_embeddings and "output" not in quantized:
         model.output.weight = model.tok_embeddings.weight
+    if torch.device(device).type == "cpu":
+        cpu_kernels_available()                   # build/load now, not inside a torch.compile trace
     model.decode_attention = decode_attention     # the C++ kernel on CPU (grouped_attention elsewhere)
     fuse_norms(model)                             # one op per RMSNorm in eager CPU steps
     return model.eval()
