@@ -25,7 +25,7 @@ import torch
 from cache import PolicyError, make_policy, policy_names
 from cache.kv_dtype import kv_storage
 from cache.quantized import GROUP, RESIDUAL, check_format
-from checkpoint import CheckpointError, build_model, read_checkpoint
+from checkpoint import WEIGHTS, CheckpointError, build_model, read_checkpoint
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -62,13 +62,16 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(checkpoint, device="cpu", dtype=None) -> tuple[Transformer, Tokenizer]:
-    """Load a HuggingFace/converted directory or a .gguf file -> (model, tokenizer)."""
+def load_model(checkpoint, device="cpu", dtype=None, weights: str = "auto") -> tuple[Transformer, Tokenizer]:
+    """Load a HuggingFace/converted/quantized directory or a .gguf file -> (model, tokenizer).
+
+    weights="auto": quantized weights run as stored (a `python quantize.py` directory; a GGUF file's
+    Q8_0/Q4_0/Q4_1 tensors, repacked without rounding); "float": everything dequantized to `dtype`."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    args, tensors, tokenizer = read_checkpoint(checkpoint)
+    args, tensors, tokenizer = read_checkpoint(checkpoint, weights)
     args.checkpoint = str(checkpoint)
-    model = build_model(args, tensors, device, dtype)
+    model = build_model(args, tensors, device, dtype, consume=True)
     return model, tokenizer
 
 
@@ -367,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=list(DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--weights", choices=WEIGHTS, default="auto",
+                   help="auto: quantized checkpoints (quantize.py output; GGUF Q8_0/Q4_0/Q4_1) run from their own "
+                        "int8/int4 weights; float: dequantize them to --dtype")
     p.add_argument("--compile", action="store_true", help="torch.compile prefill and decode steps")
     p.add_argument("--max-seq-length", type=int, help="cache length (prompt + new tokens); default: just enough")
     p.add_argument("--policy", default="full", help=f"KV-cache policy spec NAME[:key=value,...], e.g. snapkv:budget=128 "
@@ -440,7 +446,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         Sampler(args.temperature, args.top_k, args.top_p)            # bad sampling flags fail before loading
         policy = kv_policy(make_policy(args.policy, args.policy_args), args)
         device = resolve_device(args.device)
-        model, tokenizer = load_model(args.checkpoint, device, args.dtype)
+        model, tokenizer = load_model(args.checkpoint, device, args.dtype, args.weights)
         check_kv_fits(args, model.args)
         result = generate(model, tokenizer, prompts, args.max_new_tokens, args.temperature, args.top_k,
                           args.top_p, args.seed, policy, args.max_seq_length, args.chat, args.compile)

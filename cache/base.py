@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.cpu import decode_attention
 from model import ModelArgs, attention_mask, grouped_attention
 
 NEVER = float("-inf")    # a keep score that is never selected
@@ -452,8 +453,7 @@ class EvictionPolicy:
         """Decode attention of q [B, H_q, 1, D] over every slot of the layer (empty ones masked):
         the cost is bounded by what is kept, and the shape does not change as the cache fills
         (a compiled step would otherwise specialize).  Sparse readers replace this."""
-        mask = self.visible(layer)[:, :, None, :].expand(-1, -1, self.store_group, -1)
-        return grouped_attention(q, self.k[layer], self.v[layer], mask)
+        return decode_attention(q, self.k[layer], self.v[layer], self.visible(layer))
 
     def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """Composition hook: (k, v [B, H_kv, C, D], visible [B, H_kv, C]) of the layer as the

@@ -1,5 +1,7 @@
-"""The C++ CPU kernels (kernels/cpu_kernels.cpp, kernels/kivi_kernels.cpp): the sparse readers', KIVI's
-and the 16-bit cache's fast path on CPU, beside the Triton kernels on CUDA and the torch twins everywhere.
+"""The C++ CPU kernels (kernels/cpu_kernels.cpp, kernels/kivi_kernels.cpp, kernels/cpu_qlinear.cpp): the
+sparse readers', KIVI's, the dense caches' and the weight-quantized linear layers' fast path on CPU
+(kernels/qlinear.py), beside the Triton kernels on CUDA and the torch twins everywhere.
+
 
     cpu_kernels_available()            builds the extension on first call (torch.utils.cpp_extension,
                                        -O3 -march=native, ~30 s once; cached under
@@ -10,6 +12,8 @@ and the 16-bit cache's fast path on CPU, beside the Triton kernels on CUDA and t
     kivi_attention_cpu(...)            == kernels.kivi_attention.kivi_attention_torch (packed K/V + residual)
     kivi_write_cpu / kivi_write_range_cpu  == SlotStore.write_torch / write_range_torch, bit for bit
     dense_attention_cpu(q, k, v, n)    decode attention over fp32 or bf16 rows [0, n), all visible
+    decode_attention(q, k, v, visible) == model.grouped_attention of one decode query over a dense cache
+                                       (the C++ kernel on fp32 CPU tensors, grouped_attention otherwise)
 
 Why: on CPU the torch twin of sparse attention copies the N selected K and V rows (index_select)
 and runs two batched matmuls over the copies, so every selected byte crosses memory three times;
@@ -32,18 +36,21 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "kivi_kernels.cpp")]
+from model import RMSNorm
+
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "kivi_kernels.cpp", "cpu_qlinear.cpp")]
 
 
-def _cpu_tag() -> str:
-    """A short hash of the CPU's feature flags and the sources: -march=native code must not be reused
-    on another CPU, and an edited source must not load a stale build."""
+def _build_tag() -> str:
+    """A short hash of the CPU's feature flags (-march=native code must not be reused on another CPU)
+    and of the sources (an edited source must not load a stale build; checkouts with different kernels
+    never share one build)."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
     text = flags.encode() + b"".join(p.read_bytes() for p in SOURCES + [SOURCES[0].with_name("cpu_vec.h")])
-    return hashlib.sha1(text).hexdigest()[:8]
+    return hashlib.sha1(text).hexdigest()[:10]
 
 
 _available: Optional[bool] = None       # a plain global, not lru_cache: torch.compile reads it as a constant
@@ -72,7 +79,7 @@ def use_cpu_kernel(backend: str, supported: bool) -> bool:
 def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
-        load(name=f"kvc_cpu_kernels_{_cpu_tag()}", sources=[str(p) for p in SOURCES],
+        load(name=f"kvc_cpu_kernels_{_build_tag()}", sources=[str(p) for p in SOURCES],
              extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:                                              # no compiler, no headers, ...
         warnings.warn(f"the C++ CPU kernels could not be built ({type(e).__name__}: {str(e)[:200]}); "
@@ -108,6 +115,22 @@ def _register_fakes() -> None:
     def _(scores, bias, n):
         B, H = scores.shape[:2]
         return (scores.new_empty((B, H, n), dtype=torch.long), scores.new_empty((B, H, n), dtype=torch.bool))
+
+    @torch.library.register_fake("kvc::decode_attention")
+    def _(q, k, v, visible, scale):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("kvc::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("kvc::qlinear")
+    def _(x, w, scales, mins, bits, group, portable):
+        return x.new_empty((x.shape[0], w.shape[0] * 16))
+
+    @torch.library.register_fake("kvc::qdequant")
+    def _(w, scales, mins, bits, group, K):
+        return scales.new_empty((w.shape[0] * 16, K), dtype=torch.float32)
 
 
 def sparse_attention_supported(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
@@ -181,3 +204,41 @@ def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, n: int, scale: Optional
     rows contiguous), every slot visible -> [B, H_q, 1, D]."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.kvc.dense_attention(q.squeeze(2).contiguous(), k, v, n, scale).unsqueeze(2)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor]) -> Tensor:
+    """Decode attention over a dense cache: q [B, H_q, 1, D], k, v [B, H_kv, S, D], visible bool
+    [B, 1 or H_kv, >= S] (True = attend) or None -> [B, H_q, 1, D]; query head h reads KV head
+    h // (H_q / H_kv).  The C++ kernel (each K/V row read once, in place; ~2.5x the rate of
+    F.scaled_dot_product_attention's CPU kernel for one query) on fp32 CPU tensors with head_dim 64 or
+    128, else model.grouped_attention with the equivalent mask."""
+    B, Hq, T, D = q.shape
+    S = k.shape[2]
+    if (T == 1 and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and D in (64, 128)
+            and k.stride(3) == 1 and v.stride(3) == 1 and cpu_kernels_available()):
+        vis = torch.empty(0, dtype=torch.bool) if visible is None else _unit_stride_rows(visible)
+        return torch.ops.kvc.decode_attention(q.reshape(B, Hq, D).contiguous(), k, v, vis,
+                                              1.0 / math.sqrt(D)).view(B, Hq, 1, D)
+    from model import grouped_attention
+    mask = None if visible is None else visible[..., None, :S].expand(B, visible.shape[1], (Hq // k.shape[1]) * T, S)
+    return grouped_attention(q, k, v, mask)
+
+
+class FusedRMSNorm(RMSNorm):
+    """model.RMSNorm with the eager fp32 CPU step as one C++ op (kvc::rms_norm) instead of F.rms_norm's
+    half dozen; under torch.compile (Inductor fuses it anyway) and elsewhere model.RMSNorm's own."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
+                and self.weight.dtype == torch.float32 and x.is_contiguous() and cpu_kernels_available()):
+            return torch.ops.kvc.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+def fuse_norms(model: torch.nn.Module) -> None:
+    """Swap FusedRMSNorm in for every model.RMSNorm of `model` (same weight Parameter)."""
+    for name, mod in list(model.named_modules()):
+        if type(mod) is RMSNorm:
+            fused = FusedRMSNorm(mod.weight.shape[0], mod.eps)
+            fused.weight = mod.weight
+            model.set_submodule(name, fused)

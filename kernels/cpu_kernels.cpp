@@ -1,5 +1,6 @@
-// CPU kernels of the sparse readers and the 16-bit cache (the CPU counterpart of the Triton kernels;
-// built on first use by kernels/cpu.py with torch.utils.cpp_extension, -O3 -march=native).  Ops, fp32:
+// CPU kernels of the sparse readers, the dense caches' decode step and RMSNorm (the CPU counterpart
+// of the Triton kernels; built on first use by kernels/cpu.py with torch.utils.cpp_extension,
+// -O3 -march=native).  Ops, fp32:
 //
 //   kvc::sparse_attention(q [B, Hq, D], k, v [B, Hkv, S, D] (rows contiguous), idx [B, Hidx, N] long,
 //                         valid [B, Hidx, N] bool (or an empty tensor: all valid), scale) -> [B, Hq, D]
@@ -7,6 +8,11 @@
 //       place (no gathered copy): per list, scores q.k for the G query heads sharing it (Hidx = Hkv)
 //       or for the one head owning it (Hidx = Hq), softmax, weighted sum of V rows.  D % 16 == 0.
 //   kvc::dense_attention(q, k, v, n, scale): the same over rows 0..n-1 of fp32 or bf16 K/V (below)
+//   kvc::decode_attention(q [B, Hq, D], k, v [B, Hkv, S, D] (rows contiguous), visible [B, 1 or Hkv, >= S]
+//                         bool (or empty: all visible), scale) -> [B, Hq, D]
+//       dense decode attention over every slot [0, S) (masked ones skipped), split into chunks of the
+//       slots so that all threads work when B * Hkv is small; the chunks merge by log-sum-exp.
+//   kvc::rms_norm(x [..., D], weight [D], eps) -> x * rsqrt(mean(x^2) + eps) * weight (one op for the eager step)
 //   kvc::select_top(scores [B, h, S], bias [B, 1 or h, S + n], n) -> (idx, valid) [B, h, n]
 //       the n largest of scores + bias per row (torch.topk's set; ties go to the lower slot), in
 //       ascending slot order; where fewer than n entries exceed -inf, the rest are marked invalid
@@ -42,7 +48,7 @@ static inline v16 load_row(const uint16_t* p, int c) {
 template <int DV, int GB, typename T>
 static void attend_rows(const float* __restrict qr, const T* kb, int64_t k_row, const T* vb,
                         int64_t v_row, const int64_t* il, const bool* vl, int64_t N, float scale,
-                        float* __restrict s, float* __restrict out) {
+                        float* __restrict s, float* __restrict out, float* lse = nullptr) {
   constexpr int D = DV * 16;
   v16 q[GB][DV];
 #pragma GCC unroll 16
@@ -95,6 +101,7 @@ static void attend_rows(const float* __restrict qr, const T* kb, int64_t k_row, 
     float l = hsum(lv);
     for (; n < N; ++n) { sg[n] = std::exp(sg[n] - mg); l += sg[n]; }
     inv[g] = l > 0.f ? 1.f / l : 0.f;
+    if (lse) lse[g] = l > 0.f ? mg + std::log(l) : -INFINITY;   // for merging partials
   }
   v16 acc[GB][DV] = {};
   for (int64_t n = 0; n < N; ++n) {
@@ -123,16 +130,17 @@ static void attend_rows(const float* __restrict qr, const T* kb, int64_t k_row, 
 template <int DV, typename T>
 static void attend_list(const float* qr, int64_t GL, const T* kb, int64_t k_row, const T* vb,
                         int64_t v_row, const int64_t* il, const bool* vl, int64_t N, float scale, float* s,
-                        float* out) {
+                        float* out, float* lse = nullptr) {
   constexpr int D = DV * 16, MAX_GB = DV == 4 ? 4 : 2;
   for (int64_t g = 0; g < GL;) {
     const int64_t gb = std::min<int64_t>(MAX_GB, GL - g);
     const float* q = qr + g * D;
     float* o = out + g * D;
-    if (gb >= 4) attend_rows<DV, MAX_GB>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o);
-    else if (gb == 3) attend_rows<DV, 3>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o);
-    else if (gb == 2) attend_rows<DV, 2>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o);
-    else attend_rows<DV, 1>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o);
+    float* l = lse ? lse + g : nullptr;
+    if (gb >= 4) attend_rows<DV, MAX_GB>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o, l);
+    else if (gb == 3) attend_rows<DV, 3>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o, l);
+    else if (gb == 2) attend_rows<DV, 2>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o, l);
+    else attend_rows<DV, 1>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o, l);
     g += gb;
   }
 }
@@ -192,6 +200,90 @@ torch::Tensor dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   TORCH_CHECK(n >= 1 && n <= k.size(2), "kvc::dense_attention: 1 <= n <= S");
   if (k.dtype() == torch::kFloat) return attend_lists<float>(q, k, v, nullptr, nullptr, k.size(1), n, scale);
   return attend_lists<uint16_t>(q, k, v, nullptr, nullptr, k.size(1), n, scale);
+// dense decode attention: every query head of a GQA group over slots [0, S) of its KV head, the slots
+// split into chunks (flash-decoding) so that both threads work even with few KV heads; each chunk is
+// attend_rows over its rows in place, the chunks' partials merged by log-sum-exp
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor visible,
+                               double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat && k.dtype() == torch::kFloat && v.dtype() == torch::kFloat,
+              "kvc::decode_attention: fp32 only");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.stride(3) == 1 && v.stride(3) == 1,
+              "k/v must be [B, Hkv, S, D] with contiguous rows");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), S = k.size(2), G = Hq / Hkv;
+  TORCH_CHECK(D == 64 || D == 128, "kvc::decode_attention: head_dim 64 or 128");
+  const bool has_vis = visible.numel() > 0;
+  TORCH_CHECK(!has_vis || (visible.dim() == 3 && visible.size(0) == B && (visible.size(1) == 1 || visible.size(1) == Hkv)
+                           && visible.size(2) >= S && visible.stride(2) == 1 && visible.dtype() == torch::kBool),
+              "visible must be bool [B, 1 or Hkv, >= S] with contiguous rows");
+  const int64_t lists = B * Hkv, threads = at::get_num_threads();
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(S / 256, (4 * threads + lists - 1) / lists));
+  const int64_t chunk = (S + chunks - 1) / chunks;
+  auto part = torch::empty({lists, chunks, G, D}, q.options());
+  auto lse = torch::empty({lists, chunks, G}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool* visp = has_vis ? visible.data_ptr<bool>() : nullptr;
+  float* pp = part.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, lists * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(4 * chunk);
+    std::vector<int64_t> il(chunk);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / chunks, c = i % chunks, b = r / Hkv, h = r % Hkv;
+      const int64_t n0 = c * chunk, N = std::max<int64_t>(0, std::min(S, n0 + chunk) - n0);
+      for (int64_t n = 0; n < N; ++n) il[n] = n0 + n;
+      const float* kb = kp + b * k.stride(0) + h * k.stride(1);
+      const float* vb = vp + b * v.stride(0) + h * v.stride(1);
+      const bool* vl = visp ? visp + b * visible.stride(0) + (visible.size(1) == 1 ? 0 : h * visible.stride(1)) + n0 : nullptr;
+      const float* qr = qp + (b * Hq + h * G) * D;
+      float* o = pp + i * G * D;
+      if (D == 64)
+        attend_list<4>(qr, G, kb, k.stride(2), vb, v.stride(2), il.data(), vl, N, (float)scale, s.data(), o, lp + i * G);
+      else
+        attend_list<8>(qr, G, kb, k.stride(2), vb, v.stride(2), il.data(), vl, N, (float)scale, s.data(), o, lp + i * G);
+    }
+  });
+  if (chunks == 1) return part.view({B, Hq, D});
+  auto out = torch::zeros({B, Hq, D}, q.options());                 // merge: weights exp(lse_c - max)
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < lists; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float m = -INFINITY, total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, lp[(r * chunks + c) * G + g]);
+      if (std::isinf(m)) continue;                                  // nothing visible: 0
+      float* o = op + (r * G + g) * D;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float w = std::exp(lp[(r * chunks + c) * G + g] - m);
+        const float* src = pp + ((r * chunks + c) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * src[d];
+        total += w;
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] /= total;
+    }
+  return out;
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * weight over the last dim, fp32 (one op instead of F.rms_norm's six)
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dtype() == torch::kFloat && weight.dtype() == torch::kFloat && x.is_contiguous() &&
+              weight.is_contiguous() && x.size(-1) == weight.numel(), "kvc::rms_norm: contiguous fp32 x [..., D], weight [D]");
+  auto out = torch::empty_like(x);
+  const int64_t D = weight.numel(), rows = D ? x.numel() / D : 0;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * D;
+      float ss = 0.f;
+      for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
+      const float inv = 1.f / std::sqrt(ss / D + (float)eps);
+      for (int64_t d = 0; d < D; ++d) op[r * D + d] = xr[d] * inv * wp[d];
+    }
+  });
+  return out;
 }
 
 std::tuple<torch::Tensor, torch::Tensor> select_top(torch::Tensor scores, torch::Tensor bias, int64_t n) {
@@ -263,10 +355,14 @@ TORCH_LIBRARY(kvc, m) {
   m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor idx, Tensor valid, float scale) -> Tensor");
   m.def("select_top(Tensor scores, Tensor bias, int n) -> (Tensor, Tensor)");
   m.def("dense_attention(Tensor q, Tensor k, Tensor v, SymInt n, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor visible, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvc, CPU, m) {
   m.impl("sparse_attention", &sparse_attention);
   m.impl("select_top", &select_top);
   m.impl("dense_attention", &dense_attention);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &rms_norm);
 }

@@ -67,6 +67,8 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     exclusive = p.add_mutually_exclusive_group()
     for mode in MODES:
         mode.add_arguments(p, exclusive)
+    p.add_argument("--peers", metavar="llama.cpp,hf", help="e2e: also run these peer engines (scripts/peers.py, each "
+                                                          "in a subprocess) at the batch-1 contexts and print ours / theirs")
     p.add_argument("--json", type=Path, help="write the rows as a JSON list (atomically, after every row)")
     p.add_argument("--csv", type=Path, help="write the rows as CSV (atomically, after every row)")
     p.add_argument("--plot", type=Path, help="write a PNG plot (needs matplotlib)")
@@ -110,7 +112,7 @@ def check_kv_formats(o: argparse.Namespace, head_dim: Optional[int]) -> None:
 def load(o: argparse.Namespace):
     """(model, tokenizer, prompt-file token ids or None), checked against the options."""
     model, tokenizer = engine.load_model(o.checkpoint, engine.resolve_device(o.device), o.dtype)
-    o.compute_dtype = model.output.weight.dtype
+    o.compute_dtype = model.norm.weight.dtype      # the compute dtype (linear layers may be quantized)
     check_kv_formats(o, model.args.head_dim)
     file_ids = None
     if o.prompt_file:
@@ -153,6 +155,9 @@ def main(argv: Optional[Sequence[str]] = None, description: Optional[str] = None
         print(f"\ninterrupted: kept {len(writer.rows)} finished row(s) ({kept} measured) in {where}", file=sys.stderr)
         return 130
     print_summary(writer.rows)
+    if o.peers and mode.name == "e2e":
+        from peers import compare_with_rows
+        compare_with_rows(writer.rows, o.peers, torch.get_num_threads(), o.decode_steps)
     if o.plot:
         plot(writer.rows, o.plot, mode.name)
     return 1 if bench.errors else 0

@@ -23,7 +23,7 @@ class Bench:
                  file_ids: Optional[list[int]]):
         self.model, self.opts, self.writer, self.meter = model, opts, writer, meter
         self.device = model.output.weight.device
-        self.dtype = model.output.weight.dtype
+        self.dtype = model.norm.weight.dtype          # the compute dtype (linear layers may be quantized)
         self.bandwidth_gbs = bandwidth_gbs
         self.weight_bytes = unique_weight_bytes(model)
         self.file_ids = file_ids
