@@ -12,6 +12,8 @@ same policy with other arguments (the benchmark and the eval suite report it; a 
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 
@@ -65,6 +67,9 @@ def parse_args(text: str | None) -> dict[str, str]:
     return out
 
 
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")     # a registered policy's name
+
+
 def parse_spec(text: str) -> PolicySpec:
     """'NAME[@LABEL][:k=v,...]' -> PolicySpec (names are checked against the registry by make_policy)."""
     if ";" in text:
@@ -78,7 +83,7 @@ def parse_spec(text: str) -> PolicySpec:
                           f"(a comma separates one spec's arguments: NAME[@LABEL]:k=v,k=v)")
     name, at, label = head.partition("@")
     parts, label = [part.strip() for part in name.split("+")], label.strip()
-    if not all(part.isidentifier() for part in parts) or (at and not label):
+    if not all(NAME.fullmatch(part) for part in parts) or (at and not label):
         raise PolicyError(f"malformed policy spec {text!r}: expected NAME[@LABEL][:key=value,...]")
     return PolicySpec("+".join(parts), label, tuple(args.items()))
 
