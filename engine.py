@@ -23,8 +23,9 @@ from typing import Optional, Sequence
 import torch
 
 from cache import PolicyError, make_policy, policy_names
-from cache.quantized import check_format, with_kv_bits
-from checkpoint import CheckpointError, build_model, read_checkpoint
+from cache.kv_dtype import kv_storage
+from cache.quantized import GROUP, RESIDUAL, check_format
+from checkpoint import WEIGHTS, CheckpointError, build_model, read_checkpoint
 from model import Transformer
 from tokenizer import Tokenizer
 import tp as tensor_parallel
@@ -63,16 +64,21 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(checkpoint, device="cpu", dtype=None, tp: int = 1, tp_head: str = "auto") -> tuple[Transformer, Tokenizer]:
-    """Load a HuggingFace/converted directory or a .gguf file -> (model, tokenizer).  With tp > 1 (under
-    torchrun) the model is this process's shard (tp.py; TPError for a bad launch or head count)."""
+def load_model(checkpoint, device="cpu", dtype=None, weights: str = "auto", tp: int = 1,
+               tp_head: str = "auto") -> tuple[Transformer, Tokenizer]:
+    """Load a HuggingFace/converted/quantized directory or a .gguf file -> (model, tokenizer).
+
+    weights="auto": quantized weights run as stored (a `python quantize.py` directory; a GGUF file's
+    Q8_0/Q4_0/Q4_1 tensors, repacked without rounding); "float": everything dequantized to `dtype`.
+    With tp > 1 (under torchrun) the model is this process's shard (tp.py; TPError for a bad launch or
+    head count)."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    args, tensors, tokenizer = read_checkpoint(checkpoint)
+    args, tensors, tokenizer = read_checkpoint(checkpoint, weights)
     args.checkpoint = str(checkpoint)
     if tp > 1:
         return tensor_parallel.build(args, tensors, device, dtype, tp, tp_head), tokenizer
-    return build_model(args, tensors, device, dtype), tokenizer
+    return build_model(args, tensors, device, dtype, consume=True), tokenizer
 
 
 # --------------------------------------------------------------------------- sampling
@@ -370,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=list(DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--weights", choices=WEIGHTS, default="auto",
+                   help="auto: quantized checkpoints (quantize.py output; GGUF Q8_0/Q4_0/Q4_1) run from their own "
+                        "int8/int4 weights; float: dequantize them to --dtype")
     p.add_argument("--compile", action="store_true", help="torch.compile prefill and decode steps")
     p.add_argument("--max-seq-length", type=int, help="cache length (prompt + new tokens); default: just enough")
     p.add_argument("--policy", default="full", help=f"KV-cache policy spec NAME[:key=value,...], e.g. snapkv:budget=128 "
@@ -391,28 +400,34 @@ def add_tp_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_kv_flags(p: argparse.ArgumentParser) -> None:
-    """--kv-bits / --kv-group-size / --kv-residual (the evals and the benchmark take them too)."""
-    p.add_argument("--kv-bits", type=int, default=16, choices=[16, 4, 2],
-                   help="KV storage bits: 16 = the compute dtype, 4 or 2 = KIVI-packed (any policy but pod; "
-                        "sparse readers read packed storage)")
-    p.add_argument("--kv-group-size", type=int, default=32, help="KIVI group G: keys per channel over G tokens, "
+    """--kv-bits / --kv-dtype / --kv-group-size / --kv-residual (the evals and the benchmark take them too)."""
+    p.add_argument("--kv-bits", type=int, default=16, choices=[32, 16, 4, 2],
+                   help="KV storage bits: 16 = unquantized in --kv-dtype (default: the compute dtype), 32 = float32 "
+                        "(full), 4 or 2 = KIVI-packed (any policy but pod; sparse readers read packed storage)")
+    p.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"],
+                   help="storage dtype of the unquantized `full` cache (default: the compute dtype); attention "
+                        "computes in the compute dtype")
+    p.add_argument("--kv-group-size", type=int, default=GROUP, help="KIVI group G: keys per channel over G tokens, "
                                                                  "values per token over G channels (default 32)")
-    p.add_argument("--kv-residual", type=int, default=32, help="KIVI residual R: the newest R tokens stay in full "
-                                                               "precision (a multiple of G; default 32)")
+    p.add_argument("--kv-residual", type=int, default=RESIDUAL,
+                   help=f"KIVI residual R (a multiple of G; default {RESIDUAL}): keys are quantized R at a time, "
+                        f"the n mod R newest stay in full precision; values keep a FIFO of the newest R")
 
 
 def kv_policy(policy, args):
-    """The policy with --kv-bits/--kv-group-size/--kv-residual applied (UsageError for bad values or
-    a policy without packed storage)."""
+    """The policy with --kv-bits/--kv-dtype/--kv-group-size/--kv-residual applied (UsageError for bad values
+    or a policy without that storage).  A storage dtype equal to the compute dtype (--dtype on --device)
+    is the policy as it is, so --kv-bits 32 on a float32 model changes nothing."""
+    compute = resolve_dtype(args.dtype, resolve_device(args.device))
     try:
-        return with_kv_bits(policy, args.kv_bits, args.kv_group_size, args.kv_residual)
+        return kv_storage(policy, args.kv_bits, args.kv_group_size, args.kv_residual, args.kv_dtype, compute)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
 def check_kv_fits(args, model_args) -> None:
     """UsageError unless the model's head_dim suits --kv-group-size (and the packing) at --kv-bits."""
-    if args.kv_bits != 16:
+    if args.kv_bits not in (32, 16):
         try:
             check_format(model_args.head_dim, args.kv_bits, args.kv_group_size, args.kv_residual)
         except ValueError as e:
@@ -461,7 +476,7 @@ def run_cli(args: argparse.Namespace) -> int:
     Sampler(args.temperature, args.top_k, args.top_p)            # bad sampling flags fail before loading
     policy = kv_policy(make_policy(args.policy, args.policy_args), args)
     device = resolve_device(args.device)
-    model, tokenizer = load_model(args.checkpoint, device, args.dtype, args.tp, args.tp_head)
+    model, tokenizer = load_model(args.checkpoint, device, args.dtype, args.weights, args.tp, args.tp_head)
     check_kv_fits(args, model.args)
     seed = args.seed
     if seed is None and model.args.shard is not None:             # every process must sample alike

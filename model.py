@@ -239,6 +239,10 @@ class DenseCache:
 
     def prepare(self, model, tokenizer) -> None:
         pass
+    # decode_kernel(q [B, H_q, 1, D], k, v [B, H_kv, n, D], visible [B, 1, n] bool) -> [B, H_q, 1, D]:
+    # a faster kernel for one-token steps (Transformer.setup_caches passes its own in); None =
+    # grouped_attention with the step's mask
+    decode_kernel = None
 
     def setup(self, args: ModelArgs, max_batch_size: int, max_seq_length: int,
               dtype: torch.dtype, device) -> None:
@@ -281,7 +285,14 @@ class DenseCache:
         return grouped_attention(q, kc[:, :, :self.n_filled], vc[:, :, :self.n_filled], self.mask)
 
     prefill = _store_and_attend
-    decode = _store_and_attend
+
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.decode_kernel is None:
+            return self._store_and_attend(layer, q, k, v)
+        kc, vc, n = self.k[layer], self.v[layer], self.n_filled
+        kc[:, :, self.start:n] = k
+        vc[:, :, self.start:n] = v
+        return self.decode_kernel(q, kc[:, :, :n], vc[:, :, :n], self.mask[:, :1])  # rows equal over the group
 
     def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """(k, v [B, H_kv, n, D], visible [B, 1, n]) over the filled slots, for sparse readers."""
@@ -308,7 +319,7 @@ class DenseCache:
         return {"allocated": per_slot * self.capacity, "live": live, "read_per_step": live}
 
     def describe(self) -> dict:
-        return {"policy": self.name, "capacity": self.capacity}
+        return {"policy": self.name, "capacity": self.capacity if hasattr(self, "pos") else None}   # None: not set up
 
 
 # --------------------------------------------------------------------------- layers
@@ -412,6 +423,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.cache = None
         self.rope_cos = self.rope_sin = None
+        # the full cache's decode attention (see DenseCache.decode_kernel); a loader may plug in a kernel
+        self.decode_kernel = None
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, policy=None):
         """Allocate the KV storage (DenseCache unless a policy object is given) and RoPE tables.
@@ -420,8 +433,10 @@ class Transformer(nn.Module):
         if max_seq_length > self.args.max_position_embeddings:
             raise ValueError(f"max_seq_length {max_seq_length} exceeds the model's context "
                              f"length {self.args.max_position_embeddings}")
-        weight = self.output.weight
+        weight = self.norm.weight          # the compute dtype (linear layers may be swapped for quantized ones)
         policy = policy if policy is not None else DenseCache()
+        if isinstance(policy, DenseCache) and policy.decode_kernel is None:
+            policy.decode_kernel = self.decode_kernel
         policy.setup(self.args, max_batch_size, max_seq_length, weight.dtype, weight.device)
         self.cache = policy
         self.max_seq_length = max_seq_length

@@ -1,7 +1,7 @@
 """KIVI-style KV-cache quantization: asymmetric min/max, keys per channel, values per token.
 
-Layout (one place; kernels/quantized_attention.py reads exactly this)
----------------------------------------------------------------------
+Layout (one place; cache/quantized.py and kernels/ read exactly this)
+--------------------------------------------------------------------
 Codes and words.  `bits` b in {2, 4, 8}; a code is an integer in [0, 2^b - 1].  Codes are packed
 into int32 words, P = 32 // b codes per word (16, 8, 4).  `pack(codes, bits, dim)` turns n codes
 along `dim` (n a multiple of P) into W = n // P words; code i lives in word i % W at bits
@@ -27,9 +27,8 @@ A constant group has scale 0 and dequantizes to exactly its value: no division b
 no inf.  Per element |x - x~| <= scale / 2, up to the rounding of fp32 and the storage dtype.
 (hi - lo is formed in fp32: groups spanning more than fp32's range, |x| ~ 1.7e38, are out of scope.)
 
-Storage (`QuantizedKV`): one layer's KIVI cache, the newest R tokens in full precision; the same
-logical shapes per slot, kept token-contiguous in memory (see its docstring).  Everything here works
-on any device; nothing syncs with the host.
+The packed KV storage itself (slot-addressed, under every policy) is cache/quantized.py; attention
+over it is kernels/kivi_attention.py.  Everything here works on any device; nothing syncs with the host.
 """
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from kernels.quantized_attention import merge_partials, quantized_decode_attention
+from kernels.qlinear import QWeight, pack_int4
 
 BITS = (2, 4, 8)
 
@@ -164,232 +163,154 @@ def _cast(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.clamp(fi.min, fi.max).to(dtype)
 
 
-# ------------------------------------------------------------------------------ storage
-class QuantizedKV:
-    """One layer's KIVI cache: `capacity` token slots per (batch row, KV head), preallocated.
+# ==================================================================================================
+# Weight-only quantization (int8 / int4) of a checkpoint's linear layers, and the CLI
+#
+#     python quantize.py --checkpoint DIR --mode int4 --groupsize 32 --out OUT_DIR
+#
+# writes OUT_DIR: config.json (the model's, plus "quantization_config": the scheme), model.safetensors
+# (each quantized linear `X.weight` as X.qweight / X.scales [/ X.mins], the row-major format of
+# kernels/qlinear.py; everything else as it was) and the tokenizer files.  `engine.load_model(OUT_DIR)`
+# loads it.  Schemes (error per weight, for the codes below; W~ the dequantized weight):
+#   int8  symmetric per output channel (or per group): scale = max|w| / 127 (fp16, rounded up),
+#         q = round(w / scale) in [-127, 127]                          |w - W~| <= scale / 2
+#   int4  asymmetric (default): min = the group minimum (fp16, rounded down), scale = (max - min) / 15
+#         (fp16, rounded up), q = round((w - min) / scale) in [0, 15]    |w - W~| <= scale / 2
+#   int4  symmetric (--symmetric): scale = -w_ext / 8 with w_ext the group's largest-magnitude weight
+#         (fp16; llama.cpp's Q4_0 choice, all 16 levels used), min = -8 * scale,
+#         q = clamp(round(w / scale) + 8, 0, 15)                         |w - W~| <= |scale|
+# The output head (the embedding too when tied) follows --head: int8 per channel (default), int4 with
+# the scheme's groups, or float.  (+ fp16 rounding of the scale and min, relative 2^-11.)
+# ==================================================================================================
+WEIGHT_MODES = ("int8", "int4")
+HEAD_MODES = ("int8", "int4", "float")
 
-    Buffers (B batch rows, H KV heads, C = capacity, D = head_dim, P = 32 // bits, G = group,
-    R = residual; dtype = the compute dtype):
-        k_packed  [B, H, C, D // P] int32    keys of slots [0, n_packed_keys), per channel
-        k_scale   [B, H, C // G, D] dtype    (k_min alike)
-        k_res     [B, H, R, D]      dtype    full-precision keys of slots [n_packed_keys, n):
-                                             slot t sits at row t % R (= t - n_packed_keys)
-        v_packed  [B, H, C, D // P] int32    values of slots [0, n_packed_values), per token
-        v_scale   [B, H, C, D // G] dtype    (v_min alike)
-        v_res     [B, H, R, D]      dtype    FIFO of the last min(n, R) values: slot t at row t % R
-    k_packed, v_packed, v_scale and v_min are [B, H, C, X] *views* of token-contiguous [B, H, X, C]
-    buffers (X = words or channel groups): per word index (or group), the C slots' entries are
-    adjacent, so a decode step streams them with unit stride, vectorized over tokens (the fused
-    CPU reduction; coalesced loads in the Triton kernel).  Writes go through the views.
-    Counters are host ints (never tensors): n slots filled, the same for every row and head;
-    n_packed_keys = n - n % R (keys flush block-wise: every R-th append quantizes the R residual
-    keys as R // G groups; old packed words are never touched again); n_packed_values = max(0, n - R)
-    (each append quantizes the one value that leaves the FIFO).  R is a multiple of G, C of R.
 
-    API (q: [B, H_q, 1, D] with H_q a multiple of H: query head h reads KV head h // (H_q // H)):
-        append_prefill(k, v)      k, v [B, H, T, D]: T slots at once; the packed part is quantized in
-                                  one call (the same state as T calls of `append`, bit for bit)
-        append(k, v)              k, v [B, H, 1, D]: one decode token for the whole batch
-        attend(q, mask, scale)    -> [B, H_q, 1, D] softmax attention over slots [0, n); mask: bool
-                                  [B, n'] or [B, 1 or H, n'] over slots (n' >= n, only [0, n) read;
-                                  True = attend) or None; scale default 1/sqrt(D)
-        dequantized()             (k, v) [B, H, n, D] as attention sees them (tests / debugging:
-                                  this *is* a full copy; attend never makes one)
-        nbytes(live=False)        bytes of all buffers (allocated), or live=True: bytes holding the
-                                  n slots (packed words + scales + minimums of the packed slots,
-                                  the residual rows in use) = what one `attend` reads
-        reset()                   n = 0 (buffers stay allocated)
+def _fp16_up(x: Tensor) -> Tensor:
+    """fp32 -> the nearest fp16 >= x (x >= 0 finite)."""
+    h = x.to(torch.float16)
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, math.inf)), h)
 
-    attend reads the packed prefix [0, n_packed_values) straight from the words through
-    `kernels.quantized_attention` (Triton on CUDA, the torch twin elsewhere: nothing the size of
-    the cache is dequantized) and the < 2R-token tail [n_packed_values, n) in full precision (its
-    keys partly from the last packed groups, dequantized, partly from k_res), then merges the two
-    softmax partials by log-sum-exp.
 
-    torch.compile: pass n into the compiled step and assign `kv.n = n` there (as engine.py does for
-    DenseCache.n_filled) so n is a dynamic int; the host-int branches then give a few graph variants
-    (a key flush every R-th step or not), and attend's packed part compiles to the fused bit-plane
-    formulation of kernels/quantized_attention.py (minutes of Inductor time on a 2-core CPU).
+def _fp16_down(x: Tensor) -> Tensor:
+    h = x.to(torch.float16)
+    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, -math.inf)), h)
 
-    Evicting an arbitrary slot t (not implemented; for eviction policies later): a value is
-    quantized on its own, so the slot's value words/scale/min can simply be overwritten by
-    quantize_values of the new token.  A packed key shares its scale/min with the G - 1 other
-    tokens of its group: either requantize the whole group (G tokens, needs their full keys or a
-    second rounding error from their dequantized ones) or keep the slot masked until its group is
-    evicted; a residual key (t >= n_packed_keys) can be overwritten in place.
-    """
 
-    def __init__(self, batch: int, heads: int, head_dim: int, capacity: int, bits: int = 4,
-                 group: int = 32, residual: int = 32, dtype: torch.dtype = torch.float32,
-                 device=None, backend: str = "auto"):
-        P = codes_per_word(bits)
-        if residual < group or residual % group:
-            raise ValueError(f"residual R={residual} must be a positive multiple of the group G={group}")
-        if capacity % residual:
-            raise ValueError(f"capacity {capacity} must be a multiple of the residual R={residual}")
-        if head_dim % P or head_dim % group:
-            raise ValueError(f"head_dim {head_dim} must be a multiple of {P} ({bits}-bit codes per "
-                             f"int32) and of the group G={group}")
-        B, H, C, D, G, R = batch, heads, capacity, head_dim, group, residual
-        self.bits, self.group, self.residual, self.capacity = bits, G, R, C
-        self.dtype, self.backend = dtype, backend
-        z = {"device": device}
-        # token-contiguous buffers (see the class docstring), exposed as [B, H, C, ...] views
-        self.k_packed = torch.zeros(B, H, D // P, C, dtype=torch.int32, **z).transpose(-1, -2)
-        self.k_scale = torch.zeros(B, H, C // G, D, dtype=dtype, **z)
-        self.k_min = torch.zeros(B, H, C // G, D, dtype=dtype, **z)
-        self.k_res = torch.zeros(B, H, R, D, dtype=dtype, **z)
-        self.v_packed = torch.zeros(B, H, D // P, C, dtype=torch.int32, **z).transpose(-1, -2)
-        self.v_scale = torch.zeros(B, H, D // G, C, dtype=dtype, **z).transpose(-1, -2)
-        self.v_min = torch.zeros(B, H, D // G, C, dtype=dtype, **z).transpose(-1, -2)
-        self.v_res = torch.zeros(B, H, R, D, dtype=dtype, **z)
-        self.n = 0
+def _safe(scale: Tensor) -> Tensor:
+    s = scale.float()
+    return torch.where(s != 0, s, torch.ones_like(s))
 
-    # -------------------------------------------------------------- counters
-    @property
-    def n_packed_keys(self) -> int:
-        return self.n - self.n % self.residual
 
-    @property
-    def n_packed_values(self) -> int:
-        return max(0, self.n - self.residual)
+def quantize_int8(w: Tensor, group: int = 0) -> QWeight:
+    """w [N, K] -> QWeight int8, symmetric; group 0 = per output channel (G = K)."""
+    N, K = w.shape
+    G = group or K
+    x = w.float().reshape(N, K // G, G)
+    scale = _fp16_up(x.abs().amax(-1) / 127)
+    q = torch.round(x / _safe(scale)[..., None]).clamp_(-127, 127)
+    return QWeight(q.to(torch.int8).reshape(N, K), scale, None, 8, G)
 
-    def reset(self) -> None:
-        self.n = 0
 
-    def _check(self, k: Tensor, v: Tensor) -> int:
-        B, H, _, D = self.k_res.shape
-        if k.shape != v.shape or k.dim() != 4 or k.shape[0] != B or k.shape[1] != H or k.shape[3] != D:
-            raise ValueError(f"k, v must both be [B={B}, H={H}, T, D={D}], got {tuple(k.shape)}, "
-                             f"{tuple(v.shape)}")
-        if self.n + k.shape[2] > self.capacity:
-            raise ValueError(f"QuantizedKV full: {self.n} + {k.shape[2]} slots > capacity {self.capacity}")
-        return k.shape[2]
+def quantize_int4(w: Tensor, group: int = 32, symmetric: bool = False) -> QWeight:
+    """w [N, K] -> QWeight int4 (scheme in the section comment above)."""
+    N, K = w.shape
+    x = w.float().reshape(N, K // group, group)
+    if symmetric:
+        ext = x.gather(-1, x.abs().argmax(-1, keepdim=True))[..., 0]      # signed largest magnitude
+        scale = (ext / -8).to(torch.float16)
+        minimum = scale * -8                                              # exact in fp16
+        q = torch.round(x / _safe(scale)[..., None]) + 8
+    else:
+        minimum = _fp16_down(x.amin(-1))
+        scale = _fp16_up((x.amax(-1) - minimum.float()) / 15)
+        q = torch.round((x - minimum.float()[..., None]) / _safe(scale)[..., None])
+    codes = q.clamp_(0, 15).to(torch.uint8).reshape(N, K)
+    return QWeight(pack_int4(codes), scale, minimum, 4, group)
 
-    def _ordered_values(self) -> Tensor:
-        """The FIFO in slot order: rows for slots [n_packed_values, n), [B, H, min(n, R), D]."""
-        R = self.residual
-        return self.v_res.roll(-(self.n_packed_values % R), dims=2)[:, :, :self.n - self.n_packed_values]
 
-    # -------------------------------------------------------------- writes
-    def append_prefill(self, k: Tensor, v: Tensor) -> None:
-        """Store T new slots [n, n + T) at once; k, v [B, H, T, D] (any T, also after earlier appends)."""
-        T = self._check(k, v)
-        R, G = self.residual, self.group
-        n0, n1 = self.n, self.n + T
-        k, v = k.to(self.dtype), v.to(self.dtype)
-        # keys: residual slots [kp0, n0) + the new ones; whole R-blocks go to the packed region
-        kp0, kp1 = self.n_packed_keys, n1 - n1 % R
-        pending = torch.cat([self.k_res[:, :, :n0 - kp0], k], dim=2)        # slots [kp0, n1)
-        if kp1 > kp0:
-            qk = quantize_keys(pending[:, :, :kp1 - kp0], self.bits, G)
-            self.k_packed[:, :, kp0:kp1] = qk.packed
-            self.k_scale[:, :, kp0 // G:kp1 // G] = qk.scale
-            self.k_min[:, :, kp0 // G:kp1 // G] = qk.minimum
-        self.k_res[:, :, :n1 - kp1] = pending[:, :, kp1 - kp0:]
-        # values: the FIFO keeps the last R slots; everything older is quantized per token
-        vp0, vp1 = self.n_packed_values, max(0, n1 - R)
-        seq = torch.cat([self._ordered_values(), v], dim=2)                 # slots [vp0, n1)
-        if vp1 > vp0:
-            qv = quantize_values(seq[:, :, :vp1 - vp0], self.bits, G)
-            self.v_packed[:, :, vp0:vp1] = qv.packed
-            self.v_scale[:, :, vp0:vp1] = qv.scale
-            self.v_min[:, :, vp0:vp1] = qv.minimum
-        tail = seq[:, :, vp1 - vp0:]                                        # slots [vp1, n1)
-        if tail.shape[2] == R:
-            self.v_res.copy_(tail.roll(vp1 % R, dims=2))                   # slot t -> row t % R
-        else:                                                               # n1 < R: rows = slots
-            self.v_res[:, :, :tail.shape[2]] = tail
-        self.n = n1
+def quantize_weight(w: Tensor, mode: str, group: int = 0, symmetric: bool = False) -> QWeight:
+    """One weight [N, K] -> QWeight of `mode` ("int8": group 0 = per channel; "int4": group 32..)."""
+    if not torch.isfinite(w).all():
+        raise ValueError("weight has non-finite values")
+    N, K = w.shape
+    G = group or (K if mode == "int8" else 32)
+    if G % 32 or K % G:
+        raise ValueError(f"group size {G} does not divide the input dimension {K} (or is not a multiple of 32)")
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(WEIGHT_MODES)}")
+    qw = quantize_int8(w, group) if mode == "int8" else quantize_int4(w, G, symmetric)
+    if not all(torch.isfinite(t).all() for t in (qw.scales, qw.mins) if t is not None):
+        raise ValueError("weights beyond the fp16 range of the scales")
+    return qw
 
-    def append(self, k: Tensor, v: Tensor) -> None:
-        """Store one decode token (slot n) for every row and head; k, v [B, H, 1, D].
-        Branches only on the host counter; at most one R-block of keys and one value are quantized."""
-        self._check(k, v)
-        R, G, t = self.residual, self.group, self.n
-        row = t % R
-        if t >= R:   # the value of slot t - R leaves the FIFO (it sits at row t % R)
-            qv = quantize_values(self.v_res[:, :, row:row + 1], self.bits, G)
-            self.v_packed[:, :, t - R:t - R + 1] = qv.packed
-            self.v_scale[:, :, t - R:t - R + 1] = qv.scale
-            self.v_min[:, :, t - R:t - R + 1] = qv.minimum
-        self.v_res[:, :, row:row + 1] = v.to(self.dtype)
-        self.k_res[:, :, row:row + 1] = k.to(self.dtype)
-        if row == R - 1:   # R residual keys: flush them as R // G groups, never one token at a time
-            qk = quantize_keys(self.k_res, self.bits, G)
-            s = t + 1 - R
-            self.k_packed[:, :, s:t + 1] = qk.packed
-            self.k_scale[:, :, s // G:(t + 1) // G] = qk.scale
-            self.k_min[:, :, s // G:(t + 1) // G] = qk.minimum
-        self.n = t + 1
 
-    # -------------------------------------------------------------- reads
-    def _tail_keys(self) -> Tensor:
-        """Full-precision keys of slots [n_packed_values, n): [B, H, min(n, R), D]."""
-        G = self.group
-        a, b = self.n_packed_values, self.n_packed_keys
-        parts = []
-        if b > a:   # packed keys newer than the packed values: dequantize their groups only
-            g0, g1 = a // G, b // G
-            qt = QuantizedTensor(self.k_packed[:, :, g0 * G:g1 * G], self.k_scale[:, :, g0:g1],
-                                 self.k_min[:, :, g0:g1], self.bits, G)
-            parts.append(dequantize_keys(qt, torch.float32)[:, :, a - g0 * G:])
-        parts.append(self.k_res[:, :, :self.n - b])
-        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+def quantize_state(tensors: dict, args, scheme: dict) -> dict:
+    """HF-named float tensors -> the same dict with every linear weight (and the head per
+    scheme["head"]) replaced by a QWeight.  ValueError when a group size does not fit a layer."""
+    from checkpoint import linear_weight_names
+    head_names = {"lm_head.weight"} | ({"model.embed_tokens.weight"} if args.tie_word_embeddings else set())
+    out = dict(tensors)
+    for name in linear_weight_names(args):
+        is_head = name in head_names
+        mode = scheme["head"] if is_head else scheme["mode"]
+        if mode == "float" or name not in out:
+            continue
+        group = 0 if mode == "int8" and (is_head or not scheme["group_size"]) else scheme["group_size"]
+        try:
+            out[name] = quantize_weight(out[name], mode, group, scheme["symmetric"])
+        except ValueError as e:
+            raise ValueError(f"{name} {tuple(out[name].shape)}: {e}") from None
+    return out
 
-    def attend(self, q: Tensor, mask: Optional[Tensor] = None, scale: Optional[float] = None) -> Tensor:
-        """q [B, H_q, 1, D] -> [B, H_q, 1, D] in q's dtype; mask bool broadcastable to [B, H, n]."""
-        B, Hq, T, D = q.shape
-        H = self.k_res.shape[1]
-        if T != 1 or Hq % H or D != self.k_res.shape[3]:
-            raise ValueError(f"q must be [B, H_q (multiple of {H}), 1, {D}], got {tuple(q.shape)}")
-        if self.n == 0:
-            raise ValueError("attend on an empty QuantizedKV")
-        scale = 1.0 / math.sqrt(D) if scale is None else scale
-        n, nv = self.n, self.n_packed_values
-        if mask is not None:   # [B, n'] or [B, 1 | H, n'] with n' >= n (e.g. over the capacity)
-            mask = (mask[:, None] if mask.dim() == 2 else mask)[..., :n].expand(B, H, n)
-        qh = q[:, :, 0]                                                     # [B, Hq, D]
-        # tail [nv, n): at most R slots in full precision
-        k_t, v_t = self._tail_keys(), self._ordered_values()
-        qg = qh.float().view(B, H, Hq // H, D)
-        s = torch.matmul(qg, k_t.float().transpose(-1, -2)) * scale         # [B, H, Gq, L]
-        if mask is not None:
-            s = s.masked_fill(~mask[:, :, None, nv:], float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)                                    # [B, H, Gq]
-        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-        out = torch.matmul(p, v_t.float()).view(B, Hq, D)
-        lse = lse.view(B, Hq)
-        if nv:   # packed prefix [0, nv): straight from the words
-            o1, l1 = quantized_decode_attention(
-                qh, self.k_packed, self.k_scale, self.k_min, self.v_packed, self.v_scale, self.v_min,
-                nv, self.bits, self.group, None if mask is None else mask[:, :, :nv], scale,
-                backend=self.backend)
-            out, lse = merge_partials(o1, l1, out, lse)
-        return out.to(q.dtype).unsqueeze(2)
 
-    def dequantized(self, dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
-        """(k, v) [B, H, n, D] in `dtype` (default the compute dtype); with dtype=torch.float32
-        exactly the keys and values `attend` attends over."""
-        G, nk, nv = self.group, self.n_packed_keys, self.n_packed_values
-        k = dequantize_keys(QuantizedTensor(self.k_packed[:, :, :nk], self.k_scale[:, :, :nk // G],
-                                            self.k_min[:, :, :nk // G], self.bits, G), dtype)
-        v = dequantize_values(QuantizedTensor(self.v_packed[:, :, :nv], self.v_scale[:, :, :nv],
-                                              self.v_min[:, :, :nv], self.bits, G), dtype)
-        return (torch.cat([k, self.k_res[:, :, :self.n - nk].to(k.dtype)], dim=2),
-                torch.cat([v, self._ordered_values().to(v.dtype)], dim=2))
+def quantize_checkpoint(source, out, mode: str, group: Optional[int], symmetric: bool, head: str) -> dict:
+    """Read `source` (HF/converted directory or .gguf), quantize, write `out` -> the scheme written."""
+    import sys
 
-    def nbytes(self, live: bool = False) -> int:
-        """Allocated bytes of every buffer, or (live=True) the bytes that hold the n slots."""
-        bufs = (self.k_packed, self.k_scale, self.k_min, self.k_res,
-                self.v_packed, self.v_scale, self.v_min, self.v_res)
-        if not live:
-            return sum(t.numel() * t.element_size() for t in bufs)
+    from checkpoint import CheckpointError, read_checkpoint, write_converted_dir
+    args, tensors, tokenizer = read_checkpoint(source, weights="float")
+    if getattr(args, "quantization", None):
+        raise CheckpointError(f"{source} is already quantized ({args.quantization['mode']}); quantize its float source")
+    if getattr(args, "gguf_quantized", False):
+        print(f"note: {source} holds quantized GGUF tensors: they are dequantized and quantized again "
+              f"(load the .gguf itself to run its own weights)", file=sys.stderr)
+    if group is not None and (group <= 0 or group % 32):
+        raise ValueError(f"--groupsize must be a positive multiple of 32, got {group}")
+    if symmetric and mode != "int4":
+        raise ValueError("--symmetric applies to int4 (int8 is always symmetric)")
+    scheme = {"mode": mode, "group_size": group if group is not None else (32 if mode == "int4" else 0),
+              "symmetric": symmetric, "head": head}
+    write_converted_dir(out, args, quantize_state(tensors, args, scheme), tokenizer, quantization=scheme)
+    return scheme
 
-        def rows(t: Tensor, r: int) -> int:   # bytes of the first r rows along dim 2
-            return t[:, :, :r].numel() * t.element_size()
-        G, nk, nv = self.group, self.n_packed_keys, self.n_packed_values
-        return (rows(self.k_packed, nk) + rows(self.k_scale, nk // G) + rows(self.k_min, nk // G)
-                + rows(self.k_res, self.n - nk)
-                + rows(self.v_packed, nv) + rows(self.v_scale, nv) + rows(self.v_min, nv)
-                + rows(self.v_res, self.n - nv))
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from checkpoint import CheckpointError
+    p = argparse.ArgumentParser(description="Weight-only int8/int4 quantization of a checkpoint's linear layers "
+                                            "(scheme: the comment above quantize_int8 in quantize.py)")
+    p.add_argument("--checkpoint", required=True, type=Path, help="HF/converted model directory or .gguf file")
+    p.add_argument("--mode", required=True, choices=WEIGHT_MODES)
+    p.add_argument("--groupsize", type=int, help="input channels per scale: int4 default 32 (64, 128, ...); "
+                                                 "int8 default: one scale per output channel")
+    p.add_argument("--symmetric", action="store_true", help="int4 without a per-group minimum (4.5 instead of "
+                                                            "5 bits a weight at groupsize 32)")
+    p.add_argument("--head", choices=HEAD_MODES, default="int8",
+                   help="output head (and a tied embedding): int8 per channel (default), int4, or float")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    a = p.parse_args(argv)
+    try:
+        scheme = quantize_checkpoint(a.checkpoint, a.out, a.mode, a.groupsize, a.symmetric, a.head)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {a.out} ({scheme})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

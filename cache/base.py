@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.cpu import decode_attention
 from model import ModelArgs, attention_mask, grouped_attention
 
 NEVER = float("-inf")    # a keep score that is never selected
@@ -242,6 +243,7 @@ class EvictionPolicy:
     decode_attention = False       # decode needs the step's attention probabilities
     kv_bits, kv_group = 16, 0      # compute-dtype slots (cache/quantized.py: KIVI-packed)
     head_agg = "mean"              # how the query heads of a KV head score a token (HEAD_AGG_PARAM)
+    head_aggs = HEAD_AGG           # the values head_agg may take
     defer_compression = False      # budgets need every layer's statistics (see module doc)
     appending = False              # default layer mode: append decode tokens instead of evicting
     prompt_length = 0              # set per request (before_prefill); 0 before setup
@@ -266,8 +268,8 @@ class EvictionPolicy:
         self.validate()
 
     def validate(self) -> None:
-        if self.head_agg not in HEAD_AGG:
-            raise ValueError(f"head_agg must be one of {', '.join(HEAD_AGG)}, got {self.head_agg!r}")
+        if self.head_agg not in self.head_aggs:
+            raise ValueError(f"head_agg must be one of {', '.join(self.head_aggs)}, got {self.head_agg!r}")
         if self.budget < 1:
             raise ValueError(f"budget must be positive, got {self.budget}")
 
@@ -452,8 +454,7 @@ class EvictionPolicy:
         """Decode attention of q [B, H_q, 1, D] over every slot of the layer (empty ones masked):
         the cost is bounded by what is kept, and the shape does not change as the cache fills
         (a compiled step would otherwise specialize).  Sparse readers replace this."""
-        mask = self.visible(layer)[:, :, None, :].expand(-1, -1, self.store_group, -1)
-        return grouped_attention(q, self.k[layer], self.v[layer], mask)
+        return decode_attention(q, self.k[layer], self.v[layer], self.visible(layer))
 
     def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """Composition hook: (k, v [B, H_kv, C, D], visible [B, H_kv, C]) of the layer as the

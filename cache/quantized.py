@@ -1,7 +1,7 @@
 """KIVI storage for every storage policy (`--kv-bits 4|2`): the policy decides *which* tokens are
 kept, this module decides *how* they are stored.
 
-    with_kv_bits(policy, bits, group=32, residual=32)   the policy with KIVI-packed slots (16: as is)
+    with_kv_bits(policy, bits, group=32, residual=128)  the policy with KIVI-packed slots (16: as is)
     check_format(head_dim, bits, group, residual)        ValueError with a clear message when it cannot work
 
 `full` becomes `KIVIDenseCache`; every `EvictionPolicy` (streaming, h2o, snapkv, pyramidkv, d2o,
@@ -12,18 +12,25 @@ prompt tokens are selected (and D2O-merged) in full precision, then packed.  The
 packed storage ("Sparse readers" below); POD is refused with a clear error.
 
 Layout (`SlotStore`, one layer; B rows, H KV heads, C slots rounded up to a multiple of G, D = head_dim,
-P = 32 // bits codes per int32 word, W = D // P; quantize.py's formats, token-contiguous like QuantizedKV):
+P = 32 // bits codes per int32 word, W = D // P; quantize.py's formats, token-contiguous):
     k_packed [B, H, C, W] int32, k_scale / k_min [B, H, C // G, D]   keys per channel over the G slots
                                                                    of a slot group (slots gG .. gG+G-1)
     v_packed [B, H, C, W] int32, v_scale / v_min [B, H, C, D // G]   values per token over G channels
     k_ring, v_ring [B, H, R, D] (compute dtype)                      the residual: full precision
 The policy's slot table `pos` ([B, H, S] per head, or [B, S] shared for `full`; S <= C) says which
-position each slot holds.  A token is *young* while its position is among the newest R (pos > now - R,
-now = the current query's position); a young token's K/V are read from ring row pos % R (so the ring
-is a FIFO by position: the token at `now` overwrites the one at now - R, which is old from then on),
-every other token from the packed words.  No per-slot flag and no flush step: the ring membership
-follows from the positions, and every store writes the packed copy too (write-through), so a token
-that ages out needs nothing.
+position each slot holds.  The residual follows KIVI (kernels.kivi_attention.ring_flags; now = the
+current query's position, n = now + 1 tokens seen): a slot's *value* is read from ring row pos % R
+while its position is among the newest R (pos > now - R: a FIFO of R values); its *key* only while
+its position is in the R-block still filling (pos >= n - n mod R: keys are quantized block-wise, R at
+a time, so the n mod R newest are exact and the block becomes packed when it completes).  The key
+rule selects a subset of the ring (ring row pos % R holds the exact key and value of each of the
+newest R).  Every other slot is read from the packed words.  No per-slot flag and no flush step:
+membership follows from the positions, and every store writes the packed copy too (write-through),
+so a block that completes, or a token that ages out, needs nothing.  Under eviction the rule is the
+same by position (the kept tokens among the current block's positions are exact), so a slot-addressed
+cache keeps every guarantee below.  With left padding a slot group can straddle a position block:
+its flushed members are read from codes that are re-quantized (from exact ring values) while the
+group's later members arrive, so they may change once more until the group is full (padded rows only).
 
 Writes (every one requantizes exactly the key groups it touches, from the best values at hand):
 - a slot write (decode store, D2O merge target): the slot's key group [gG, gG+G) is re-coded from
@@ -32,35 +39,37 @@ Writes (every one requantizes exactly the key groups it touches, from the best v
   (empty slots are don't-care).  The value is quantized on its own (per token).  A young slot's ring
   row is written too.  So overwriting/evicting a packed token = dequantize its group, replace the
   row, requantize (tested against exactly that reference), and appending layers, whose groups fill
-  one slot per step with all earlier members still young (G <= R), end each group with the codes of
-  one block quantization of exact keys, as KIVI's block-wise flush: old keys are never re-rounded
-  there.  Evicting layers re-round a group's old members when a new member changes its min/max
+  one slot per step with all earlier members still in the ring (G <= R), end each group with the codes
+  of one block quantization of exact keys, as KIVI's block-wise flush: old keys are never re-rounded
+  there.  "Young" below = among the newest R (exact in the ring).  On fp32 CPU storage the writes run
+  in C++ (kvc::kivi_write / kivi_write_range, bit for bit with the torch code here).  Evicting layers re-round a group's old members when a new member changes its min/max
   (the price of per-channel keys under arbitrary slot overwrites; nothing drifts otherwise).
 - prefill: the kept tokens (selected and merged in full precision) are block-quantized by slot
   group in one call; the young ones also go to the ring.  `full` takes the prompt in chunks: a
   later chunk attends the stored slots through a dequantized copy (prefill only).
 Decode reads (sync-free, fixed shapes, one compiled graph for every step):
-- attention: the old slots straight from the words (kernels.quantized_attention: Triton on CUDA, the
-  torch twin elsewhere; no dequantized copy of the cache) + the ring in full precision, merged by
-  log-sum-exp;
-- H2O/D2O need the step's probabilities per slot: packed scores (`quantized_scores`) with the young
-  slots' scores taken from the ring, one joint softmax with the new token, then the weighted sum of
-  packed values (`quantized_weighted_values`) + ring rows;
+- attention: one op over the packed words and the residual (kernels.kivi_attention: the C++ op
+  kvc::kivi_attention on CPU, Triton on CUDA, a torch twin elsewhere; no dequantized copy);
+- H2O/D2O need the step's probabilities per slot: packed scores (`kivi_scores`) with the residual
+  keys' scores taken from the ring, one joint softmax with the new token, then the weighted sum of
+  packed values + ring rows (`kivi_values`);
 - D2O's cosine similarity: packed scores with the evicted key as the query, over key norms
   dequantized block by block.
 Memory (`kv_bytes`): packed words, scales, minimums and the ring, from the buffers; slot tables
-(`pos`) are not counted, as for 16-bit storage.  At 4 bits, G = R = 32, D = 64 a slot costs 80 bytes in
+(`pos`) are not counted, as for 16-bit storage.  At 4 bits, G = 32, D = 64 a slot costs 80 bytes in
 bf16 (32 + 32 packed, 8 + 8 of scales/minimums) against 256, plus the ring's fixed 2 R D dtype bytes
 per (row, head, layer), and for `full` one spare slot group (reads cover whole groups of the live
-length, which must never reach the buffers' end: compiled graphs would change there): under 1/3
-once a layer holds more than ~2000 slots (`full` at 4000 tokens: 32.3%; snapkv 2048: 32.8%); at a
-256-token budget the ring alone is 12.5% of the 16-bit size (streaming 256: 44%).
+length, which must never reach the buffers' end: compiled graphs would change there): with R = 32,
+under 1/3 once a layer holds more than ~2000 slots (`full` at 4000 tokens: 32.3%; snapkv 2048:
+32.8%); at a 256-token budget the ring alone is 12.5% of the 16-bit size (streaming 256: 44%); the
+default R = 128 adds 3 x 2 x 128 x D dtype bytes per (row, layer) (`full` at 4000 tokens: 34.6%).
 
 Sparse readers (HShare, DS, Quest, alone or as STORAGE+READER) over packed storage: `with_kv_bits`
 packs the reader's storage policy, and the reader goes through `kv_store(layer) -> (store, pos, now)`
-(cache/sparse_read.py, `InnerStorage`): `store.gather(idx, pos, now)` returns full-precision K/V
-[B, H, N, D] of just the N selected slots (each key with its own group's scale/minimum, young ones
-from the ring), so exact attention over the selection needs no dequantized cache;
+(cache/sparse_read.py, `InnerStorage`): attention over the N selected slots is the same op as the
+storage's own (kernels.kivi_attention with idx: each selected row dequantized in registers with its
+own group's scale/minimum, residual ones from the ring), so it needs no dequantized cache or copy;
+`store.gather(idx, pos, now)` returns the full-precision K/V of selected slots (Quest's page updates);
 `store.dequantized(pos, now, n)` builds the label cache / page bounds once after prefill; the new
 token's key arrives unquantized in decode (labels and page bounds update from it / from `gather`).
 """
@@ -73,13 +82,15 @@ import torch
 from torch import Tensor
 
 from cache.base import NEVER, EvictionPolicy, joint_softmax
-from kernels.quantized_attention import (_softmax_stats, merge_partials, quantized_decode_attention,
-                                         quantized_scores, quantized_weighted_values)
+from kernels.kivi_attention import (KIVIBuffers, kivi_attention, kivi_gather, kivi_scores, kivi_values,
+                                    ring_flags, ring_rows, whole_groups)
+from kernels.cpu import cpu_kernels_available, kivi_write_cpu, kivi_write_range_cpu, use_cpu_kernel
 from model import DenseCache, grouped_attention
 from quantize import (QuantizedTensor, codes_per_word, dequantize_keys, dequantize_values, quantize_keys,
-                      quantize_values, unpack)
+                      quantize_values)
 
 BITS = (2, 4, 8)
+GROUP, RESIDUAL = 32, 128      # KIVI's main setting: G = 32, R = 128
 CHUNK = 512     # slots per block where packed keys are dequantized block by block (key norms)
 
 
@@ -109,7 +120,7 @@ class SlotStore:
     """
 
     def __init__(self, batch: int, heads: int, head_dim: int, slots: int, bits: int = 4, group: int = 32,
-                 residual: int = 32, dtype: torch.dtype = torch.float32, device=None, backend: str = "auto"):
+                 residual: int = RESIDUAL, dtype: torch.dtype = torch.float32, device=None, backend: str = "auto"):
         check_format(head_dim, bits, group, residual)
         B, H, D, G, R = batch, heads, head_dim, group, residual
         W, C = D // codes_per_word(bits), -(-max(slots, 1) // G) * G
@@ -124,30 +135,30 @@ class SlotStore:
         self.v_min = torch.zeros(B, H, D // G, C, dtype=dtype, **z).transpose(-1, -2)
         self.k_ring = torch.zeros(B, H, R, D, dtype=dtype, **z)
         self.v_ring = torch.zeros(B, H, R, D, dtype=dtype, **z)
+        if backend in ("auto", "cpp") and self.k_ring.device.type == "cpu":
+            cpu_kernels_available()        # build now, on the host: never inside a compiled region
 
     # -------------------------------------------------------------- helpers
-    def young(self, pos: Tensor, now: Tensor) -> Tensor:
-        """bool like pos: the slot holds one of the newest R positions (its K/V live in the ring)."""
-        return (pos >= 0) & (pos > now[:, None, None] - self.residual)
+    @property
+    def buffers(self) -> KIVIBuffers:
+        return KIVIBuffers(self.k_packed, self.k_scale, self.k_min, self.v_packed, self.v_scale, self.v_min,
+                           self.k_ring, self.v_ring, self.bits, self.group)
+
+    def _cpp(self, k: Tensor) -> bool:
+        """Whether the C++ write ops take this store (fp32 CPU buffers, D / G <= 16)."""
+        return use_cpu_kernel(self.backend, self.dtype == torch.float32 and k.device.type == "cpu"
+                              and self.head_dim // self.group <= 16)
+
+    def in_ring(self, pos: Tensor, now: Tensor) -> Tensor:
+        """bool like pos: the slot holds one of the newest R positions, whose exact K and V are ring row
+        pos % R (values are read from there; keys only in their residual, `ring_flags`)."""
+        return ring_flags(pos, now, self.residual)[1]
 
     def _slot_pos(self, pos: Tensor, idx: Tensor) -> Tensor:
         """Positions [B, H, m] of slots idx [B, H, m] (-1 past the policy's S slots)."""
         S = pos.shape[2]
         got = pos.expand(idx.shape[0], idx.shape[1], S).gather(2, idx.clamp(max=S - 1))
         return torch.where(idx < S, got, -1)
-
-    def _ring_rows(self, ring: Tensor, pos: Tensor) -> Tensor:
-        """ring rows pos % R for pos [B, H, m] -> [B, H, m, D] fp32."""
-        return ring.gather(2, pos.remainder(self.residual)[..., None].expand(-1, -1, -1, self.head_dim)).float()
-
-    def _whole_groups(self, t: Tensor, n: int, fill) -> tuple[Tensor, int]:
-        """t [..., >= n] -> ([..., ne], ne): its first n columns then `fill`, ne = n rounded up to whole
-        groups.  Reads go over whole groups, and no tensor is sized ne - n: a size that can be 0 or 1
-        would be specialized by torch.compile (a graph per n % G)."""
-        ne = -(-n // self.group) * self.group
-        idx = torch.arange(ne, device=t.device)
-        got = t.gather(-1, idx.clamp(max=n - 1).expand(*t.shape[:-1], ne))
-        return torch.where(idx < n, got, fill), ne
 
     def _keys(self, a: int, b: int) -> Tensor:
         """Dequantized keys of the whole groups of slots [a, b) -> [B, H, b - a, D] fp32."""
@@ -160,15 +171,23 @@ class SlotStore:
     def write_range(self, start: int, k: Tensor, v: Tensor, pos: Tensor, now: Tensor) -> None:
         """k, v [B, H, T, D] into slots [start, start + T) (host int; pos already holds their
         positions): the key groups they touch are requantized in one call, the values quantized per
-        token, the young ones written to the ring."""
+        token, the young ones written to the ring.  On fp32 CPU storage the C++ twin does it
+        (kernels/kivi_kernels.cpp, bit for bit), else `write_range_torch`."""
+        if self._cpp(k):
+            kivi_write_range_cpu(self.buffers, start, k, v, pos, now)
+        else:
+            self.write_range_torch(start, k, v, pos, now)
+
+    def write_range_torch(self, start: int, k: Tensor, v: Tensor, pos: Tensor, now: Tensor) -> None:
+        """`write_range` in torch ops (the reference, and the path on other devices and dtypes)."""
         B, H, T, D = k.shape
         G, R = self.group, self.residual
         end = start + T
         a, b = start // G * G, -(-end // G) * G
         idx = torch.arange(a, b, device=k.device)[None, None].expand(B, H, b - a)
         pm = self._slot_pos(pos, idx)
-        young = self.young(pm, now)
-        x = torch.where(young[..., None], self._ring_rows(self.k_ring, pm), self._keys(a, b))
+        young = self.in_ring(pm, now)
+        x = torch.where(young[..., None], ring_rows(self.k_ring, pm), self._keys(a, b))
         x = torch.cat([x[:, :, :start - a], k.float(), x[:, :, end - a:]], dim=2)
         qk = quantize_keys(x, self.bits, G, include=pm >= 0, dtype=self.dtype)
         self.k_packed[:, :, a:b] = qk.packed
@@ -189,7 +208,16 @@ class SlotStore:
               where: Optional[Tensor] = None) -> None:
         """One token per row and head: k, v [B, H, 1, D] into slot [B, H] (pos already holds its
         position); where [B, H] bool: write only there (elsewhere nothing changes, not even a
-        requantization).  Requantizes the slot's key group (module docstring)."""
+        requantization).  Requantizes the slot's key group (module docstring).  On fp32 CPU storage
+        the C++ twin does it (kernels/kivi_kernels.cpp, bit for bit), else `write_torch`."""
+        if self._cpp(k):
+            kivi_write_cpu(self.buffers, slot, k, v, pos, now, where)
+        else:
+            self.write_torch(slot, k, v, pos, now, where)
+
+    def write_torch(self, slot: Tensor, k: Tensor, v: Tensor, pos: Tensor, now: Tensor,
+                    where: Optional[Tensor] = None) -> None:
+        """`write` in torch ops (the reference, and the path on other devices and dtypes)."""
         B, H, _, D = k.shape
         G, R, W = self.group, self.residual, self.k_packed.shape[-1]
         g = (slot // G)[..., None]                                                 # [B, H, 1]
@@ -199,7 +227,7 @@ class SlotStore:
         x = dequantize_keys(QuantizedTensor(*old, self.bits, G), torch.float32)  # [B, H, G, D]
         pm = self._slot_pos(pos, idx)
         me = idx == slot[..., None]
-        x = torch.where(self.young(pm, now)[..., None], self._ring_rows(self.k_ring, pm), x)
+        x = torch.where(self.in_ring(pm, now)[..., None], ring_rows(self.k_ring, pm), x)
         x = torch.where(me[..., None], k.float(), x)
         qk = quantize_keys(x, self.bits, G, include=(pm >= 0) | me, dtype=self.dtype)
         at_s = slot[:, :, None, None]
@@ -209,7 +237,7 @@ class SlotStore:
                   (self.k_min, at_g, qk.minimum, old[2]), (self.v_packed, at_v, qv.packed, None),
                   (self.v_scale, at_c, qv.scale, None), (self.v_min, at_c, qv.minimum, None)]
         p_slot = pm.gather(2, slot[..., None] - g * G)                            # [B, H, 1]
-        ring_ok = self.young(p_slot, now)[..., 0]
+        ring_ok = self.in_ring(p_slot, now)[..., 0]
         if where is not None:
             ring_ok = ring_ok & where
         row = p_slot.remainder(R)[..., None].expand(-1, -1, -1, D)
@@ -226,19 +254,8 @@ class SlotStore:
     # -------------------------------------------------------------- reads
     def gather(self, idx: Tensor, pos: Tensor, now: Tensor) -> tuple[Tensor, Tensor]:
         """(k, v) [B, H, N, D] fp32 of slots idx [B, H, N]: only those rows are dequantized (each key
-        with its group's scale/minimum), young ones come from the ring.  The sparse readers' hook."""
-        G, W, D = self.group, self.k_packed.shape[-1], self.head_dim
-        at_w = idx[..., None].expand(-1, -1, -1, W)
-        at_g = (idx // G)[..., None].expand(-1, -1, -1, D)
-        k = (unpack(self.k_packed.gather(2, at_w), self.bits, -1).float() * self.k_scale.gather(2, at_g).float()
-             + self.k_min.gather(2, at_g).float())
-        at_c = idx[..., None].expand(-1, -1, -1, D // G)
-        v = dequantize_values(QuantizedTensor(self.v_packed.gather(2, at_w), self.v_scale.gather(2, at_c),
-                                              self.v_min.gather(2, at_c), self.bits, G), torch.float32)
-        pm = self._slot_pos(pos, idx)
-        young = self.young(pm, now)[..., None]
-        return (torch.where(young, self._ring_rows(self.k_ring, pm), k),
-                torch.where(young, self._ring_rows(self.v_ring, pm), v))
+        with its group's scale/minimum), residual ones come from the ring (kernels.kivi_attention)."""
+        return kivi_gather(self.buffers, idx, pos, now)
 
     def dequantized(self, pos: Tensor, now: Tensor, n: int) -> tuple[Tensor, Tensor]:
         """(k, v) [B, H, n, D] fp32 of slots [0, n), exactly what attention reads.  A full copy: for
@@ -247,23 +264,14 @@ class SlotStore:
         k = self._keys(0, -(-n // G) * G)[:, :, :n]
         v = dequantize_values(QuantizedTensor(self.v_packed[:, :, :n], self.v_scale[:, :, :n],
                                               self.v_min[:, :, :n], self.bits, G), torch.float32)
-        p = pos[..., :n].expand(k.shape[0], k.shape[1], n)
-        young = self.young(p, now)[..., None]
-        return (torch.where(young, self._ring_rows(self.k_ring, p), k),
-                torch.where(young, self._ring_rows(self.v_ring, p), v))
+        key_exact, value_exact = ring_flags(pos[..., :n], now, self.residual)
+        return (torch.where(key_exact[..., None], ring_rows(self.k_ring, pos[..., :n]), k),
+                torch.where(value_exact[..., None], ring_rows(self.v_ring, pos[..., :n]), v))
 
     def scores(self, qg: Tensor, pos: Tensor, now: Tensor, n: int) -> Tensor:
         """qg . k_t for slots t < n: qg [B, H, Gq, D] fp32 (any scale folded in) -> [B, H, Gq, n]."""
-        p, ne = self._whole_groups(pos, n, -1)
-        return self._scores(qg, p, now, ne)[..., :n]
-
-    def _scores(self, qg: Tensor, p: Tensor, now: Tensor, ne: int) -> Tensor:
-        """Scores of the ne slots (whole groups) whose positions are p [B, H or 1, ne]."""
-        B, H, Gq, _ = qg.shape
-        s = quantized_scores(qg, self.k_packed, self.k_scale, self.k_min, ne, self.bits, self.group)
-        ring = qg @ self.k_ring.float().transpose(-1, -2)                          # [B, H, Gq, R]
-        rows = p.remainder(self.residual)[:, :, None, :].expand(B, H, Gq, ne)
-        return torch.where(self.young(p, now)[:, :, None], ring.gather(-1, rows), s)
+        p, ne = whole_groups(pos, n, self.group, -1)
+        return kivi_scores(qg, self.buffers, p, now, ne)[..., :n]
 
     def key_norms(self, pos: Tensor, now: Tensor, n: int) -> Tensor:
         """|k_t| [B, H, n] fp32 of slots t < n (packed keys dequantized block by block)."""
@@ -274,7 +282,7 @@ class SlotStore:
             norms = torch.cat([self._keys(c, min(c + CHUNK, nt)).norm(dim=-1) for c in range(0, nt, CHUNK)], 2)
         p = pos[..., :n].expand(norms.shape[0], norms.shape[1], n)
         ring = self.k_ring.float().norm(dim=-1).gather(2, p.remainder(self.residual))
-        return torch.where(self.young(p, now), ring, norms[..., :n])
+        return torch.where(ring_flags(p, now, self.residual)[0], ring, norms[..., :n])
 
     def cosine(self, k: Tensor, pos: Tensor, now: Tensor, n: int) -> Tensor:
         """Cosine similarity of k [B, H, 1, D] with the key of every slot t < n -> [B, H, n] fp32
@@ -284,47 +292,25 @@ class SlotStore:
         return dots / (k.float().norm(dim=-1).clamp_min(eps) * self.key_norms(pos, now, n).clamp_min(eps))
 
     def attend(self, q: Tensor, visible: Tensor, pos: Tensor, now: Tensor, n: int,
-               scale: Optional[float] = None) -> Tensor:
+               scale: Optional[float] = None, idx: Optional[Tensor] = None, valid: Optional[Tensor] = None) -> Tensor:
         """q [B, H_q, 1, D] -> [B, H_q, 1, D]: softmax attention over the visible slots t < n
-        (visible, pos [B, H or 1, >= n]): old slots straight from the words, young ones from the
-        ring, merged by log-sum-exp."""
-        B, Hq, _, D = q.shape
-        H, R = self.heads, self.residual
-        scale = 1.0 / math.sqrt(D) if scale is None else scale
-        p, ne = self._whole_groups(pos, n, -1)
-        vis, _ = self._whole_groups(visible, n, False)
-        young = self.young(p, now) & vis
-        out, lse = quantized_decode_attention(q, self.k_packed, self.k_scale, self.k_min, self.v_packed,
-                                              self.v_scale, self.v_min, ne, self.bits, self.group, vis & ~young,
-                                              scale, backend=self.backend)
-        rows = torch.where(young, p.remainder(R), R)
-        alive = torch.zeros(B, young.shape[1], R + 1, dtype=torch.bool, device=q.device).scatter_(2, rows, True)
-        qg = q.float().view(B, H, Hq // H, D) * scale
-        s = (qg @ self.k_ring.float().transpose(-1, -2)).masked_fill(~alive[:, :, None, :R], float("-inf"))
-        p_ring, lse_ring = _softmax_stats(s)
-        out_ring = p_ring @ self.v_ring.float()
-        out, _ = merge_partials(out, lse, out_ring.view(B, Hq, D), lse_ring.view(B, Hq))
-        return out.to(q.dtype).view(B, Hq, 1, D)
+        (visible, pos [B, H or 1, >= n]), or over the slots idx [B, H or H_q, N] where valid (the sparse
+        readers): packed words and the residual in one op (kernels.kivi_attention)."""
+        return kivi_attention(q, self.buffers, pos, visible, now, n, scale, idx, valid, backend=self.backend)
 
     def attend_and_probs(self, q: Tensor, visible: Tensor, pos: Tensor, now: Tensor, k: Tensor, v: Tensor,
                          n: int) -> tuple[Tensor, Tensor, Tensor]:
         """cache.base.attend_with_new over the packed slots t < n plus the new token k, v [B, H, 1, D]:
         (out [B, H_q, 1, D], p_old [B, H, Gq, n], p_new [B, H, Gq, 1]), one joint softmax in fp32."""
         B, Hq, _, D = q.shape
-        H, R = self.heads, self.residual
-        Gq = Hq // H
-        qg = q.float().view(B, H, Gq, D) / math.sqrt(D)
-        p, ne = self._whole_groups(pos, n, -1)
-        vis, _ = self._whole_groups(visible, n, False)
-        s_old = self._scores(qg, p, now, ne).masked_fill(~vis[:, :, None], NEVER)
+        Gq = Hq // self.heads
+        qg = q.float().view(B, self.heads, Gq, D) / math.sqrt(D)
+        p, ne = whole_groups(pos, n, self.group, -1)
+        vis, _ = whole_groups(visible, n, self.group, False)
+        s_old = kivi_scores(qg, self.buffers, p, now, ne).masked_fill(~vis[:, :, None], NEVER)
         s_new = (qg * k.float()).sum(-1, keepdim=True)
         p_old, p_new = joint_softmax(s_old, s_new)
-        young = self.young(p, now)[:, :, None].expand(B, H, Gq, ne)
-        out = quantized_weighted_values(p_old.masked_fill(young, 0.0), self.v_packed, self.v_scale, self.v_min,
-                                        ne, self.bits, self.group)
-        rows = torch.where(young, p.remainder(R)[:, :, None], R)
-        p_ring = p_old.new_zeros(B, H, Gq, R + 1).scatter_add_(-1, rows, p_old.masked_fill(~young, 0.0))
-        out = out + p_ring[..., :R] @ self.v_ring.float() + p_new * v.float()
+        out = kivi_values(p_old, self.buffers, p, now, ne) + p_new * v.float()
         return out.to(q.dtype).reshape(B, Hq, 1, D), p_old[..., :n], p_new
 
     # -------------------------------------------------------------- memory
@@ -361,7 +347,7 @@ class KIVIDenseCache(DenseCache):
 
     name = "full"
 
-    def __init__(self, bits: int = 4, group: int = 32, residual: int = 32, backend: str = "auto"):
+    def __init__(self, bits: int = 4, group: int = GROUP, residual: int = RESIDUAL, backend: str = "auto"):
         check_format(None, bits, group, residual)
         self.kv_bits, self.kv_group, self.kv_residual, self.backend = bits, group, residual, backend
 
@@ -423,7 +409,7 @@ class KIVIEviction:
     """Mixin placed before an EvictionPolicy class (`with_kv_bits` builds the class): the K/V-format
     hooks of cache/base.py over `SlotStore`s; the policy's selection code runs unchanged."""
 
-    kv_bits, kv_group, kv_residual, backend = 4, 32, 32, "auto"
+    kv_bits, kv_group, kv_residual, backend = 4, GROUP, RESIDUAL, "auto"
 
     def setup(self, args, max_batch_size, max_seq_length, dtype, device) -> None:
         check_format(args.head_dim, self.kv_bits, self.kv_group, self.kv_residual)
@@ -487,7 +473,7 @@ def kv_describe(policy) -> dict:
 _CLASSES: dict = {}
 
 
-def with_kv_bits(policy, bits: int, group: int = 32, residual: int = 32, backend: str = "auto"):
+def with_kv_bits(policy, bits: int, group: int = GROUP, residual: int = RESIDUAL, backend: str = "auto"):
     """`policy` (not yet set up) with its K/V stored at `bits`: 16 returns it unchanged; 4 or 2 (8)
     returns a policy with the same parameters over KIVI-packed slots (G = group, R = residual).  A
     sparse reader (hshare, ds, quest, or STORAGE+READER) gets its storage policy packed and reads

@@ -44,11 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cache.base import EvictionPolicy
+from cache.base import HEAD_AGG, HEAD_AGG_PARAM, EvictionPolicy
 from cache.calibration import channel_importance, channels_path, ensure_channels, rank_channels, read_channels_file
 from kernels import (approx_scores, dequantize_labels_4bit, quantize_labels_4bit, resolve_backend,
                      sparse_decode_attention)
 from kernels.cpu import cpu_kernels_available, select_top_cpu, use_cpu_kernel
+from kernels.kivi_attention import kivi_attention
 from model import DenseCache, ModelArgs
 
 INF = float("inf")
@@ -90,9 +91,10 @@ class InnerStorage:
     order = arrival order; the readable length is the host int n_filled) or an EvictionPolicy
     (per layer and head slot tables, fixed capacity, `store` returns the slot).  Either may keep
     KIVI-packed slots (`--kv-bits`, cache/quantized.py: `packed`): then the reader never sees K/V
-    tensors; attention gathers the N selected rows (`rows`), each dequantized with its own
-    group's scale and minimum (young ones from the full-precision ring), and the label cache / page
-    bounds are built once from a dequantized copy after prefill."""
+    tensors; attention reads the N selected rows through the packed storage's own op (`attend`), each
+    dequantized in registers with its own group's scale and minimum (residual ones from the
+    full-precision ring), and the label cache / page bounds are built once from a dequantized copy
+    after prefill."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -121,21 +123,22 @@ class InnerStorage:
             return pos >= 0, pos
         return inner.visible(layer), inner.pos[layer]
 
-    def rows(self, layer: int, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """What attention over the slots idx [B, H_kv, N] reads: (k, v, idx) with k, v [B, H_kv, S, D]
-        and idx into them: the readable storage and idx itself, or, for packed slots, just the N
-        rows dequantized ([B, H_kv, N, D]) and idx = 0..N-1.  Entries of idx past the readable slots
-        (invalid selections) are read as some slot and ignored by the caller's valid mask."""
+    def attend(self, layer: int, q: Tensor, idx: Tensor, valid: Tensor, backend: str, workspace=None) -> Tensor:
+        """Exact attention of q [B, H_q, 1, D] over the slots idx/valid [B, H_kv or H_q, N]: the selected
+        K/V rows read in place (kernels.sparse_decode_attention), or, for packed slots, the same op as
+        the packed storage's own attention (kernels.kivi_attention: each selected row dequantized in
+        registers, residual ones from the ring; no gathered copy).  Entries of idx past the readable
+        slots (invalid selections) are ignored through valid."""
         inner = self.inner
         if self.packed:
             store, pos, now = inner.kv_store(layer)
-            k, v = store.gather(idx.clamp(max=pos.shape[2] - 1), pos, now)
-            arange = torch.arange(idx.shape[2], device=idx.device).expand(idx.shape)
-            return k.to(store.dtype), v.to(store.dtype), arange
+            return kivi_attention(q, store.buffers, pos, None, now, pos.shape[2], None, idx, valid, backend=backend)
         if self.uniform:
             n = inner.n_filled
-            return inner.k[layer][:, :, :n], inner.v[layer][:, :, :n], idx
-        return inner.k[layer], inner.v[layer], idx
+            k, v = inner.k[layer][:, :, :n], inner.v[layer][:, :, :n]
+        else:
+            k, v = inner.k[layer], inner.v[layer]
+        return sparse_decode_attention(q, k, v, idx, valid, backend=backend, workspace=workspace)
 
     def keys_at(self, layer: int, slots: Tensor) -> Tensor:
         """Keys [B, H_kv, m, D] of slots [B, H_kv, m] (< capacity), in the compute dtype."""
@@ -328,7 +331,9 @@ class SparseReader:
         "n_recent": (int, -1, "y, most recent tokens always read, the current one included (-1 = from preset)"),
         "backend": (str, "auto", "kernels: auto (Triton on CUDA, C++ on CPU when built, else torch), torch, "
                                  "triton or cpp"),
+        **HEAD_AGG_PARAM,
     }
+    head_aggs = HEAD_AGG            # the head aggregations a reader supports
     renamed: dict = {}
     is_sparse_reader = True
     decode_attention = False
@@ -374,6 +379,8 @@ class SparseReader:
         if self.n_sink < 0 or self.n_critical < self.n_sink + self.n_recent:
             raise ValueError(f"n_critical ({self.n_critical}) must hold n_sink ({self.n_sink}) + n_recent "
                              f"({self.n_recent})")
+        if self.head_agg not in self.head_aggs:
+            raise ValueError(f"{self.name}: head_agg must be one of {', '.join(self.head_aggs)}, got {self.head_agg!r}")
         if self.backend not in ("auto", "torch", "triton", "cpp"):
             raise ValueError(f"backend must be auto, torch, triton or cpp, got {self.backend!r}")
 
@@ -479,6 +486,23 @@ class SparseReader:
         """N_c as the selection's shape (HShare reads it from a tensor's shape, see there)."""
         return self.n_critical
 
+    def reduce_query_scores(self, s: Tensor) -> Tensor:
+        """Per-query-head scores [B, H_q, S] -> what selects: [B, H_kv, S] (head_agg mean or max over the
+        group) or [B, H_q, S] (head_agg=query: every query head its own list, N_c indices per query head)."""
+        if self.head_agg == "query":
+            return s
+        B, Hq, S = s.shape
+        s = s.view(B, Hq // self.group, self.group, S)
+        return s.mean(2) if self.head_agg == "mean" else s.amax(2)
+
+    def select_bias(self, layer: int, heads: int) -> Tensor:
+        """The selection bias for `heads` selecting heads (H_q under head_agg=query: each query head takes
+        its KV head's bias)."""
+        bias = self.bias(layer)
+        if bias.shape[1] not in (1, heads):
+            bias = bias.repeat_interleave(heads // bias.shape[1], 1)
+        return bias
+
     def max_reads(self) -> int:
         """Most tokens one decode attention reads per (row, KV head)."""
         return self.n_critical
@@ -491,15 +515,16 @@ class SparseReader:
         """Exact attention of q [B, H_q, 1, D] over the slots idx/valid [B, H_kv, N]."""
         if self.record_reads:
             self.last_read[layer] = (idx, valid)
-        k, v, idx = self.storage_.rows(layer, idx)
         workspace = None if torch.compiler.is_compiling() else self.workspace
-        return sparse_decode_attention(q, k, v, idx, valid, backend=self.backend, workspace=workspace)
+        return self.storage_.attend(layer, q, idx, valid, self.backend, workspace)
 
     def read_positions(self, layer: int) -> list:
         """Positions read by the last decode step's attention of `layer` (needs record_reads = True):
         per batch row and KV head, sorted lists."""
         idx, valid = self.last_read[layer]
         pos = self.storage_.full_positions(layer)
+        if pos.shape[1] not in (1, idx.shape[1]):                   # per-query-head lists (head_agg=query)
+            pos = pos.repeat_interleave(idx.shape[1] // pos.shape[1], 1)
         pos = pos.expand(-1, idx.shape[1], -1)
         got = pos.gather(2, idx.clamp(0, pos.shape[2] - 1))
         out = []
@@ -651,11 +676,18 @@ class LabelReader(SparseReader):
             channels = channels[:heads]
             q = q[:, :heads * self.group]
         lab, sc, mn = self.labels.view(layer, self.readable_length(layer), heads if sliced else None)
-        s = approx_scores(self.query_labels(layer, q, channels), lab, sc, mn, group="kv", backend=self.backend)
-        return s if heads is None or sliced else s[:, :heads]
+        q_label = self.query_labels(layer, q, channels)
+        if self.head_agg == "mean":     # the group's summed query against each label: the same ranking
+            s = approx_scores(q_label, lab, sc, mn, group="kv", backend=self.backend)
+        else:
+            s = self.reduce_query_scores(approx_scores(q_label, lab, sc, mn, group="query", backend=self.backend))
+        if heads is None or sliced:
+            return s
+        return s[:, :heads * (self.group if self.head_agg == "query" else 1)]
 
     def select(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
-        return select_slots(self.scores(layer, q), self.bias(layer), self.n_slots(), self.backend)
+        s = self.scores(layer, q)
+        return select_slots(s, self.select_bias(layer, s.shape[1]), self.n_slots(), self.backend)
 
     def index_bytes(self, live: bool) -> int:
         if not self.built:

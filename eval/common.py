@@ -162,7 +162,8 @@ class Progress:
 def report_header(args) -> dict:
     """The fields every eval's JSON starts with."""
     return {"policy": args.policy, "policy_args": args.policy_args, "kv_bits": args.kv_bits,
-            "kv_group_size": args.kv_group_size, "kv_residual": args.kv_residual, "checkpoint": str(args.checkpoint)}
+            "kv_dtype": getattr(args, "kv_dtype", None), "kv_group_size": args.kv_group_size,
+            "kv_residual": args.kv_residual, "checkpoint": str(args.checkpoint)}
 
 
 def write_json(path, obj: dict) -> None:

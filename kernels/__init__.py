@@ -5,7 +5,7 @@ a torch "twin" (the CPU path and the reference) per operation, dispatched by dev
     approx_scores             approximate scores q_label . label (float or 4-bit packed labels)
     mask_sink_recent          force sinks / recent tokens (+inf) and hide positions >= length (-inf)
     select_critical           top-k of masked scores -> index list for sparse_decode_attention
-    quantized_decode_attention  attention of one decode query straight from a KIVI-packed cache
+    kivi_attention (kernels.kivi_attention)  the same over SlotStore's packed slots + residual ring, one op
     quantize_labels_4bit ...  4-bit label packing helpers
 
 Every dispatcher takes `backend="auto" | "triton" | "torch"`: "auto" runs Triton when the tensors live
@@ -54,8 +54,6 @@ from .label_scores import (approx_scores, approx_scores_torch, approx_scores_tri
                            dequantize_labels_4bit, mask_sink_recent, mask_sink_recent_torch,
                            mask_sink_recent_triton, pack_4bit, quantize_labels_4bit, select_critical,
                            unpack_4bit)
-from .quantized_attention import (merge_partials, quantized_decode_attention,  # noqa: E402
-                                  quantized_decode_attention_torch, quantized_decode_attention_triton)
 
 __all__ = [
     "BACKENDS", "resolve_backend", "triton_available",
@@ -63,6 +61,4 @@ __all__ = [
     "approx_scores", "approx_scores_torch", "approx_scores_triton",
     "mask_sink_recent", "mask_sink_recent_torch", "mask_sink_recent_triton", "select_critical",
     "pack_4bit", "unpack_4bit", "quantize_labels_4bit", "dequantize_labels_4bit",
-    "quantized_decode_attention", "quantized_decode_attention_torch", "quantized_decode_attention_triton",
-    "merge_partials",
 ]

@@ -1,5 +1,7 @@
-"""The C++ CPU kernels (kernels/cpu_kernels.cpp): the sparse readers' fast path on CPU, beside the
-Triton kernels on CUDA and the torch twins everywhere.
+"""The C++ CPU kernels (kernels/cpu_kernels.cpp, kernels/kivi_kernels.cpp, kernels/cpu_qlinear.cpp): the
+sparse readers', KIVI's, the dense caches' and the weight-quantized linear layers' fast path on CPU
+(kernels/qlinear.py), beside the Triton kernels on CUDA and the torch twins everywhere.
+
 
     cpu_kernels_available()            builds the extension on first call (torch.utils.cpp_extension,
                                        -O3 -march=native, ~30 s once; cached under
@@ -7,6 +9,11 @@ Triton kernels on CUDA and the torch twins everywhere.
                                        False with one warning if it cannot be built (no compiler)
     sparse_decode_attention_cpu(...)   == kernels.sparse_decode_attention_torch (fp32, D 64 or 128)
     select_top_cpu(scores, bias, n)    == torch.topk of F.pad(scores, (0, n)) + bias, as a set per row
+    kivi_attention_cpu(...)            == kernels.kivi_attention.kivi_attention_torch (packed K/V + residual)
+    kivi_write_cpu / kivi_write_range_cpu  == SlotStore.write_torch / write_range_torch, bit for bit
+    dense_attention_cpu(q, k, v, n)    decode attention over fp32 or bf16 rows [0, n), all visible
+    decode_attention(q, k, v, visible) == model.grouped_attention of one decode query over a dense cache
+                                       (the C++ kernel on fp32 CPU tensors, grouped_attention otherwise)
 
 Why: on CPU the torch twin of sparse attention copies the N selected K and V rows (index_select)
 and runs two batched matmuls over the copies, so every selected byte crosses memory three times;
@@ -29,16 +36,21 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+from model import RMSNorm
+
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "kivi_kernels.cpp", "cpu_qlinear.cpp")]
 
 
-def _cpu_tag() -> str:
-    """A short hash of the CPU's feature flags: -march=native code must not be reused on another CPU."""
+def _build_tag() -> str:
+    """A short hash of the CPU's feature flags (-march=native code must not be reused on another CPU)
+    and of the sources (an edited source must not load a stale build; checkouts with different kernels
+    never share one build)."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    text = flags.encode() + b"".join(p.read_bytes() for p in SOURCES + [SOURCES[0].with_name("cpu_vec.h")])
+    return hashlib.sha1(text).hexdigest()[:10]
 
 
 _available: Optional[bool] = None       # a plain global, not lru_cache: torch.compile reads it as a constant
@@ -67,7 +79,7 @@ def use_cpu_kernel(backend: str, supported: bool) -> bool:
 def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
-        load(name=f"kvc_cpu_kernels_{_cpu_tag()}", sources=[str(SOURCE)],
+        load(name=f"kvc_cpu_kernels_{_build_tag()}", sources=[str(p) for p in SOURCES],
              extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:                                              # no compiler, no headers, ...
         warnings.warn(f"the C++ CPU kernels could not be built ({type(e).__name__}: {str(e)[:200]}); "
@@ -83,10 +95,42 @@ def _register_fakes() -> None:
     def _(q, k, v, idx, valid, scale):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("kvc::kivi_attention")
+    def _(q, *args):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("kvc::kivi_write")
+    def _(*args):
+        return None
+
+    @torch.library.register_fake("kvc::kivi_write_range")
+    def _(*args):
+        return None
+
+    @torch.library.register_fake("kvc::dense_attention")
+    def _(q, k, v, n, scale):
+        return torch.empty_like(q)
+
     @torch.library.register_fake("kvc::select_top")
     def _(scores, bias, n):
         B, H = scores.shape[:2]
         return (scores.new_empty((B, H, n), dtype=torch.long), scores.new_empty((B, H, n), dtype=torch.bool))
+
+    @torch.library.register_fake("kvc::decode_attention")
+    def _(q, k, v, visible, scale):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("kvc::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("kvc::qlinear")
+    def _(x, w, scales, mins, bits, group, portable):
+        return x.new_empty((x.shape[0], w.shape[0] * 16))
+
+    @torch.library.register_fake("kvc::qdequant")
+    def _(w, scales, mins, bits, group, K):
+        return scales.new_empty((w.shape[0] * 16, K), dtype=torch.float32)
 
 
 def sparse_attention_supported(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
@@ -117,3 +161,84 @@ def select_top_cpu(scores: Tensor, bias: Tensor, n: int) -> tuple[Tensor, Tensor
 def _unit_stride_rows(t: Tensor) -> Tensor:
     """t itself when its last dim is contiguous (the kernels take the other strides as they are)."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def kivi_attention_cpu(q: Tensor, buf, pos: Tensor, visible: Optional[Tensor], now: Tensor, n: int,
+                       scale: Optional[float] = None, idx: Optional[Tensor] = None,
+                       valid: Optional[Tensor] = None) -> Tensor:
+    """The C++ op; contract of kernels.kivi_attention.kivi_attention (buf: its KIVIBuffers)."""
+    squeeze = q.dim() == 4
+    q3 = q.squeeze(2) if squeeze else q
+    scale = 1.0 / math.sqrt(q3.shape[-1]) if scale is None else scale
+    empty_b = torch.empty(0, 0, 0, dtype=torch.bool, device=q.device)
+    empty_l = torch.empty(0, dtype=torch.long, device=q.device)
+    out = torch.ops.kvc.kivi_attention(
+        q3, buf.k_packed, buf.k_scale, buf.k_min, buf.v_packed, buf.v_scale, buf.v_min, buf.k_ring, buf.v_ring,
+        _unit_stride_rows(pos), empty_b if visible is None else _unit_stride_rows(visible), now.contiguous(),
+        empty_l if idx is None else idx.long().contiguous(), empty_b if valid is None else valid.contiguous(),
+        n, buf.bits, buf.group, scale)
+    return out.unsqueeze(2) if squeeze else out
+
+
+def kivi_write_cpu(buf, slot: Tensor, k: Tensor, v: Tensor, pos: Tensor, now: Tensor,
+                   where: Optional[Tensor] = None) -> None:
+    """The C++ twin of cache.quantized.SlotStore.write (bit for bit): k, v [B, H, 1, D] into slot [B, H]."""
+    B, H, _, D = k.shape
+    no_where = torch.empty(0, dtype=torch.bool, device=k.device)
+    torch.ops.kvc.kivi_write(buf.k_packed, buf.k_scale, buf.k_min, buf.v_packed, buf.v_scale, buf.v_min,
+                             buf.k_ring, buf.v_ring, slot.long().contiguous(), k.reshape(B, H, D).float().contiguous(),
+                             v.reshape(B, H, D).float().contiguous(), _unit_stride_rows(pos), now.contiguous(),
+                             no_where if where is None else where.contiguous(), buf.bits, buf.group)
+
+
+def kivi_write_range_cpu(buf, start: int, k: Tensor, v: Tensor, pos: Tensor, now: Tensor) -> None:
+    """The C++ twin of cache.quantized.SlotStore.write_range (bit for bit): k, v [B, H, T, D] into slots
+    [start, start + T)."""
+    torch.ops.kvc.kivi_write_range(buf.k_packed, buf.k_scale, buf.k_min, buf.v_packed, buf.v_scale, buf.v_min,
+                                   buf.k_ring, buf.v_ring, start, k.float().contiguous(), v.float().contiguous(),
+                                   _unit_stride_rows(pos), now.contiguous(), buf.bits, buf.group)
+
+
+def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, n: int, scale: Optional[float] = None) -> Tensor:
+    """kvc::dense_attention: q [B, H_q, 1, D] fp32 over slots [0, n) of k, v [B, H_kv, S, D] (fp32 or bf16,
+    rows contiguous), every slot visible -> [B, H_q, 1, D]."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.ops.kvc.dense_attention(q.squeeze(2).contiguous(), k, v, n, scale).unsqueeze(2)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor]) -> Tensor:
+    """Decode attention over a dense cache: q [B, H_q, 1, D], k, v [B, H_kv, S, D], visible bool
+    [B, 1 or H_kv, >= S] (True = attend) or None -> [B, H_q, 1, D]; query head h reads KV head
+    h // (H_q / H_kv).  The C++ kernel (each K/V row read once, in place; ~2.5x the rate of
+    F.scaled_dot_product_attention's CPU kernel for one query) on fp32 CPU tensors with head_dim 64 or
+    128, else model.grouped_attention with the equivalent mask."""
+    B, Hq, T, D = q.shape
+    S = k.shape[2]
+    if (T == 1 and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and D in (64, 128)
+            and k.stride(3) == 1 and v.stride(3) == 1 and cpu_kernels_available()):
+        vis = torch.empty(0, dtype=torch.bool) if visible is None else _unit_stride_rows(visible)
+        return torch.ops.kvc.decode_attention(q.reshape(B, Hq, D).contiguous(), k, v, vis,
+                                              1.0 / math.sqrt(D)).view(B, Hq, 1, D)
+    from model import grouped_attention
+    mask = None if visible is None else visible[..., None, :S].expand(B, visible.shape[1], (Hq // k.shape[1]) * T, S)
+    return grouped_attention(q, k, v, mask)
+
+
+class FusedRMSNorm(RMSNorm):
+    """model.RMSNorm with the eager fp32 CPU step as one C++ op (kvc::rms_norm) instead of F.rms_norm's
+    half dozen; under torch.compile (Inductor fuses it anyway) and elsewhere model.RMSNorm's own."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
+                and self.weight.dtype == torch.float32 and x.is_contiguous() and cpu_kernels_available()):
+            return torch.ops.kvc.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+def fuse_norms(model: torch.nn.Module) -> None:
+    """Swap FusedRMSNorm in for every model.RMSNorm of `model` (same weight Parameter)."""
+    for name, mod in list(model.named_modules()):
+        if type(mod) is RMSNorm:
+            fused = FusedRMSNorm(mod.weight.shape[0], mod.eps)
+            fused.weight = mod.weight
+            model.set_submodule(name, fused)

@@ -1,11 +1,18 @@
-// CPU kernels of the sparse readers (the CPU counterpart of the Triton kernels; built on first use by
-// kernels/cpu.py with torch.utils.cpp_extension, -O3 -march=native).  Two ops, fp32:
+// CPU kernels of the sparse readers, the dense caches' decode step and RMSNorm (the CPU counterpart
+// of the Triton kernels; built on first use by kernels/cpu.py with torch.utils.cpp_extension,
+// -O3 -march=native).  Ops, fp32:
 //
 //   kvc::sparse_attention(q [B, Hq, D], k, v [B, Hkv, S, D] (rows contiguous), idx [B, Hidx, N] long,
 //                         valid [B, Hidx, N] bool (or an empty tensor: all valid), scale) -> [B, Hq, D]
 //       exact attention of each decode query over its index list, reading the selected K/V rows in
 //       place (no gathered copy): per list, scores q.k for the G query heads sharing it (Hidx = Hkv)
 //       or for the one head owning it (Hidx = Hq), softmax, weighted sum of V rows.  D % 16 == 0.
+//   kvc::dense_attention(q, k, v, n, scale): the same over rows 0..n-1 of fp32 or bf16 K/V (below)
+//   kvc::decode_attention(q [B, Hq, D], k, v [B, Hkv, S, D] (rows contiguous), visible [B, 1 or Hkv, >= S]
+//                         bool (or empty: all visible), scale) -> [B, Hq, D]
+//       dense decode attention over every slot [0, S) (masked ones skipped), split into chunks of the
+//       slots so that all threads work when B * Hkv is small; the chunks merge by log-sum-exp.
+//   kvc::rms_norm(x [..., D], weight [D], eps) -> x * rsqrt(mean(x^2) + eps) * weight (one op for the eager step)
 //   kvc::select_top(scores [B, h, S], bias [B, 1 or h, S + n], n) -> (idx, valid) [B, h, n]
 //       the n largest of scores + bias per row (torch.topk's set; ties go to the lower slot), in
 //       ascending slot order; where fewer than n entries exceed -inf, the rest are marked invalid
@@ -16,52 +23,32 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_vec.h"
+
 #include <cmath>
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int v16i __attribute__((vector_size(64)));
-
-static inline float hsum(v16 x) {
-  x += __builtin_shuffle(x, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  x += __builtin_shuffle(x, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  x += __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  x += __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return x[0];
-}
-
-// exp of 16 floats: 2^n * p(r) with a degree-6 polynomial (Cephes expf, relative error < 2e-7);
-// exactly 0 below -87.3 (so -inf, a masked score, gives 0)
-static inline v16 vexp(v16 x) {
-  const v16 zero = {};
-  const auto underflow = x < -87.3f;
-  x = x > 88.3f ? zero + 88.3f : x;
-  x = underflow ? zero : x;
-  const v16 t = x * 1.44269504088896341f + 0.5f;
-  v16i n = __builtin_convertvector(t, v16i);                   // truncates toward zero
-  n -= (v16i)(__builtin_convertvector(n, v16) > t) & 1;          // -> floor
-  const v16 nf = __builtin_convertvector(n, v16);
-  x = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  v16 y = 1.9875691500E-4f * x + 1.3981999507E-3f;
-  y = y * x + 8.3334519073E-3f;
-  y = y * x + 4.1665795894E-2f;
-  y = y * x + 1.6666665459E-1f;
-  y = y * x + 5.0000001201E-1f;
-  y = y * x * x + x + 1.f;
-  const v16 r = y * (v16)((n + 127) << 23);
-  return underflow ? zero : r;
-}
-
 constexpr int64_t PREFETCH = 8;      // rows ahead: the selected rows are random DRAM reads
 
-// GB query rows (qr, consecutive, D = 16 * DV floats each) over the rows il[0..N) of kb / vb: each
-// selected K and V row is loaded once for the GB rows (their q and accumulators stay in registers)
-template <int DV, int GB>
-static void attend_rows(const float* __restrict qr, const float* kb, int64_t k_row, const float* vb,
+// 16 channels of a K/V row as fp32: fp32 rows as they are, bf16 rows (uint16_t) widened in registers
+static inline v16 load_row(const float* p, int c) { v16 x; std::memcpy(&x, p + 16 * c, sizeof x); return x; }
+static inline v16 load_row(const uint16_t* p, int c) {
+  typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+  typedef uint32_t v16u __attribute__((vector_size(64)));
+  v16h h;
+  std::memcpy(&h, p + 16 * c, sizeof h);
+  return (v16)(__builtin_convertvector(h, v16u) << 16);
+}
+
+// GB query rows (qr, consecutive, D = 16 * DV floats each) over the rows il[0..N) of kb / vb (il null:
+// rows 0..N-1): each K and V row is loaded once for the GB rows (their q and accumulators stay in
+// registers).  T: the cache's element type, float or bf16 (uint16_t)
+template <int DV, int GB, typename T>
+static void attend_rows(const float* __restrict qr, const T* kb, int64_t k_row, const T* vb,
                         int64_t v_row, const int64_t* il, const bool* vl, int64_t N, float scale,
-                        float* __restrict s, float* __restrict out) {
+                        float* __restrict s, float* __restrict out, float* lse = nullptr) {
   constexpr int D = DV * 16;
   v16 q[GB][DV];
 #pragma GCC unroll 16
@@ -77,13 +64,16 @@ static void attend_rows(const float* __restrict qr, const float* kb, int64_t k_r
       for (int g = 0; g < GB; ++g) s[g * N + n] = -INFINITY;
       continue;
     }
-    if (n + PREFETCH < N) {
+    if (il && n + PREFETCH < N) {
       const char* kf = (const char*)(kb + il[n + PREFETCH] * k_row);
       const char* vf = (const char*)(vb + il[n + PREFETCH] * v_row);
 #pragma GCC unroll 16
       for (int c = 0; c < DV; ++c) { __builtin_prefetch(kf + 64 * c); __builtin_prefetch(vf + 64 * c); }
     }
-    const v16* k = (const v16*)(kb + il[n] * k_row);
+    const T* kr = kb + (il ? il[n] : n) * k_row;
+    v16 k[DV];
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; ++c) k[c] = load_row(kr, c);
 #pragma GCC unroll 16
     for (int g = 0; g < GB; ++g) {
       v16 a = q[g][0] * k[0];
@@ -111,11 +101,15 @@ static void attend_rows(const float* __restrict qr, const float* kb, int64_t k_r
     float l = hsum(lv);
     for (; n < N; ++n) { sg[n] = std::exp(sg[n] - mg); l += sg[n]; }
     inv[g] = l > 0.f ? 1.f / l : 0.f;
+    if (lse) lse[g] = l > 0.f ? mg + std::log(l) : -INFINITY;   // for merging partials
   }
   v16 acc[GB][DV] = {};
   for (int64_t n = 0; n < N; ++n) {
     if (vl && !vl[n]) continue;
-    const v16* v = (const v16*)(vb + il[n] * v_row);
+    const T* vr = vb + (il ? il[n] : n) * v_row;
+    v16 v[DV];
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; ++c) v[c] = load_row(vr, c);
 #pragma GCC unroll 16
     for (int g = 0; g < GB; ++g) {
       const float p = s[g * N + n];
@@ -133,42 +127,39 @@ static void attend_rows(const float* __restrict qr, const float* kb, int64_t k_r
 }
 
 // one index list read by GL query rows, in register blocks of up to 4 (D 64) or 2 (D 128) rows
-template <int DV>
-static void attend_list(const float* qr, int64_t GL, const float* kb, int64_t k_row, const float* vb,
+template <int DV, typename T>
+static void attend_list(const float* qr, int64_t GL, const T* kb, int64_t k_row, const T* vb,
                         int64_t v_row, const int64_t* il, const bool* vl, int64_t N, float scale, float* s,
-                        float* out) {
+                        float* out, float* lse = nullptr) {
   constexpr int D = DV * 16, MAX_GB = DV == 4 ? 4 : 2;
   for (int64_t g = 0; g < GL;) {
     const int64_t gb = std::min<int64_t>(MAX_GB, GL - g);
     const float* q = qr + g * D;
     float* o = out + g * D;
-    if (gb >= 4) attend_rows<DV, MAX_GB>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o);
-    else if (gb == 3) attend_rows<DV, 3>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o);
-    else if (gb == 2) attend_rows<DV, 2>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o);
-    else attend_rows<DV, 1>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o);
+    float* l = lse ? lse + g : nullptr;
+    if (gb >= 4) attend_rows<DV, MAX_GB>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o, l);
+    else if (gb == 3) attend_rows<DV, 3>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o, l);
+    else if (gb == 2) attend_rows<DV, 2>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o, l);
+    else attend_rows<DV, 1>(q, kb, k_row, vb, v_row, il, vl, N, scale, s, o, l);
     g += gb;
   }
 }
 
-torch::Tensor sparse_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor idx,
-                               torch::Tensor valid, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat && k.dtype() == torch::kFloat && v.dtype() == torch::kFloat,
-              "kvc::sparse_attention: fp32 only");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
-  TORCH_CHECK(idx.dim() == 3 && idx.is_contiguous() && idx.dtype() == torch::kLong, "idx must be a contiguous long [B, H, N]");
+// every (batch row, list) of q [B, Hq, D] over k, v [B, Hkv, S, D] (element type T): lists idx
+// [B, Hidx, N] (Hidx = Hkv: shared by a KV head's query rows; Hq: one per query row), or idx null:
+// rows 0..N-1 of each KV head
+template <typename T>
+static torch::Tensor attend_lists(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const int64_t* ip, const bool* vap, int64_t Hidx, int64_t N, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.dtype() == torch::kFloat, "q must be a contiguous fp32 [B, Hq, D]");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k/v rows must be contiguous");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t Hkv = k.size(1), Hidx = idx.size(1), N = idx.size(2), G = Hq / Hkv;
-  TORCH_CHECK(D == 64 || D == 128, "kvc::sparse_attention: head_dim 64 or 128");
-  const bool has_valid = valid.numel() > 0;
-  TORCH_CHECK(!has_valid || (valid.is_contiguous() && valid.sizes() == idx.sizes()), "valid must be shaped like idx");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
+  TORCH_CHECK(D == 64 || D == 128, "kvc attention kernels: head_dim 64 or 128");
   const int64_t GL = Hidx == Hkv ? G : 1;                        // query rows per list
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const int64_t* ip = idx.data_ptr<int64_t>();
-  const bool* vap = has_valid ? valid.data_ptr<bool>() : nullptr;
+  const T* kp = (const T*)k.data_ptr();
+  const T* vp = (const T*)v.data_ptr();
   float* op = out.data_ptr<float>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
@@ -177,15 +168,121 @@ torch::Tensor sparse_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = r / Hidx, h = r % Hidx;
       const int64_t hk = Hidx == Hkv ? h : h / G, hq = Hidx == Hkv ? h * G : h;
-      const float* kb = kp + b * ks0 + hk * ks1;
-      const float* vb = vp + b * vs0 + hk * vs1;
+      const T* kb = kp + b * ks0 + hk * ks1;
+      const T* vb = vp + b * vs0 + hk * vs1;
       const float* qr = qp + (b * Hq + hq) * D;
       float* o = op + (b * Hq + hq) * D;
+      const int64_t* il = ip ? ip + r * N : nullptr;
       const bool* vl = vap ? vap + r * N : nullptr;
+      if (D == 64) attend_list<4>(qr, GL, kb, ks2, vb, vs2, il, vl, N, (float)scale, s.data(), o);
+      else attend_list<8>(qr, GL, kb, ks2, vb, vs2, il, vl, N, (float)scale, s.data(), o);
+    }
+  });
+  return out;
+}
+
+torch::Tensor sparse_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor idx,
+                               torch::Tensor valid, double scale) {
+  TORCH_CHECK(k.dtype() == torch::kFloat && v.dtype() == torch::kFloat, "kvc::sparse_attention: fp32 only");
+  TORCH_CHECK(idx.dim() == 3 && idx.is_contiguous() && idx.dtype() == torch::kLong, "idx must be a contiguous long [B, H, N]");
+  const bool has_valid = valid.numel() > 0;
+  TORCH_CHECK(!has_valid || (valid.is_contiguous() && valid.sizes() == idx.sizes()), "valid must be shaped like idx");
+  return attend_lists<float>(q, k, v, idx.data_ptr<int64_t>(), has_valid ? valid.data_ptr<bool>() : nullptr,
+                             idx.size(1), idx.size(2), scale);
+}
+
+//   kvc::dense_attention(q [B, Hq, D] fp32, k, v [B, Hkv, S, D] fp32 or bf16 (rows contiguous), n, scale)
+//       -> [B, Hq, D]: each decode query over slots [0, n) of its KV head (all visible), bf16 rows
+//       widened in registers: the 16-bit cache's decode attention without an fp32 copy.
+torch::Tensor dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n, double scale) {
+  TORCH_CHECK(k.dtype() == v.dtype() && (k.dtype() == torch::kFloat || k.dtype() == torch::kBFloat16),
+              "kvc::dense_attention: fp32 or bf16 K/V");
+  TORCH_CHECK(n >= 1 && n <= k.size(2), "kvc::dense_attention: 1 <= n <= S");
+  if (k.dtype() == torch::kFloat) return attend_lists<float>(q, k, v, nullptr, nullptr, k.size(1), n, scale);
+  return attend_lists<uint16_t>(q, k, v, nullptr, nullptr, k.size(1), n, scale);
+}
+
+// dense decode attention: every query head of a GQA group over slots [0, S) of its KV head, the slots
+// split into chunks (flash-decoding) so that both threads work even with few KV heads; each chunk is
+// attend_rows over its rows in place, the chunks' partials merged by log-sum-exp
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor visible,
+                               double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat && k.dtype() == torch::kFloat && v.dtype() == torch::kFloat,
+              "kvc::decode_attention: fp32 only");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.stride(3) == 1 && v.stride(3) == 1,
+              "k/v must be [B, Hkv, S, D] with contiguous rows");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), S = k.size(2), G = Hq / Hkv;
+  TORCH_CHECK(D == 64 || D == 128, "kvc::decode_attention: head_dim 64 or 128");
+  const bool has_vis = visible.numel() > 0;
+  TORCH_CHECK(!has_vis || (visible.dim() == 3 && visible.size(0) == B && (visible.size(1) == 1 || visible.size(1) == Hkv)
+                           && visible.size(2) >= S && visible.stride(2) == 1 && visible.dtype() == torch::kBool),
+              "visible must be bool [B, 1 or Hkv, >= S] with contiguous rows");
+  const int64_t lists = B * Hkv, threads = at::get_num_threads();
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(S / 256, (4 * threads + lists - 1) / lists));
+  const int64_t chunk = (S + chunks - 1) / chunks;
+  auto part = torch::empty({lists, chunks, G, D}, q.options());
+  auto lse = torch::empty({lists, chunks, G}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool* visp = has_vis ? visible.data_ptr<bool>() : nullptr;
+  float* pp = part.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, lists * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(4 * chunk);
+    std::vector<int64_t> il(chunk);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / chunks, c = i % chunks, b = r / Hkv, h = r % Hkv;
+      const int64_t n0 = c * chunk, N = std::max<int64_t>(0, std::min(S, n0 + chunk) - n0);
+      for (int64_t n = 0; n < N; ++n) il[n] = n0 + n;
+      const float* kb = kp + b * k.stride(0) + h * k.stride(1);
+      const float* vb = vp + b * v.stride(0) + h * v.stride(1);
+      const bool* vl = visp ? visp + b * visible.stride(0) + (visible.size(1) == 1 ? 0 : h * visible.stride(1)) + n0 : nullptr;
+      const float* qr = qp + (b * Hq + h * G) * D;
+      float* o = pp + i * G * D;
       if (D == 64)
-        attend_list<4>(qr, GL, kb, ks2, vb, vs2, ip + r * N, vl, N, (float)scale, s.data(), o);
+        attend_list<4>(qr, G, kb, k.stride(2), vb, v.stride(2), il.data(), vl, N, (float)scale, s.data(), o, lp + i * G);
       else
-        attend_list<8>(qr, GL, kb, ks2, vb, vs2, ip + r * N, vl, N, (float)scale, s.data(), o);
+        attend_list<8>(qr, G, kb, k.stride(2), vb, v.stride(2), il.data(), vl, N, (float)scale, s.data(), o, lp + i * G);
+    }
+  });
+  if (chunks == 1) return part.view({B, Hq, D});
+  auto out = torch::zeros({B, Hq, D}, q.options());                 // merge: weights exp(lse_c - max)
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < lists; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float m = -INFINITY, total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, lp[(r * chunks + c) * G + g]);
+      if (std::isinf(m)) continue;                                  // nothing visible: 0
+      float* o = op + (r * G + g) * D;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float w = std::exp(lp[(r * chunks + c) * G + g] - m);
+        const float* src = pp + ((r * chunks + c) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * src[d];
+        total += w;
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] /= total;
+    }
+  return out;
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * weight over the last dim, fp32 (one op instead of F.rms_norm's six)
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dtype() == torch::kFloat && weight.dtype() == torch::kFloat && x.is_contiguous() &&
+              weight.is_contiguous() && x.size(-1) == weight.numel(), "kvc::rms_norm: contiguous fp32 x [..., D], weight [D]");
+  auto out = torch::empty_like(x);
+  const int64_t D = weight.numel(), rows = D ? x.numel() / D : 0;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * D;
+      float ss = 0.f;
+      for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
+      const float inv = 1.f / std::sqrt(ss / D + (float)eps);
+      for (int64_t d = 0; d < D; ++d) op[r * D + d] = xr[d] * inv * wp[d];
     }
   });
   return out;
@@ -259,9 +356,15 @@ std::tuple<torch::Tensor, torch::Tensor> select_top(torch::Tensor scores, torch:
 TORCH_LIBRARY(kvc, m) {
   m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor idx, Tensor valid, float scale) -> Tensor");
   m.def("select_top(Tensor scores, Tensor bias, int n) -> (Tensor, Tensor)");
+  m.def("dense_attention(Tensor q, Tensor k, Tensor v, SymInt n, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor visible, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvc, CPU, m) {
   m.impl("sparse_attention", &sparse_attention);
   m.impl("select_top", &select_top);
+  m.impl("dense_attention", &dense_attention);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &rms_norm);
 }

@@ -55,8 +55,9 @@ def essay_text() -> str:
 
 @pytest.fixture(scope="session")
 def engine_gguf(default_gguf):
+    """The GGUF dequantized to float32 (what transformers loads from it, the oracle's weights)."""
     import engine
-    return engine.load_model(default_gguf)
+    return engine.load_model(default_gguf, weights="float")
 
 
 @pytest.fixture(scope="session")

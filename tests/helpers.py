@@ -1,4 +1,6 @@
 """Helpers shared by test modules."""
+import shutil
+
 import pytest
 import torch
 
@@ -65,3 +67,45 @@ def greedy_logits(model, policy, tokens, pos, steps=6, decode=None, max_seq=64, 
             out.append(logits)
             token, p = logits.argmax(-1, keepdim=True), p + 1
     return torch.stack(out)
+
+
+def compiled_and_eager_decode(model, ids, steps: int = 8):
+    """(compiled, eager) logits [steps, B, V] of `steps` decode steps after prefilling ids [B, T]; asserts
+    that the compiled step does not recompile after its third call."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    B, T = ids.shape
+    step = torch.compile(engine.decode_step, dynamic=True)
+    with torch.inference_mode():
+        model.setup_caches(B, T + steps + 8)
+        model(ids, torch.arange(T))
+        compiled, eager = [], []
+        for s in range(steps):
+            compiled.append(step(model, ids[:, s:s + 1], torch.full((B, 1), T + s), model.cache.n_filled))
+            if s == 2:
+                graphs = counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs, "decode recompiled after warm-up"
+        model.cache.n_filled = T
+        for s in range(steps):
+            eager.append(engine.decode_step(model, ids[:, s:s + 1], torch.full((B, 1), T + s), model.cache.n_filled))
+    return torch.stack(compiled), torch.stack(eager)
+
+
+def prompt_logits(models, ids):
+    """Logits [B, T, V] of each model for the prompt ids [B, T] (fresh caches)."""
+    out = []
+    with torch.inference_mode():
+        for m in models:
+            m.setup_caches(ids.shape[0], ids.shape[1])
+            out.append(m(ids, torch.arange(ids.shape[1])))
+    return out
+
+
+# The C++ CPU kernels' tests run wherever a C++ compiler exists (make test's machines have one) and
+# fail when the kernels do not build there: a build failure must never turn into skipped tests.
+HAS_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
+needs_cpp = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: the CPU kernels cannot be built here")
+if HAS_COMPILER:      # build (or load) them at collection, so tests may call torch.ops.kvc.* directly
+    from kernels.cpu import cpu_kernels_available
+    cpu_kernels_available()

@@ -67,6 +67,7 @@ def test_e2e_rows_schema_csv_ratios_and_skipped_kv_bits(capsys, default_dir, pro
     out_json, out_csv, out_png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
     rc, out, err = run(capsys, default_dir, "--policies", "probe:window=16", "--policies", "full",  # repeated flag
                        "--batch-sizes", "1,2", "--context-lengths", "32,48", "--kv-bits", "16,4",
+                       "--kv-residual", "32",     # the default R 128 ring alone outweighs a 48-token fp32 cache
                        "--speedup-vs", "full", "--json", str(out_json), "--csv", str(out_csv), "--plot", str(out_png))
     assert rc == 0, err
     assert "OMP_WAIT_POLICY=" in out and "bound t/s" in out and "vs full" in out
@@ -282,7 +283,7 @@ def test_memory_limit_search_monotonic_and_verified(capsys, default_dir, tmp_pat
                                                        "arguments in its --policies spec"),
     (["--speedup-vs", "nope"], "--speedup-vs: unknown policy 'nope'"),
     (["--policies", "snapkv:budget=64", "--speedup-vs", "snapkv:budget=32"], "give only its NAME[@LABEL]"),
-    (["--kv-bits", "8"], "--kv-bits 8: use 16, 4 or 2"),
+    (["--kv-bits", "8"], "--kv-bits 8: use 32, 16, 4 or 2"),
     (["--batch-sizes", "1,x"], "--batch-sizes expects comma-separated integers"),
     (["--context-lengths", "0"], "--context-lengths expects positive integers"),
     (["--memory-limit", "8 parsecs"], "cannot parse memory size '8 parsecs'"),

@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import needs_cpp
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -14,9 +16,14 @@ if str(ROOT) not in sys.path:
 from cache.sparse_read import select_slots  # noqa: E402
 from kernels import sparse_decode_attention, sparse_decode_attention_torch  # noqa: E402
 from kernels.cpu import cpu_kernels_available, select_top_cpu, sparse_decode_attention_cpu  # noqa: E402
+from model import grouped_attention  # noqa: E402
 
 INF = float("inf")
-pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="C++ CPU kernels not built (see warning)")
+pytestmark = needs_cpp
+
+
+def test_the_kernels_build_here():
+    assert cpu_kernels_available(), "the C++ CPU kernels failed to build (see the warning)"
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,S,N,D", [(1, 9, 3, 300, 37, 64), (3, 8, 2, 513, 130, 128), (2, 4, 4, 70, 70, 64),
@@ -110,3 +117,43 @@ def test_select_slots_dispatch():
     a = select_slots(scores, bias, 64)                                      # C++ (auto)
     b = select_slots(scores, bias, 64, backend="torch")
     assert as_sets(*a) == as_sets(*b)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,Hvis", [(1, 9, 3, 2048, 64, 1), (2, 9, 3, 700, 64, 3), (1, 4, 4, 37, 128, 1),
+                                               (3, 8, 2, 1100, 128, 2), (1, 9, 3, 300, 64, 0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_equals_grouped_attention(B, Hq, Hkv, S, D, Hvis, threads):
+    """The dense decode kernel (split over chunks of slots, merged by log-sum-exp) against model.grouped_attention:
+    GQA, MHA, D 64/128, strided caches, visibility per batch row or per KV head or none, a row with nothing
+    visible (-> 0), large logits."""
+    from kernels.cpu import decode_attention
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(B, Hq, 1, D, generator=g) * 3
+    k, v = torch.randn(2, B, Hkv, S + 7, D, generator=g)[:, :, :, :S]          # live prefix of a larger buffer
+    vis = None if not Hvis else torch.rand(B, Hvis, S + 5, generator=g) > 0.3
+    if vis is not None and B > 1:
+        vis[1, 0] = False
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = decode_attention(q, k, v, vis)
+    finally:
+        torch.set_num_threads(before)
+    mask = None if vis is None else vis[..., None, :S].expand(B, Hvis, Hq // Hkv, S)
+    ref = torch.nan_to_num(grouped_attention(q, k, v, mask))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    if vis is not None and B > 1:
+        assert out[1, :Hq // Hkv if Hvis > 1 else Hq].abs().max() == 0
+
+
+def test_fused_rms_norm_equals_model_rmsnorm():
+    from kernels.cpu import FusedRMSNorm
+    from model import RMSNorm
+    ref = RMSNorm(576, 1e-5)
+    torch.nn.init.normal_(ref.weight)
+    fused = FusedRMSNorm(576, 1e-5)
+    fused.weight = ref.weight
+    x = torch.randn(3, 5, 576) * 4
+    torch.testing.assert_close(fused(x), ref(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused(x.bfloat16()), ref(x.bfloat16()), atol=0, rtol=0)   # the model's own path
+    torch.testing.assert_close(fused(x[:, :1]), ref(x[:, :1]), atol=1e-5, rtol=1e-5)

@@ -16,6 +16,7 @@ import torch
 import engine
 from cache import make_policy
 from cache.quantized import KIVIDenseCache, SlotStore, check_format, with_kv_bits
+from kernels.kivi_attention import ring_flags
 from model import ModelArgs
 from quantize import QuantizedTensor, dequantize_keys, quantize_keys, quantize_values
 from tests.helpers import greedy_logits, kept, left_padded, tiny_hf_model
@@ -148,7 +149,14 @@ def test_appending_slots_end_as_one_block_quantization():
     values = quantize_values(v, 4, G)
     assert torch.equal(store.v_packed[:, :, :n], values.packed)
     kd, vd = store.dequantized(pos, torch.tensor([n - 1, n - 1]), n)
-    assert torch.equal(kd[:, :, n - R:], k[:, :, n - R:]) and torch.equal(vd[:, :, n - R:], v[:, :, n - R:])  # ring
+    nk = n % R                                          # keys: the R-block still filling is exact
+    assert torch.equal(kd[:, :, n - nk:], k[:, :, n - nk:]) and torch.equal(kd[:, :, :n - nk], block_keys(block, n - nk))
+    assert torch.equal(vd[:, :, n - R:], v[:, :, n - R:])                     # values: a FIFO of the newest R
+
+
+def block_keys(block, n):
+    from quantize import dequantize_keys
+    return dequantize_keys(block, torch.float32)[:, :, :n]
 
 
 def naive_attention(q, k, v, visible):
@@ -168,7 +176,9 @@ def test_reads_equal_attention_over_the_dequantized_cache(bits):
     q = torch.randn(B, 3 * H, 1, 16, generator=g)
     visible = (pos >= 0) & (torch.rand(B, H, S, generator=g) > 0.2)
     kd, vd = store.dequantized(pos, now, S)
-    assert torch.equal(store.young(pos, now), pos > 39 - 16) and not store.young(pos, now + 100).any()
+    key_exact, value_exact = ring_flags(pos, now, 16)
+    assert torch.equal(value_exact, pos > 39 - 16) and torch.equal(key_exact, pos >= 32)
+    assert not ring_flags(pos, now + 100, 16)[1].any()
     torch.testing.assert_close(store.attend(q, visible, pos, now, S), naive_attention(q, kd, vd, visible))
     shared = visible[:, :1]                                            # one visibility row for all heads
     torch.testing.assert_close(store.attend(q, shared, pos, now, S), naive_attention(q, kd, vd, shared.expand(B, H, S)))
@@ -190,10 +200,10 @@ def test_reads_equal_attention_over_the_dequantized_cache(bits):
 
 
 def test_store_attend_triton_interpreter_equals_torch():
-    """SlotStore.attend's packed part through the Triton kernel (interpreter) == the torch twin."""
+    """SlotStore.attend (packed words and residual) through the Triton kernel (interpreter) == the torch twin."""
     pytest.importorskip("triton")
     code = ("import torch, sys; sys.path.insert(0, '.'); from tests.test_kivi import filled_store\n"
-            "store, pos, now, g = filled_store(4)\n"
+            "store, pos, now, g = filled_store(4, G=16)\n"
             "q = torch.randn(2, 6, 1, 16, generator=g); vis = pos >= 0\n"
             "outs = []\n"
             "for b in ('triton', 'torch'):\n"
@@ -401,9 +411,9 @@ def test_with_kv_bits_composition_and_errors():
 SMOL = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536)
 
 
-def allocated(name, args, bits, dtype, T=4000, new=64):
+def allocated(name, args, bits, dtype, T=4000, new=64, residual=32):
     policy = make_policy(name, args)
-    policy = with_kv_bits(policy, bits) if bits != 16 else policy
+    policy = with_kv_bits(policy, bits, residual=residual) if bits != 16 else policy
     policy.setup(ModelArgs(**SMOL), 1, T + new, dtype, "cpu")
     pos = torch.arange(T)[None]
     policy.before_prefill(pos)
@@ -440,7 +450,7 @@ def test_kv_bytes_exact():
         assert store.nbytes(n) == B * H * live
     policy = with_kv_bits(make_policy("full"), 4)
     policy.setup(ModelArgs(**SMOL), 1, 100, torch.float32, "cpu")
-    assert policy.kv_bytes()["allocated"] == 30 * SlotStore(1, 3, 64, 100 + 32, 4).nbytes()   # + a spare group
+    assert policy.kv_bytes()["allocated"] == 30 * SlotStore(1, 3, 64, 100 + 32, 4, 32, 128).nbytes()   # + a spare group
 
 
 # ------------------------------------------------------------------------------- command lines, real model

@@ -9,7 +9,7 @@ import engine
 from cache import make_policy
 import model as model_module
 from model import ModelArgs
-from tests.helpers import tiny_hf_model
+from tests.helpers import compiled_and_eager_decode, tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,27 +76,9 @@ def test_decode_attends_live_length_only(tmp_path, monkeypatch):
 
 
 def test_compiled_decode_matches_eager_without_recompiles(tmp_path):
-    from torch._dynamo.utils import counters
-
     _, ours = tiny_hf_model("tied_gqa3", tmp_path)
-    torch._dynamo.reset()
-    counters.clear()
-    ids = torch.randint(0, 128, (2, 12))
-    with torch.inference_mode():
-        ours.setup_caches(2, 64)
-        ours(ids, torch.arange(12))
-        eager, compiled = [], []
-        step = torch.compile(engine.decode_step, dynamic=True)
-        for s in range(8):
-            tok, pos = ids[:, s:s + 1], torch.full((2, 1), 12 + s)
-            compiled.append(step(ours, tok, pos, ours.cache.n_filled))
-            if s == 2:
-                graphs = counters["stats"]["unique_graphs"]
-        assert counters["stats"]["unique_graphs"] == graphs, "decode recompiled after warm-up"
-        ours.cache.n_filled = 12
-        for s in range(8):
-            eager.append(engine.decode_step(ours, ids[:, s:s + 1], torch.full((2, 1), 12 + s), ours.cache.n_filled))
-    torch.testing.assert_close(torch.stack(compiled), torch.stack(eager), atol=1e-4, rtol=1e-4)
+    compiled, eager = compiled_and_eager_decode(ours, torch.randint(0, 128, (2, 12)))
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
 
 
 def test_modelargs_errors():

@@ -20,7 +20,7 @@ from bench.runner import Bench
 from bench.specs import (KV_BITS, BenchmarkError, parse_int_list, parse_policies, require_positive,
                          with_reference)
 from cache import PolicyError, policy_names
-from cache.quantized import check_format
+from cache.quantized import RESIDUAL, check_format
 import tp as tensor_parallel
 from tp import TPError
 
@@ -46,9 +46,13 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps per run (memory mode: "
                    "generated tokens)")
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before the timed ones")
-    p.add_argument("--kv-bits", default="16", help="comma-separated KV storage bits: 16 (compute dtype), 4, 2")
+    p.add_argument("--kv-bits", default="16", help="comma-separated KV storage bits: 32 (float32), 16 (the compute "
+                                                   "dtype, or --kv-dtype), 4, 2 (KIVI-packed)")
     p.add_argument("--kv-group-size", type=int, default=32, help="KIVI group G for --kv-bits 4|2 (default 32)")
-    p.add_argument("--kv-residual", type=int, default=32, help="KIVI full-precision residual R (default 32)")
+    p.add_argument("--kv-residual", type=int, default=RESIDUAL,
+                   help=f"KIVI full-precision residual R (default {RESIDUAL})")
+    p.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"],
+                   help="storage dtype of the --kv-bits 16 rows of `full` (default: the compute dtype)")
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                    help="torch.compile the steps (Inductor on CPU, CUDA graphs on CUDA); 'both' = eager and "
                         "compiled rows side by side")
@@ -67,6 +71,8 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     for mode in MODES:
         mode.add_arguments(p, exclusive)
     engine.add_tp_flags(p)
+    p.add_argument("--peers", metavar="llama.cpp,hf", help="e2e: also run these peer engines (scripts/peers.py, each "
+                                                          "in a subprocess) at the batch-1 contexts and print ours / theirs")
     p.add_argument("--json", type=Path, help="write the rows as a JSON list (atomically, after every row)")
     p.add_argument("--csv", type=Path, help="write the rows as CSV (atomically, after every row)")
     p.add_argument("--plot", type=Path, help="write a PNG plot (needs matplotlib)")
@@ -103,7 +109,7 @@ def check_options(o: argparse.Namespace) -> None:
 
 def check_kv_formats(o: argparse.Namespace, head_dim: Optional[int]) -> None:
     """The KIVI group/residual of --kv-bits 4|2 are valid (for this head_dim once it is known)."""
-    for bits in sorted(set(o.kv_bits_list) - {16}):
+    for bits in sorted(set(o.kv_bits_list) - {32, 16}):
         try:
             check_format(head_dim, bits, o.kv_group_size, o.kv_residual)
         except ValueError as e:
@@ -112,7 +118,9 @@ def check_kv_formats(o: argparse.Namespace, head_dim: Optional[int]) -> None:
 
 def load(o: argparse.Namespace):
     """(model, tokenizer, prompt-file token ids or None), checked against the options."""
-    model, tokenizer = engine.load_model(o.checkpoint, engine.resolve_device(o.device), o.dtype, o.tp, o.tp_head)
+    model, tokenizer = engine.load_model(o.checkpoint, engine.resolve_device(o.device), o.dtype, tp=o.tp,
+                                         tp_head=o.tp_head)
+    o.compute_dtype = model.norm.weight.dtype      # the compute dtype (linear layers may be quantized)
     check_kv_formats(o, model.args.head_dim)
     file_ids = None
     if o.prompt_file:
@@ -172,6 +180,9 @@ def run(o: argparse.Namespace) -> int:
         print(f"\ninterrupted: kept {len(writer.rows)} finished row(s) ({kept} measured) in {where}", file=sys.stderr)
         return 130
     print_summary(writer.rows)
+    if o.peers and mode.name == "e2e":
+        from peers import compare_with_rows
+        compare_with_rows(writer.rows, o.peers, torch.get_num_threads(), o.decode_steps)
     if o.plot:
         plot(writer.rows, o.plot, mode.name)
     return 1 if bench.errors else 0

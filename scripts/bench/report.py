@@ -117,7 +117,7 @@ def fmt(x, spec=".1f") -> str:
 
 
 def row_label(r: dict) -> str:
-    return config_label(r["policy"], r["policy_args"], r["kv_bits"], r["compile"])
+    return config_label(r["policy"], r["policy_args"], r["kv_bits"], r["compile"], r.get("kv_dtype"))
 
 
 def print_header(o, model, device: torch.device, bandwidth: Optional[float], meter_kind: str,
@@ -125,7 +125,7 @@ def print_header(o, model, device: torch.device, bandwidth: Optional[float], met
     """Three '#' lines: the machine, the model, the measurement settings."""
     a = model.args
     print(f"# kvpolicy-engine benchmark | torch {torch.__version__} | device {device} ({device_name(device)}) | "
-          f"dtype {str(model.output.weight.dtype).replace('torch.', '')} | threads {torch.get_num_threads()} | "
+          f"dtype {str(model.norm.weight.dtype).replace('torch.', '')} | threads {torch.get_num_threads()} | "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset; ACTIVE recommended)')}")
     print(f"# model {o.checkpoint.name}: {a.n_layers} layers, {a.n_heads} q / {a.n_kv_heads} kv heads, head_dim "
           f"{a.head_dim}, context {a.max_position_embeddings}; weights {fmt_bytes(weight_bytes)}")

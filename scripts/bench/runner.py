@@ -23,7 +23,7 @@ class Bench:
                  file_ids: Optional[list[int]]):
         self.model, self.opts, self.writer, self.meter = model, opts, writer, meter
         self.device = model.output.weight.device
-        self.dtype = model.output.weight.dtype
+        self.dtype = model.norm.weight.dtype          # the compute dtype (linear layers may be quantized)
         self.bandwidth_gbs = bandwidth_gbs
         self.weight_bytes = unique_weight_bytes(model)
         self.file_ids = file_ids
@@ -47,7 +47,8 @@ class Bench:
         o = self.opts
         compile_mode = None if not cfg.compile else ("reduce-overhead" if self.device.type == "cuda" else "inductor")
         return {"mode": mode, "policy": cfg.policy, "policy_args": cfg.policy_args, "batch_size": batch,
-                "context_length": context, "kv_bits": cfg.kv_bits, "decode_steps": o.decode_steps,
+                "context_length": context, "kv_bits": cfg.kv_bits, "kv_dtype": cfg.row_kv_dtype,
+                "decode_steps": o.decode_steps,
                 "warmup_steps": o.warmup_steps, "repeats": o.repeats,
                 "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "torch_version": torch.__version__, "compile": cfg.compile, "compile_mode": compile_mode,

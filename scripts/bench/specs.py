@@ -13,10 +13,11 @@ from typing import Iterable, Optional
 import torch
 
 from cache import PolicyError, PolicySpec, make_policy, parse_spec, parse_spec_list, policy_names
-from cache.quantized import with_kv_bits
+from cache.kv_dtype import kv_storage
+from cache.quantized import RESIDUAL
 
 CAPACITY_MARGIN = 16          # spare slots: a cache filled to the last slot is a special shape
-KV_BITS = (16, 4, 2)          # storage precisions a row can have (16 = the compute dtype)
+KV_BITS = (32, 16, 4, 2)      # storage precisions a row can have (16 = the compute dtype or --kv-dtype; 32 = fp32)
 COMPILES = {"off": [False], "on": [True], "both": [False, True]}   # --compile -> rows per config
 
 
@@ -138,11 +139,13 @@ def with_reference(specs: list[PolicySpec], text: Optional[str]) -> tuple[list[P
 
 # --------------------------------------------------------------------------- configurations
 
-def config_label(policy: str, policy_args: str, kv_bits: int, compiled: bool) -> str:
+def config_label(policy: str, policy_args: str, kv_bits: int, compiled: bool, kv_dtype: Optional[str] = None) -> str:
     """'snapkv(budget=128) kv4 compiled': how tables, progress lines and plots name a row."""
     s = policy + (f"({policy_args})" if policy_args else "")
     if kv_bits != 16:
         s += f" kv{kv_bits}"
+    elif kv_dtype:
+        s += f" {kv_dtype}"
     return s + (" compiled" if compiled else "")
 
 
@@ -152,8 +155,10 @@ class Config:
     spec: PolicySpec
     kv_bits: int
     compile: bool
-    kv_group: int = 32          # KIVI G and R (used when kv_bits != 16)
-    kv_residual: int = 32
+    kv_group: int = 32          # KIVI G and R (used when kv_bits is 4 or 2)
+    kv_residual: int = RESIDUAL
+    kv_dtype: Optional[str] = None              # storage dtype of the kv_bits 16 rows (None: the compute dtype)
+    compute_dtype: Optional[torch.dtype] = None
 
     @property
     def policy(self) -> str:
@@ -167,21 +172,26 @@ class Config:
 
     @property
     def label(self) -> str:
-        return config_label(self.policy, self.policy_args, self.kv_bits, self.compile)
+        return config_label(self.policy, self.policy_args, self.kv_bits, self.compile, self.row_kv_dtype)
+
+    @property
+    def row_kv_dtype(self) -> Optional[str]:
+        """The rows' `kv_dtype` field: --kv-dtype for 16-bit rows, else None."""
+        return self.kv_dtype if self.kv_bits == 16 else None
 
 
 def grid(o) -> list[Config]:
     """Every configuration of the run: specs x --kv-bits x --compile, in that nesting order."""
-    return [Config(spec, bits, c, o.kv_group_size, o.kv_residual)
+    return [Config(spec, bits, c, o.kv_group_size, o.kv_residual, o.kv_dtype, getattr(o, "compute_dtype", None))
             for spec in o.policy_list for bits in o.kv_bits_list for c in COMPILES[o.compile]]
 
 
 def build_policy(cfg: Config):
-    """A fresh policy object for one run, its K/V stored at cfg.kv_bits (a policy without a packed
-    format at 4 or 2 bits is Unsupported: its rows are reported as skipped)."""
+    """A fresh policy object for one run, its K/V stored at cfg.kv_bits / cfg.kv_dtype (cache/kv_dtype.py; a
+    policy without that storage is Unsupported: its rows are reported as skipped)."""
     policy = make_policy(cfg.spec)
     try:
-        return with_kv_bits(policy, cfg.kv_bits, cfg.kv_group, cfg.kv_residual)
+        return kv_storage(policy, cfg.kv_bits, cfg.kv_group, cfg.kv_residual, cfg.row_kv_dtype, cfg.compute_dtype)
     except ValueError as e:
         raise Unsupported(str(e)) from None
 

@@ -1,0 +1,257 @@
+// CPU kernels of the weight-quantized linear layers (built with kernels/cpu_kernels.cpp by
+// kernels/cpu.py; the Python side, layouts and twins are in kernels/qlinear.py):
+//
+//   kvc::qlinear(x [M, K] fp32, w tiles, scales fp16 [N/16, K/G, 16], mins fp16 like scales (int4) or an
+//                empty tensor (int8), bits 4|8, group G, portable bool) -> y [M, N] fp32
+//       y = W~ x~: W~ the dequantized weight (int8: scale * q; int4: scale * q + min, q in [0, 16)) and
+//       x~ the activations rounded to 16-bit integers in blocks of 32 (d = max|x| / 32767,
+//       q_x = round(x / d)): a relative error of at most 2^-16 of the block's largest value, 256x below
+//       int8 activations (which changed the default model's greedy answer) and 128x below bf16's per
+//       element rounding.  Per block, the 32 products q_w q_x are summed exactly in int32 by AVX-512
+//       VNNI's vpdpwssd (pairs of int16 x int16 per lane), then scaled by scale * d in fp32; the int4
+//       minimum multiplies the block sums of x~.  For decode-sized M; kernels/qlinear.py uses
+//       qdequant + a dense matmul for prefill.
+//   kvc::qdequant(w, scales, mins, bits, group, K) -> W~ [N, K] fp32
+//
+// Tiles of 16 output rows (kernels/qlinear.py `to_tiles` writes them from the row-major codes), read as
+// one dword per row (lane) of a 64-byte load:
+//   int8: [N/16, K/4, 16, 4] int8:  bytes (q0, q2, q1, q3) of channels 4c..4c+3: words (b0, b2) and
+//         (b1, b3), sign-extended, are the int16 pairs (q0, q1), (q2, q3)
+//   int4: [N/16, K/8, 16, 4] uint8: bytes (q0 | q2 << 4, q4 | q6 << 4, q1 | q3 << 4, q5 | q7 << 4) of
+//         channels 8c..8c+7: (dword >> 4j) & 0x000F000F is the pair (q_2j, q_2j+1)
+// so no horizontal sums are needed, and x~ pairs are consecutive int16.  Work is split over pairs of
+// tiles with at::parallel_for.  Without AVX-512 VNNI (or with portable=true) the same integer
+// arithmetic runs as plain loops.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <cmath>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define KVC_VNNI 1
+#endif
+
+namespace {
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+constexpr int64_t BLOCK = 32;   // activation block
+
+struct Problem {
+  const uint8_t* w;
+  const uint16_t* scale;
+  const uint16_t* mins;          // nullptr for int8
+  const int16_t* xq;             // [M, K] x~ codes
+  const float* xd;               // [M, K/32] block scales d
+  const float* xs;               // [M, K/32] block sums of x~ (d * sum q_x)
+  float* out;                    // [M, N]
+  int64_t M, N, K, G;
+  int bits;
+  int64_t tile_bytes() const { return K * 2 * bits; }
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* d, float* s) {
+  const int64_t KB = K / BLOCK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < KB; ++b) {
+      const float* xb = x + m * K + b * BLOCK;
+      float amax = 0.f;
+      for (int i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float dm = amax / 32767.f, inv = dm > 0.f ? 1.f / dm : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < BLOCK; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+        q[m * K + b * BLOCK + i] = static_cast<int16_t>(v);
+        sum += v;
+      }
+      d[m * KB + b] = dm;
+      s[m * KB + b] = dm * static_cast<float>(sum);
+    }
+}
+
+// the code of channel k of tile row r (layouts in the header)
+inline int32_t code(const uint8_t* wt, int bits, int64_t k, int r) {
+  if (bits == 8) {
+    static const int slot[4] = {0, 2, 1, 3};
+    return reinterpret_cast<const int8_t*>(wt)[((k / 4) * 16 + r) * 4 + slot[k % 4]];
+  }
+  const int j = k % 8, byte = (j % 2) * 2 + (j / 2) / 2, shift = 4 * ((j / 2) % 2);
+  return (wt[((k / 8) * 16 + r) * 4 + byte] >> shift) & 15;
+}
+
+// ---------------------------------------------------------------------------------------- portable
+void tile_portable(const Problem& p, int64_t t, int64_t m) {
+  const int64_t NG = p.K / p.G, KB = p.K / BLOCK;
+  const uint8_t* wt = p.w + t * p.tile_bytes();
+  float acc[16] = {};
+  for (int64_t b = 0; b < KB; ++b) {
+    const int64_t g = b * BLOCK / p.G;
+    for (int r = 0; r < 16; ++r) {
+      int32_t isum = 0;
+      for (int64_t k = b * BLOCK; k < (b + 1) * BLOCK; ++k) isum += code(wt, p.bits, k, r) * p.xq[m * p.K + k];
+      const float sc = half_to_float(p.scale[(t * NG + g) * 16 + r]);
+      acc[r] += static_cast<float>(isum) * (sc * p.xd[m * KB + b]);
+      if (p.mins) acc[r] += half_to_float(p.mins[(t * NG + g) * 16 + r]) * p.xs[m * KB + b];
+    }
+  }
+  std::memcpy(p.out + m * p.N + t * 16, acc, sizeof acc);
+}
+
+#ifdef KVC_VNNI
+// ------------------------------------------------------------------------------------------- VNNI
+inline __m512 load_half16(const uint16_t* h) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+}
+
+// TT consecutive tiles x MR rows of x: each 64-byte load is unpacked once into int16 pairs and used by
+// the MR rows; one int32 accumulator per (row, tile) and block
+template <int BITS, int MR, int TT>
+void tiles_vnni(const Problem& p, int64_t t, int64_t m0) {
+  const int64_t NG = p.K / p.G, KB = p.K / BLOCK, TB = p.tile_bytes();
+  constexpr int LOADS = BITS == 4 ? 4 : 8;           // 64-byte loads per tile and block of 32 channels
+  const __m512i nib = _mm512_set1_epi32(0x000F000F);
+  __m512 acc[MR][TT];
+  for (int m = 0; m < MR; ++m)
+    for (int u = 0; u < TT; ++u) acc[m][u] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const int64_t g = b * BLOCK / p.G;
+    __m512i ia[MR][TT];
+    for (int m = 0; m < MR; ++m)
+      for (int u = 0; u < TT; ++u) ia[m][u] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int l = 0; l < LOADS; ++l) {
+#pragma GCC unroll 4
+      for (int u = 0; u < TT; ++u) {
+        const __m512i v = _mm512_loadu_si512(p.w + (t + u) * TB + (b * LOADS + l) * 64);
+        __m512i pairs[4];
+        if (BITS == 4) {
+          pairs[0] = _mm512_and_si512(v, nib);
+          pairs[1] = _mm512_and_si512(_mm512_srli_epi32(v, 4), nib);
+          pairs[2] = _mm512_and_si512(_mm512_srli_epi32(v, 8), nib);
+          pairs[3] = _mm512_and_si512(_mm512_srli_epi32(v, 12), nib);
+        } else {
+          pairs[0] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+          pairs[1] = _mm512_srai_epi16(v, 8);
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq + (m0 + m) * p.K + b * BLOCK) + l * (BITS == 4 ? 4 : 2);
+#pragma GCC unroll 4
+          for (int j = 0; j < (BITS == 4 ? 4 : 2); ++j)
+            ia[m][u] = _mm512_dpwssd_epi32(ia[m][u], pairs[j], _mm512_set1_epi32(xq[j]));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < TT; ++u) {
+      const int64_t so = ((t + u) * NG + g) * 16;
+      const __m512 sc = load_half16(p.scale + so);
+      const __m512 mn = BITS == 4 ? load_half16(p.mins + so) : _mm512_setzero_ps();
+      for (int m = 0; m < MR; ++m) {
+        const int64_t xb = (m0 + m) * KB + b;
+        acc[m][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][u]), _mm512_mul_ps(sc, _mm512_set1_ps(p.xd[xb])), acc[m][u]);
+        if (BITS == 4) acc[m][u] = _mm512_fmadd_ps(mn, _mm512_set1_ps(p.xs[xb]), acc[m][u]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int u = 0; u < TT; ++u) _mm512_storeu_ps(p.out + (m0 + m) * p.N + (t + u) * 16, acc[m][u]);
+}
+
+template <int BITS, int TT>
+void rows_vnni(const Problem& p, int64_t t) {
+  int64_t m = 0;
+  for (; m + 4 <= p.M; m += 4) tiles_vnni<BITS, 4, TT>(p, t, m);
+  for (; m + 2 <= p.M; m += 2) tiles_vnni<BITS, 2, TT>(p, t, m);
+  for (; m < p.M; ++m) tiles_vnni<BITS, 1, TT>(p, t, m);
+}
+#endif
+
+void run(const Problem& p, bool portable) {
+  const int64_t NT = p.N / 16;
+  at::parallel_for(0, (NT + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = 2 * begin; t < std::min(2 * end, NT); t += 2) {
+      const bool pair = t + 1 < NT;
+#ifdef KVC_VNNI
+      if (!portable) {
+        if (p.bits == 4) pair ? rows_vnni<4, 2>(p, t) : rows_vnni<4, 1>(p, t);
+        else pair ? rows_vnni<8, 2>(p, t) : rows_vnni<8, 1>(p, t);
+        continue;
+      }
+#endif
+      for (int64_t u = t; u < t + (pair ? 2 : 1); ++u)
+        for (int64_t m = 0; m < p.M; ++m) tile_portable(p, u, m);
+    }
+  });
+}
+
+void check(const torch::Tensor& w, const torch::Tensor& scales, const torch::Tensor& mins, int64_t bits,
+           int64_t group, int64_t K) {
+  TORCH_CHECK(bits == 4 || bits == 8, "kvc::qlinear: bits must be 4 or 8");
+  TORCH_CHECK(K % BLOCK == 0 && group % BLOCK == 0 && K % group == 0,
+              "kvc::qlinear: K and the group must be multiples of 32, the group must divide K");
+  const int64_t NT = w.size(0);
+  TORCH_CHECK(w.is_contiguous() && w.numel() == NT * K * 2 * bits && w.element_size() == 1,
+              "kvc::qlinear: w must hold [N/16] tiles of 16 rows x K codes");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.numel() == NT * 16 * (K / group),
+              "kvc::qlinear: scales must be fp16 [N/16, K/G, 16]");
+  TORCH_CHECK(bits == 8 || (mins.scalar_type() == torch::kHalf && mins.sizes() == scales.sizes() && mins.is_contiguous()),
+              "kvc::qlinear: int4 needs fp16 mins shaped like the scales");
+}
+
+}  // namespace
+
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits,
+                      int64_t group, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
+              "kvc::qlinear: x must be a contiguous fp32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
+  check(w, scales, mins, bits, group, K);
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kShort));
+  auto xd = torch::empty({M, K / BLOCK}, x.options()), xs = torch::empty({M, K / BLOCK}, x.options());
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int16_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+  Problem p{reinterpret_cast<const uint8_t*>(w.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+            bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr,
+            xq.data_ptr<int16_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), out.data_ptr<float>(),
+            M, N, K, group, static_cast<int>(bits)};
+  run(p, portable);
+  return out;
+}
+
+torch::Tensor qdequant(torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits, int64_t group,
+                       int64_t K) {
+  check(w, scales, mins, bits, group, K);
+  const int64_t NT = w.size(0), NG = K / group;
+  auto out = torch::empty({NT * 16, K}, w.options().dtype(torch::kFloat));
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* wt = wp + t * K * 2 * bits;
+      for (int r = 0; r < 16; ++r) {
+        float* row = op + (t * 16 + r) * K;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t so = (t * NG + k / group) * 16 + r;
+          row[k] = code(wt, bits, k, r) * half_to_float(sp[so]) + (mp ? half_to_float(mp[so]) : 0.f);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(kvc, m) {
+  m.def("qlinear(Tensor x, Tensor w, Tensor scales, Tensor mins, int bits, int group, bool portable) -> Tensor");
+  m.def("qdequant(Tensor w, Tensor scales, Tensor mins, int bits, int group, int K) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvc, CPU, m) {
+  m.impl("qlinear", &qlinear);
+  m.impl("qdequant", &qdequant);
+}

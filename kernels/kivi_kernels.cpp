@@ -1,0 +1,615 @@
+// Decode attention straight from KIVI-packed storage (cache/quantized.py's SlotStore; layout in
+// quantize.py), built with cpu_kernels.cpp by kernels/cpu.py.  One op, fp32:
+//
+//   kvc::kivi_attention(q [B, Hq, D], k_packed [B, H, S, W] int32, k_scale, k_min [B, H, S/G, D],
+//                       v_packed [B, H, S, W] int32, v_scale, v_min [B, H, S, D/G],
+//                       k_ring, v_ring [B, H, R, D], pos [B, 1 or H, S'] long, visible [B, 1 or H, S'] bool
+//                       (or empty), now [B] long, idx [B, Hidx, N] long (or empty), valid [B, Hidx, N]
+//                       bool (or empty), n, bits, group, scale) -> out [B, Hq, D]
+//
+//   Softmax attention of each decode query over the slots [0, n) (idx empty: "dense") or over its
+//   index list (idx given: the sparse readers' selected slots; Hidx = H: one list per KV head, shared
+//   by its query heads, or Hidx = Hq: one per query head).  A slot holding position p is read
+//     key:   from ring row p % R while p is in the key residual, p >= (now + 1) - (now + 1) % R (the
+//            tokens of the R-block still filling), else from the packed words;
+//     value: from ring row p % R while p > now - R (the FIFO of the newest R), else packed.
+//   Words, scales and minimums: token-contiguous (stride 1 over slots), as SlotStore allocates them.
+//
+// Dense path, per (batch row, KV head) and register block of query rows: keys are quantized per
+// channel over groups of G slots, so per group the key scale folds into the query (qs = q * s_k) and
+// the minimum into one dot product (z = q . m_k): score_t = z + sum_d qs_d code_{t,d}, with codes
+// unpacked in registers 16 slots at a time (slot lanes; one shift, mask and convert per bit-plane).
+// Values are quantized per token, so their scale and minimum go into the softmax weights:
+// out_d = sum_t (p_t s_{t,c(d)}) code_{t,d} + sum_t p_t m_{t,c(d)}.  Ring slots are found from `pos`
+// in the same pass and handled from their full-precision rows.  Needs G % 16 == 0.
+// Sparse path: each selected slot's key and value are dequantized in registers (its own group's
+// scale and minimum), no gathered copy.  D 64 or 128, bits 2, 4 or 8, D / G <= 16.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "cpu_vec.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int L = 16;                  // slot lanes per vector (dense path)
+constexpr int64_t AHEAD = 8;           // selected slots prefetched ahead (sparse path)
+constexpr int64_t AHEAD_SLOTS = 256;   // dense path: slots ahead (1 KiB of one word row, 16 cache lines)
+
+// one (batch row, KV head) of the storage: pointers and element strides of its eight buffers
+struct Row {
+  int32_t* kp; int64_t kp_t, kp_w;     // key word w of slot t: kp[t * kp_t + w * kp_w] (kp_t == 1 when read)
+  float* ks; float* km; int64_t k_g;   // key scale/min of group g, channel d: ks[g * k_g + d]
+  int32_t* vp; int64_t vp_t, vp_w;
+  float* vs; float* vm; int64_t v_t, v_c;          // value scale/min of slot t, channel group c: vs[t * v_t + c * v_c]
+  float* kr; float* vr; int64_t r_row; // ring row r: kr + r * r_row
+  const int64_t* pos; const bool* vis;             // per slot (vis may be null)
+  int64_t now, R, kfrom;                           // kfrom: first position of the key residual
+  int bits, G, D;
+  bool ring_v(int64_t p) const { return p >= 0 && p > now - R; }
+  bool ring_k(int64_t p) const { return p >= kfrom && ring_v(p); }
+};
+
+template <typename T>
+static T* row_of(const torch::Tensor& t, int64_t b, int64_t h) {  // t [B, 1 or H, ...] at (b, h)
+  return t.data_ptr<T>() + b * t.stride(0) + (t.size(1) == 1 ? 0 : h) * t.stride(1);
+}
+
+// buffers = {k_packed, k_scale, k_min, v_packed, v_scale, v_min, k_ring, v_ring}
+static Row row_at(const std::vector<torch::Tensor>& t, const torch::Tensor& pos, int64_t b, int64_t h,
+                  int64_t now, int bits, int G) {
+  Row r;
+  r.kp = row_of<int32_t>(t[0], b, h); r.kp_t = t[0].stride(2); r.kp_w = t[0].stride(3);
+  r.ks = row_of<float>(t[1], b, h); r.km = row_of<float>(t[2], b, h); r.k_g = t[1].stride(2);
+  r.vp = row_of<int32_t>(t[3], b, h); r.vp_t = t[3].stride(2); r.vp_w = t[3].stride(3);
+  r.vs = row_of<float>(t[4], b, h); r.vm = row_of<float>(t[5], b, h); r.v_t = t[4].stride(2); r.v_c = t[4].stride(3);
+  r.kr = row_of<float>(t[6], b, h); r.vr = row_of<float>(t[7], b, h); r.r_row = t[6].stride(2);
+  r.pos = row_of<int64_t>(pos, b, h);
+  r.vis = nullptr;
+  r.now = now;
+  r.R = t[6].size(2);
+  r.kfrom = (now + 1) - (((now + 1) % r.R) + r.R) % r.R;      // floor: the R-block of now + 1
+  r.bits = bits; r.G = G; r.D = (int)t[6].size(3);
+  return r;
+}
+
+// layout checks shared by both ops
+static void check_buffers(const std::vector<torch::Tensor>& t, const torch::Tensor& pos, const torch::Tensor& now) {
+  for (int i : {1, 2, 4, 5, 6, 7})
+    TORCH_CHECK(t[i].dtype() == torch::kFloat && t[i].dim() == 4, "kvc::kivi_*: fp32 scales, minimums and rings");
+  TORCH_CHECK(t[0].dtype() == torch::kInt && t[3].dtype() == torch::kInt, "kvc::kivi_*: int32 words");
+  TORCH_CHECK(t[0].strides() == t[3].strides() && t[1].strides() == t[2].strides() && t[4].strides() == t[5].strides()
+              && t[6].strides() == t[7].strides() && t[1].stride(3) == 1 && t[6].stride(3) == 1,
+              "kvc::kivi_*: unexpected strides");
+  TORCH_CHECK(pos.dtype() == torch::kLong && pos.dim() == 3 && pos.stride(2) == 1 && now.dtype() == torch::kLong
+              && now.is_contiguous(), "kvc::kivi_*: pos [B, 1 or H, S] and now [B] must be long");
+}
+
+struct RingHit { int64_t t; int64_t row; bool key; };
+
+static inline v16 load16(const float* p) { v16 x; std::memcpy(&x, p, sizeof x); return x; }
+static inline v16i load16i(const int32_t* p) { v16i x; std::memcpy(&x, p, sizeof x); return x; }
+static inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+static inline v16 bcast(float x) { return (v16){} + x; }
+// the codes at bit offset `shift` of 16 words as floats.  2 and 4 bits: a 16-entry table lookup
+// (__builtin_shuffle takes lane indices modulo 16, one vpermps on AVX-512) replaces the mask and the
+// int->float convert: TABLE[i] = i & (2^BITS - 1) reads the low 4 bits, which start with the code
+template <int BITS>
+static inline v16 codes(v16i words, int shift) {
+  if constexpr (BITS == 8) {
+    return __builtin_convertvector((words >> shift) & 255, v16);
+  } else {
+    constexpr int M = (1 << BITS) - 1;
+    const v16 table = {0 & M, 1 & M, 2 & M, 3 & M, 4 & M, 5 & M, 6 & M, 7 & M,
+                       8 & M, 9 & M, 10 & M, 11 & M, 12 & M, 13 & M, 14 & M, 15 & M};
+    return __builtin_shuffle(table, words >> shift);
+  }
+}
+
+static float dot(const float* a, const float* b, int D) {
+  v16 acc = {};
+  for (int c = 0; c < D; c += L) acc += load16(a + c) * load16(b + c);
+  return hsum(acc);
+}
+
+// ------------------------------------------------------------------------------------ dense path
+// scores of GB query rows over the chunks of 16 slots in [0, n): s[g * npad + t]; ring slots go to
+// `hits` (their key scores taken from the ring), invisible ones get -inf.  Memory order: the key
+// scales/minimums once (folded into qs / z per group), then each word row as one sequential sweep
+// (one stream at a time; the scores stay in L1/L2), then the slot table.
+template <int BITS, int GB>
+static void dense_scores(const float* q, const Row& r, int64_t n, int64_t npad, float* s, float* qs,
+                         std::vector<RingHit>& hits) {
+  constexpr int P = 32 / BITS;
+  const int D = r.D, W = D / P;
+  const int64_t ng = npad / r.G + (npad % r.G != 0);
+  for (int64_t grp = 0; grp < ng; ++grp) {                    // fold each group's scale and minimum
+    const float* ksg = r.ks + grp * r.k_g;
+    const float* kmg = r.km + grp * r.k_g;
+    for (int g = 0; g < GB; ++g) {
+      v16 zv = {};
+      for (int c = 0; c < D; c += L) {
+        const v16 qv = load16(q + g * D + c);
+        store16(qs + (grp * GB + g) * D + c, qv * load16(ksg + c));
+        zv += qv * load16(kmg + c);
+      }
+      const v16 z = bcast(hsum(zv));
+      for (int64_t t = grp * r.G; t < std::min<int64_t>((grp + 1) * r.G, npad); t += L) store16(s + g * npad + t, z);
+    }
+  }
+  for (int w = 0; w < W; ++w)
+    for (int64_t t0 = 0; t0 < npad; t0 += L) {
+      __builtin_prefetch(r.kp + w * r.kp_w + t0 + AHEAD_SLOTS);
+      const v16i words = load16i(r.kp + w * r.kp_w + t0);
+      const float* qg = qs + (t0 / r.G) * GB * D;
+      v16 acc[GB];
+      for (int g = 0; g < GB; ++g) acc[g] = load16(s + g * npad + t0);
+#pragma GCC unroll 16
+      for (int j = 0; j < P; ++j) {
+        const v16 c = codes<BITS>(words, BITS * j);
+        const int d = j * W + w;
+        for (int g = 0; g < GB; ++g) acc[g] += qg[g * D + d] * c;
+      }
+      for (int g = 0; g < GB; ++g) store16(s + g * npad + t0, acc[g]);
+    }
+  for (int64_t t = 0; t < npad; ++t) {                        // visibility and the ring, per slot
+    if (t >= n || (r.vis && !r.vis[t])) {
+      for (int g = 0; g < GB; ++g) s[g * npad + t] = -INFINITY;
+    } else if (r.ring_v(r.pos[t])) {
+      const int64_t p = r.pos[t];
+      hits.push_back({t, p % r.R, r.ring_k(p)});
+    }
+  }
+  for (const RingHit& h : hits)
+    if (h.key)
+      for (int g = 0; g < GB; ++g) s[g * npad + h.t] = dot(q + g * D, r.kr + h.row * r.r_row, D);
+}
+
+// softmax numerators in place; returns 1 / sum per row in inv (0 for a row with nothing visible)
+template <int GB>
+static void softmax_rows(float* s, int64_t npad, float* inv) {
+  for (int g = 0; g < GB; ++g) {
+    float* sg = s + g * npad;
+    v16 mv = bcast(-INFINITY);
+    for (int64_t t = 0; t < npad; t += L) { const v16 x = load16(sg + t); mv = x > mv ? x : mv; }
+    float m = -INFINITY;
+    for (int l = 0; l < L; ++l) m = std::max(m, mv[l]);
+    const float mg = std::isinf(m) ? 0.f : m;
+    v16 lv = {};
+    for (int64_t t = 0; t < npad; t += L) {
+      const v16 e = vexp(load16(sg + t) - mg);
+      store16(sg + t, e);
+      lv += e;
+    }
+    const float l = hsum(lv);
+    inv[g] = l > 0.f ? 1.f / l : 0.f;
+  }
+}
+
+// out[g * D + d] = sum over the packed slots of p_t v_{t,d} (unnormalized), ring slots' weights
+// moved to their full-precision rows
+template <int BITS, int GB>
+static void dense_values(const Row& r, int64_t npad, float* s, const std::vector<RingHit>& hits,
+                         float* pv, float* out) {
+  constexpr int P = 32 / BITS;
+  constexpr int PB = std::min(P, GB == 1 ? 16 : GB <= 3 ? 8 : 4);    // bit-planes per register block
+  const int D = r.D, W = D / P, NCG = D / r.G;
+  std::vector<float> ring_p(hits.size() * GB);
+  for (size_t i = 0; i < hits.size(); ++i)
+    for (int g = 0; g < GB; ++g) {
+      ring_p[i * GB + g] = s[g * npad + hits[i].t];
+      s[g * npad + hits[i].t] = 0.f;                          // not from the packed words
+    }
+  float zc[GB * 16];
+  for (int g = 0; g < GB; ++g)                                // pv = p * s_v per channel group; zc = sum p m_v
+    for (int c = 0; c < NCG; ++c) {
+      v16 zv = {};
+      for (int64_t t = 0; t < npad; t += L) {
+        if (g == 0) {
+          __builtin_prefetch(r.vs + c * r.v_c + t + AHEAD_SLOTS);
+          __builtin_prefetch(r.vm + c * r.v_c + t + AHEAD_SLOTS);
+        }
+        const v16 p = load16(s + g * npad + t);
+        store16(pv + (g * NCG + c) * npad + t, p * load16(r.vs + c * r.v_c + t));
+        zv += p * load16(r.vm + c * r.v_c + t);
+      }
+      zc[g * NCG + c] = hsum(zv);
+    }
+  for (int w = 0; w < W; ++w)
+    for (int jb = 0; jb < P; jb += PB) {
+      v16 acc[GB][PB] = {};
+      for (int64_t t = 0; t < npad; t += L) {
+        if (jb == 0) __builtin_prefetch(r.vp + w * r.vp_w + t + AHEAD_SLOTS);
+        const v16i words = load16i(r.vp + w * r.vp_w + t);
+#pragma GCC unroll 16
+        for (int jj = 0; jj < PB; ++jj) {
+          const v16 c = codes<BITS>(words, BITS * (jb + jj));
+          const int cg = ((jb + jj) * W + w) / r.G;
+          for (int g = 0; g < GB; ++g) acc[g][jj] += load16(pv + (g * NCG + cg) * npad + t) * c;
+        }
+      }
+      for (int g = 0; g < GB; ++g)
+        for (int jj = 0; jj < PB; ++jj) {
+          const int d = (jb + jj) * W + w;
+          out[g * D + d] = hsum(acc[g][jj]) + zc[g * NCG + d / r.G];
+        }
+    }
+  for (size_t i = 0; i < hits.size(); ++i)
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < D; c += L)
+        store16(out + g * D + c, load16(out + g * D + c) + ring_p[i * GB + g] * load16(r.vr + hits[i].row * r.r_row + c));
+}
+
+template <int BITS, int GB>
+static void dense_rows(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
+  const int64_t npad = (n + L - 1) / L * L;
+  const int D = r.D, NCG = D / r.G;
+  work.resize(GB * npad * (1 + NCG) + (npad / r.G + 1) * GB * D);
+  float* s = work.data();
+  float* pv = s + GB * npad;
+  float* qs = pv + GB * NCG * npad;
+  std::vector<RingHit> hits;
+  dense_scores<BITS, GB>(q, r, n, npad, s, qs, hits);
+  float inv[GB];
+  softmax_rows<GB>(s, npad, inv);
+  dense_values<BITS, GB>(r, npad, s, hits, pv, out);
+  for (int g = 0; g < GB; ++g)
+    for (int d = 0; d < D; ++d) out[g * D + d] *= inv[g];
+}
+
+// ------------------------------------------------------------------------------------ sparse path
+// lane tables of one slot's unpacking, channel order, 16 channels per vector c: the word holding
+// channel d (d % W, planar layout), its shift (bits * (d / W)) and its value channel group (d / G)
+struct Lanes {
+  v16i widx[8], shift[8], cg[8];
+  Lanes(int bits, int D, int G) {
+    const int W = D * bits / 32;
+    for (int d = 0; d < D; ++d) {
+      widx[d / L][d % L] = d % W;
+      shift[d / L][d % L] = bits * (d / W);
+      cg[d / L][d % L] = d / G;
+    }
+  }
+};
+
+// the D channels of slot t dequantized in registers (out[c], 16 channels each): code * scale + min
+// with per-channel scale/min rows (keys: sc, mn of the slot's group) or per channel group of the
+// slot (values: sc_t, mn_t hold its D/G scales and minimums)
+template <int BITS>
+static void unpack_slot(const int32_t* words0, int64_t stride_w, int64_t t, int D, const Lanes& ln, v16* out,
+                        const float* sc, const float* mn, const v16* sc_t, const v16* mn_t) {
+  constexpr int LVL = (1 << BITS) - 1;
+  const int W = D * BITS / 32;
+  int32_t wb[32] = {};
+  for (int w = 0; w < W; ++w) wb[w] = words0[w * stride_w + t];
+  const v16i lo = load16i(wb), hi = load16i(wb + 16);
+  for (int c = 0; c < D / L; ++c) {
+    const v16i wv = __builtin_shuffle(lo, hi, ln.widx[c]);
+    const v16 code = __builtin_convertvector((wv >> ln.shift[c]) & LVL, v16);
+    if (sc_t) out[c] = code * __builtin_shuffle(*sc_t, ln.cg[c]) + __builtin_shuffle(*mn_t, ln.cg[c]);
+    else out[c] = code * load16(sc + c * L) + load16(mn + c * L);
+  }
+}
+
+template <int BITS, int GB>
+static void sparse_rows(const float* q, const Row& r, const int64_t* il, const bool* vl, int64_t N,
+                        std::vector<float>& work, float* out) {
+  const int D = r.D, DV = D / L, NCG = D / r.G;
+  work.resize(GB * N);
+  float* s = work.data();
+  const Lanes ln(r.bits, D, r.G);
+  v16 k[8], acc[GB][8] = {}, sc_t = {}, mn_t = {};
+  float m[GB];
+  for (int g = 0; g < GB; ++g) m[g] = -INFINITY;
+  for (int64_t i = 0; i < N; ++i) {
+    const bool ok = !vl || vl[i];
+    if (ok && i + AHEAD < N) {
+      const int64_t ta = il[i + AHEAD];
+      for (int w = 0; w < D * r.bits / 32; ++w) {
+        __builtin_prefetch(r.kp + w * r.kp_w + ta);
+        __builtin_prefetch(r.vp + w * r.vp_w + ta);
+      }
+    }
+    const int64_t t = ok ? il[i] : 0, p = ok ? r.pos[t] : -1;
+    if (!ok || (r.vis && !r.vis[t])) {
+      for (int g = 0; g < GB; ++g) s[g * N + i] = -INFINITY;
+      continue;
+    }
+    if (r.ring_k(p)) {
+      for (int c = 0; c < DV; ++c) k[c] = load16(r.kr + (p % r.R) * r.r_row + c * L);
+    } else {
+      const int64_t g = t / r.G;
+      unpack_slot<BITS>(r.kp, r.kp_w, t, D, ln, k, r.ks + g * r.k_g, r.km + g * r.k_g, nullptr, nullptr);
+    }
+    for (int g = 0; g < GB; ++g) {
+      v16 a = {};
+      for (int c = 0; c < DV; ++c) a += load16(q + g * D + c * L) * k[c];
+      s[g * N + i] = hsum(a);
+      m[g] = std::max(m[g], s[g * N + i]);
+    }
+  }
+  float l[GB] = {};
+  for (int64_t i = 0; i < N; ++i) {
+    if (s[i] == -INFINITY) continue;                          // invisible for every row of the block
+    const int64_t t = il[i], p = r.pos[t];
+    if (r.ring_v(p)) {
+      for (int c = 0; c < DV; ++c) k[c] = load16(r.vr + (p % r.R) * r.r_row + c * L);
+    } else {
+      for (int c = 0; c < NCG; ++c) { sc_t[c] = r.vs[c * r.v_c + t]; mn_t[c] = r.vm[c * r.v_c + t]; }
+      unpack_slot<BITS>(r.vp, r.vp_w, t, D, ln, k, nullptr, nullptr, &sc_t, &mn_t);
+    }
+    for (int g = 0; g < GB; ++g) {
+      const float e = std::exp(s[g * N + i] - m[g]);
+      l[g] += e;
+      for (int c = 0; c < DV; ++c) acc[g][c] += e * k[c];
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    for (int c = 0; c < DV; ++c) store16(out + g * D + c * L, acc[g][c] * inv);
+  }
+}
+
+// ------------------------------------------------------------------------------------ dispatch
+template <int BITS>
+static void run_block(const float* q, int gb, const Row& r, int64_t n, const int64_t* il, const bool* vl,
+                      int64_t N, std::vector<float>& work, float* out) {
+  switch (gb) {
+#define KVC_CASE(GB)                                                                   \
+    case GB:                                                                           \
+      if (il) sparse_rows<BITS, GB>(q, r, il, vl, N, work, out);                       \
+      else dense_rows<BITS, GB>(q, r, n, work, out);                                   \
+      break;
+    KVC_CASE(1) KVC_CASE(2) KVC_CASE(3) KVC_CASE(4)
+#undef KVC_CASE
+  }
+}
+
+static void run_rows(const float* q, int64_t GL, int bits, const Row& r, int64_t n, const int64_t* il,
+                     const bool* vl, int64_t N, std::vector<float>& work, float* out) {
+  const int D = r.D;
+  for (int64_t g = 0; g < GL; g += 4) {
+    const int gb = (int)std::min<int64_t>(4, GL - g);
+    if (bits == 4) run_block<4>(q + g * D, gb, r, n, il, vl, N, work, out + g * D);
+    else if (bits == 2) run_block<2>(q + g * D, gb, r, n, il, vl, N, work, out + g * D);
+    else run_block<8>(q + g * D, gb, r, n, il, vl, N, work, out + g * D);
+  }
+}
+
+}  // namespace
+
+torch::Tensor kivi_attention(torch::Tensor q, torch::Tensor k_packed, torch::Tensor k_scale, torch::Tensor k_min,
+                             torch::Tensor v_packed, torch::Tensor v_scale, torch::Tensor v_min,
+                             torch::Tensor k_ring, torch::Tensor v_ring, torch::Tensor pos, torch::Tensor visible,
+                             torch::Tensor now, torch::Tensor idx, torch::Tensor valid, int64_t n, int64_t bits,
+                             int64_t group, double scale) {
+  const std::vector<torch::Tensor> bufs = {k_packed, k_scale, k_min, v_packed, v_scale, v_min, k_ring, v_ring};
+  check_buffers(bufs, pos, now);
+  TORCH_CHECK(q.dim() == 3 && q.dtype() == torch::kFloat, "kvc::kivi_attention: q must be fp32 [B, Hq, D]");
+  TORCH_CHECK(k_packed.stride(2) == 1 && v_scale.stride(2) == 1,
+              "kvc::kivi_attention: packed words and value scales must be token-contiguous");
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "kvc::kivi_attention: bits 2, 4 or 8");
+  q = q.contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), H = k_packed.size(1), G = group, Gq = Hq / H;
+  TORCH_CHECK(D == 64 || D == 128, "kvc::kivi_attention: head_dim 64 or 128");
+  TORCH_CHECK(G % 8 == 0 && D % G == 0 && D / G <= 16, "kvc::kivi_attention: group must divide D, G % 8 == 0");
+  const bool sparse = idx.numel() > 0;
+  TORCH_CHECK(sparse || G % L == 0, "kvc::kivi_attention: the dense path needs group % 16 == 0");
+  const int64_t Hidx = sparse ? idx.size(1) : H, N = sparse ? idx.size(2) : 0;
+  TORCH_CHECK(!sparse || (idx.is_contiguous() && idx.dtype() == torch::kLong && (Hidx == H || Hidx == Hq)),
+              "kvc::kivi_attention: idx must be a contiguous long [B, H or Hq, N]");
+  const bool has_valid = valid.numel() > 0, has_vis = visible.numel() > 0;
+  TORCH_CHECK(!has_valid || (valid.is_contiguous() && valid.sizes() == idx.sizes()), "valid must be shaped like idx");
+  TORCH_CHECK(!has_vis || (visible.dtype() == torch::kBool && visible.stride(2) == 1), "visible must be bool");
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* nowp = now.data_ptr<int64_t>();
+  const int64_t GL = (sparse && Hidx == Hq) ? 1 : Gq;
+  at::parallel_for(0, B * Hidx, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work, qscaled(GL * D);
+    for (int64_t rr = begin; rr < end; ++rr) {
+      const int64_t b = rr / Hidx, hi = rr % Hidx, h = Hidx == H ? hi : hi / Gq, hq = Hidx == H ? hi * Gq : hi;
+      Row r = row_at(bufs, pos, b, h, nowp[b], (int)bits, (int)G);
+      r.vis = has_vis ? row_of<bool>(visible, b, h) : nullptr;
+      for (int64_t i = 0; i < GL * D; ++i) qscaled[i] = qp[(b * Hq + hq) * D + i] * (float)scale;
+      const int64_t* il = sparse ? idx.data_ptr<int64_t>() + rr * N : nullptr;
+      const bool* vl = has_valid ? valid.data_ptr<bool>() + rr * N : nullptr;
+      run_rows(qscaled.data(), GL, (int)bits, r, n, il, vl, N, work, op + (b * Hq + hq) * D);
+    }
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------ slot write
+//   kvc::kivi_write(k_packed!, k_scale!, k_min!, v_packed!, v_scale!, v_min!, k_ring!, v_ring!,
+//                   slot [B, H] long, k, v [B, H, D] fp32, pos [B, 1 or H, S] long, now [B] long,
+//                   where [B, H] bool (or empty), bits, group)
+//   SlotStore.write's twin (cache/quantized.py), bit for bit: the token goes into its slot; the slot's
+//   key group is re-coded from its members' best values (the new key, ring rows for members among the
+//   newest R, dequantized codes for the others; min/max over the members holding a token); the value
+//   is quantized alone; a slot among the newest R also writes its ring rows.  Rows where `where` is
+//   False change nothing.  The arithmetic is the torch ops' (fp32, no fused multiply-add).
+namespace {
+
+struct Quant { float scale, minimum; };
+
+__attribute__((optimize("fp-contract=off")))
+static Quant scale_min(float lo, float hi, int bits) {
+  const float levels = (float)((1 << bits) - 1), span = hi - lo;
+  float scale = span / levels;
+  const float back = scale * levels;
+  if (back < span) scale = std::nextafter(scale, INFINITY);   // rounded down: one step up
+  return {scale, lo};
+}
+
+__attribute__((optimize("fp-contract=off")))
+static uint32_t code_of(float x, Quant q, int bits) {
+  const float safe = q.scale > 0.f ? q.scale : 1.f;
+  const float diff = x - q.minimum;
+  float c = std::nearbyint(diff / safe);
+  c = std::min(std::max(c, 0.f), (float)((1 << bits) - 1));
+  return (uint32_t)c;
+}
+
+__attribute__((optimize("fp-contract=off")))
+static float dequant(uint32_t code, float scale, float minimum) {
+  const float t = (float)code * scale;
+  return t + minimum;
+}
+
+// re-code the key group of slots [g0, g0 + G): new keys for the slots [a, b) (kn + (t - a) * D), ring
+// rows for members among the newest R, dequantized codes for the others; min/max over the members
+// holding a token (and, with force, over the new ones whatever their position)
+__attribute__((optimize("fp-contract=off")))
+static void requant_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_t b, const float* kn, bool force) {
+  const int bits = r.bits, G = r.G, D = r.D, W = D * bits / 32, P = 32 / bits;
+  const uint32_t lvl = (1u << bits) - 1;
+  const int64_t g = g0 / G;
+  static thread_local std::vector<float> xbuf;
+  xbuf.resize((size_t)G * D);
+  float* x = xbuf.data();
+  float lo[128], hi[128], mn[128], safe[128];
+  for (int d = 0; d < D; ++d) { lo[d] = INFINITY; hi[d] = -INFINITY; }
+  bool any = false;
+  for (int i = 0; i < G; ++i) {                               // the group's members at their best
+    const int64_t t = g0 + i, p = t < S ? r.pos[t] : -1;
+    const bool is_new = t >= a && t < b;
+    float* xr = x + i * D;
+    if (is_new) std::memcpy(xr, kn + (t - a) * D, D * sizeof(float));
+    else if (r.ring_v(p)) std::memcpy(xr, r.kr + (p % r.R) * r.r_row, D * sizeof(float));
+    else
+      for (int w = 0; w < W; ++w) {
+        const uint32_t word = (uint32_t)r.kp[t * r.kp_t + w * r.kp_w];
+        for (int j = 0; j < P; ++j)
+          xr[j * W + w] = dequant((word >> (bits * j)) & lvl, r.ks[g * r.k_g + j * W + w], r.km[g * r.k_g + j * W + w]);
+      }
+    if (p >= 0 || (force && is_new)) {                        // min/max over the members holding a token
+      any = true;
+      for (int d = 0; d < D; ++d) { lo[d] = std::min(lo[d], xr[d]); hi[d] = std::max(hi[d], xr[d]); }
+    }
+  }
+  for (int d = 0; d < D; ++d) {
+    const Quant q = any ? scale_min(lo[d], hi[d], bits) : Quant{0.f, 0.f};
+    r.ks[g * r.k_g + d] = q.scale;
+    r.km[g * r.k_g + d] = q.minimum;
+    mn[d] = q.minimum;
+    safe[d] = q.scale > 0.f ? q.scale : 1.f;
+  }
+  const float top = (float)lvl, magic = 12582912.f;          // 1.5 * 2^23: (v + magic) - magic rounds half to even
+  for (int i = 0; i < G; ++i) {
+    float c[128];
+    const float* xr = x + i * D;
+    for (int d = 0; d < D; ++d) {
+      const float v = (xr[d] - mn[d]) / safe[d];
+      c[d] = std::min(std::max((v + magic) - magic, 0.f), top);
+    }
+    for (int w = 0; w < W; ++w) {
+      uint32_t word = 0;
+      for (int j = 0; j < P; ++j) word |= (uint32_t)c[j * W + w] << (bits * j);
+      r.kp[(g0 + i) * r.kp_t + w * r.kp_w] = (int32_t)word;
+    }
+  }
+}
+
+// the value v (D floats) of slot t, quantized alone (per token over groups of G channels), and the
+// slot's ring rows when its position is among the newest R
+static void write_value(const Row& r, int64_t t, int64_t S, const float* k, const float* v) {
+  const int bits = r.bits, G = r.G, D = r.D, W = D * bits / 32, P = 32 / bits;
+  Quant qv[16];
+  for (int c = 0; c < D / G; ++c) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int d = c * G; d < (c + 1) * G; ++d) { lo = std::min(lo, v[d]); hi = std::max(hi, v[d]); }
+    qv[c] = scale_min(lo, hi, bits);
+    r.vs[t * r.v_t + c * r.v_c] = qv[c].scale;
+    r.vm[t * r.v_t + c * r.v_c] = qv[c].minimum;
+  }
+  for (int w = 0; w < W; ++w) {
+    uint32_t word = 0;
+    for (int j = 0; j < P; ++j) word |= code_of(v[j * W + w], qv[(j * W + w) / G], bits) << (bits * j);
+    r.vp[t * r.vp_t + w * r.vp_w] = (int32_t)word;
+  }
+  const int64_t p = t < S ? r.pos[t] : -1;
+  if (r.ring_v(p))
+    for (int d = 0; d < D; ++d) {
+      r.kr[(p % r.R) * r.r_row + d] = k[d];
+      r.vr[(p % r.R) * r.r_row + d] = v[d];
+    }
+}
+
+}  // namespace
+
+// checks shared by the two write ops; k, v [B, H, T, D] (or [B, H, D])
+static void check_write(const std::vector<torch::Tensor>& bufs, const torch::Tensor& pos, const torch::Tensor& now,
+                        const torch::Tensor& k, const torch::Tensor& v, int64_t bits, int64_t group) {
+  check_buffers(bufs, pos, now);
+  TORCH_CHECK(k.dtype() == torch::kFloat && v.dtype() == torch::kFloat && k.is_contiguous() && v.is_contiguous() &&
+              k.sizes() == v.sizes() && (bits == 2 || bits == 4 || bits == 8) && k.size(-1) % group == 0 &&
+              k.size(-1) / group <= 16, "kvc::kivi_write: unexpected inputs");
+}
+
+void kivi_write(torch::Tensor k_packed, torch::Tensor k_scale, torch::Tensor k_min, torch::Tensor v_packed,
+                torch::Tensor v_scale, torch::Tensor v_min, torch::Tensor k_ring, torch::Tensor v_ring,
+                torch::Tensor slot, torch::Tensor k, torch::Tensor v, torch::Tensor pos, torch::Tensor now,
+                torch::Tensor where, int64_t bits, int64_t group) {
+  const std::vector<torch::Tensor> bufs = {k_packed, k_scale, k_min, v_packed, v_scale, v_min, k_ring, v_ring};
+  check_write(bufs, pos, now, k, v, bits, group);
+  TORCH_CHECK(k.dim() == 3 && slot.is_contiguous() && slot.dtype() == torch::kLong, "kvc::kivi_write: slot [B, H] long");
+  const int64_t B = k.size(0), H = k.size(1), D = k.size(2), S = pos.size(2);
+  const bool has_where = where.numel() > 0;
+  TORCH_CHECK(!has_where || (where.is_contiguous() && where.dtype() == torch::kBool), "where must be bool [B, H]");
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  const int64_t* nowp = now.data_ptr<int64_t>();
+  at::parallel_for(0, B * H, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t rr = begin; rr < end; ++rr) {
+      if (has_where && !where.data_ptr<bool>()[rr]) continue;
+      const Row r = row_at(bufs, pos, rr / H, rr % H, nowp[rr / H], (int)bits, (int)group);
+      const float* kr = k.data_ptr<float>() + rr * D;
+      requant_group(r, sp[rr] / group * group, S, sp[rr], sp[rr] + 1, kr, true);
+      write_value(r, sp[rr], S, kr, v.data_ptr<float>() + rr * D);
+    }
+  });
+}
+
+//   kvc::kivi_write_range(buffers!, start, k, v [B, H, T, D], pos, now, bits, group): SlotStore.write_range's
+//   twin, bit for bit: T tokens into slots [start, start + T), the key groups they touch re-coded once
+void kivi_write_range(torch::Tensor k_packed, torch::Tensor k_scale, torch::Tensor k_min, torch::Tensor v_packed,
+                      torch::Tensor v_scale, torch::Tensor v_min, torch::Tensor k_ring, torch::Tensor v_ring,
+                      int64_t start, torch::Tensor k, torch::Tensor v, torch::Tensor pos, torch::Tensor now,
+                      int64_t bits, int64_t group) {
+  const std::vector<torch::Tensor> bufs = {k_packed, k_scale, k_min, v_packed, v_scale, v_min, k_ring, v_ring};
+  check_write(bufs, pos, now, k, v, bits, group);
+  TORCH_CHECK(k.dim() == 4, "kvc::kivi_write_range: k, v [B, H, T, D]");
+  const int64_t B = k.size(0), H = k.size(1), T = k.size(2), D = k.size(3), S = pos.size(2), end = start + T;
+  const int64_t* nowp = now.data_ptr<int64_t>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t rr = begin; rr < stop; ++rr) {
+      const Row r = row_at(bufs, pos, rr / H, rr % H, nowp[rr / H], (int)bits, (int)group);
+      const float* kr = k.data_ptr<float>() + rr * T * D;
+      const float* vr = v.data_ptr<float>() + rr * T * D;
+      for (int64_t g0 = start / group * group; g0 < end; g0 += group) requant_group(r, g0, S, start, end, kr, false);
+      for (int64_t t = start; t < end; ++t) write_value(r, t, S, kr + (t - start) * D, vr + (t - start) * D);
+    }
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(kvc, m) {
+  m.def("kivi_attention(Tensor q, Tensor k_packed, Tensor k_scale, Tensor k_min, Tensor v_packed, Tensor v_scale, "
+        "Tensor v_min, Tensor k_ring, Tensor v_ring, Tensor pos, Tensor visible, Tensor now, Tensor idx, "
+        "Tensor valid, SymInt n, int bits, int group, float scale) -> Tensor");
+  m.def("kivi_write(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!) k_min, Tensor(d!) v_packed, "
+        "Tensor(e!) v_scale, Tensor(f!) v_min, Tensor(g!) k_ring, Tensor(h!) v_ring, Tensor slot, Tensor k, "
+        "Tensor v, Tensor pos, Tensor now, Tensor where, int bits, int group) -> ()");
+  m.def("kivi_write_range(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!) k_min, Tensor(d!) v_packed, "
+        "Tensor(e!) v_scale, Tensor(f!) v_min, Tensor(g!) k_ring, Tensor(h!) v_ring, SymInt start, Tensor k, "
+        "Tensor v, Tensor pos, Tensor now, int bits, int group) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvc, CPU, m) {
+  m.impl("kivi_attention", &kivi_attention);
+  m.impl("kivi_write", &kivi_write);
+  m.impl("kivi_write_range", &kivi_write_range);
+}

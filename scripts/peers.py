@@ -1,0 +1,313 @@
+"""Batch-1 decode speed of this engine next to its peers, each run in its own subprocess.
+
+    OMP_WAIT_POLICY=ACTIVE python scripts/peers.py --contexts 512,2048,4096 --threads 2 \\
+        --ours checkpoints/SmolLM2-135M-Instruct --ours checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --peers llama.cpp,hf
+
+Rows: one per (side, context).  Sides: `ours:CHECKPOINT[:k=v,...]` (options: compile=1, policy=NAME,
+policy_args=k=v;k=v, kv_bits=4, weights=auto|float, dtype=bfloat16), `llama.cpp` (llama-cpp-python on
+the GGUF, --gguf), `hf` (transformers LlamaForCausalLM on the float directory, --hf).  Every side gets
+the same prompt token ids (random ids of --seed, or --text FILE tokenized), the same thread count
+(torch.set_num_threads / llama.cpp n_threads and n_threads_batch, and OMP_NUM_THREADS) and the
+environment's OMP_WAIT_POLICY; decode tok/s = timed greedy single-token steps after --warmup untimed
+ones, prefill excluded.  The sides run interleaved --repeats times (medians), so drift on a shared
+machine hits every side alike; each run is a fresh process, which also gives its peak RSS.
+
+A side that crashes (e.g. llama-cpp-python built natively segfaults on batched eval on AMX Xeons) or is
+not installed is reported in its row, never fatal.  From Python: `decode_tps(side, ids, steps, threads)`
+-> {"tok_s", "peak_rss", "prefill_s", "compile_s"} or {"error"}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PEERS_EXTRA = "pip install -e '.[peers]'  (llama-cpp-python builds llama.cpp from source: see the README)"
+DEFAULT_GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_HF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
+
+
+# --------------------------------------------------------------------------- workers (in the subprocess)
+
+def timed_decode(step, first_token: int, steps: int, warmup: int) -> float:
+    """tok/s of `steps` calls of step(token) -> next token, after `warmup` untimed ones."""
+    tok = first_token
+    for _ in range(warmup):
+        tok = step(tok)
+    t = time.perf_counter()
+    for _ in range(steps):
+        tok = step(tok)
+    return steps / (time.perf_counter() - t)
+
+
+def run_llama_cpp(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) -> dict:
+    import numpy as np
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit(json.dumps({"error": f"llama-cpp-python is not installed: {PEERS_EXTRA}"}))
+    llm = llama_cpp.Llama(str(opts["path"]), n_ctx=len(ids) + steps + warmup + 8, n_threads=threads,
+                          n_threads_batch=threads, n_batch=512, verbose=False)
+    t = time.perf_counter()
+    llm.eval(ids)
+    prefill = time.perf_counter() - t
+
+    def last_argmax() -> int:   # without logits_all, llama-cpp-python 0.3 keeps no scores: read the context's
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
+    def step(tok: int) -> int:
+        llm.eval([tok])
+        return last_argmax()
+    return {"tok_s": timed_decode(step, last_argmax(), steps, warmup), "prefill_s": prefill}
+
+
+def run_hf(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) -> dict:
+    import torch
+    try:
+        from transformers import LlamaForCausalLM
+    except ImportError:
+        raise SystemExit(json.dumps({"error": "transformers is not installed: pip install -e '.[test]'"}))
+    torch.set_num_threads(threads)
+    path = Path(opts["path"])
+    kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    hf = LlamaForCausalLM.from_pretrained(path.parent if kw else path, dtype=torch.float32, **kw).eval()
+    with torch.inference_mode():
+        t = time.perf_counter()
+        out = hf(torch.tensor([ids]), use_cache=True)
+        prefill = time.perf_counter() - t
+        state = {"past": out.past_key_values}
+
+        def step(tok: int) -> int:
+            o = hf(torch.tensor([[tok]]), past_key_values=state["past"], use_cache=True)
+            state["past"] = o.past_key_values
+            return int(o.logits[0, -1].argmax())
+        return {"tok_s": timed_decode(step, int(out.logits[0, -1].argmax()), steps, warmup), "prefill_s": prefill}
+
+
+def run_ours(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) -> dict:
+    import torch
+    import engine
+    from cache import make_policy
+    torch.set_num_threads(threads)
+    model, _ = engine.load_model(opts["path"], "cpu", opts.get("dtype"), opts.get("weights", "auto"))
+
+    def new_policy():
+        p = make_policy(opts.get("policy", "full"), opts.get("policy_args", "").replace(";", ","))
+        return engine.with_kv_bits(p, int(opts.get("kv_bits", 16)), 32, 32) if "kv_bits" in opts else p
+    prefill, decode, compile_s = engine.prefill_step, engine.decode_step, None
+    tokens = torch.tensor([ids])
+    if opts.get("compile") in ("1", "true"):
+        prefill, decode = engine.compiled_steps(torch.device("cpu"))
+        t = time.perf_counter()
+        engine.warm_up(model, prefill, decode, tokens[:, :engine.warmup_length(new_policy())], new_policy())
+        compile_s = time.perf_counter() - t
+    model.setup_caches(1, len(ids) + steps + warmup + 8, new_policy())
+    pos = torch.arange(len(ids))[None]
+    with torch.inference_mode():
+        t = time.perf_counter()
+        logits = engine.run_prefill(model, tokens, pos, prefill)
+        prefill_s = time.perf_counter() - t
+        state = {"i": 0}
+
+        def step(tok: int) -> int:
+            i = state["i"]
+            out = engine.run_decode(model, torch.tensor([[tok]]), torch.tensor([[len(ids) + i]]), i, decode)
+            state["i"] = i + 1
+            return int(out[0].argmax())
+        return {"tok_s": timed_decode(step, int(logits[0].argmax()), steps, warmup), "prefill_s": prefill_s,
+                "compile_s": compile_s}
+
+
+WORKERS = {"llama.cpp": run_llama_cpp, "hf": run_hf, "ours": run_ours}
+
+
+def worker_main(spec: dict) -> int:
+    """Subprocess entry: run one side, print one JSON line."""
+    ids = json.loads(Path(spec["ids_file"]).read_text())
+    out = WORKERS[spec["kind"]](spec["opts"], ids, spec["steps"], spec["warmup"], spec["threads"])
+    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- the parent
+
+def parse_side(text: str, gguf: Path, hf: Path) -> dict:
+    """'llama.cpp' | 'hf' | 'ours:PATH[:k=v,...]' -> {"kind", "label", "opts"}."""
+    if text in ("llama.cpp", "hf"):
+        return {"kind": text, "label": text, "opts": {"path": str(gguf if text == "llama.cpp" else hf)}}
+    kind, _, rest = text.partition(":")
+    if kind != "ours" or not rest:
+        raise ValueError(f"unknown side {text!r}: use llama.cpp, hf or ours:CHECKPOINT[:k=v,...]")
+    path, _, extra = rest.partition(":")
+    opts = {"path": path}
+    for item in filter(None, extra.split(",")):
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise ValueError(f"side option {item!r} is not k=v")
+        opts[k] = v
+    label = "ours " + Path(path).name + (" " + extra if extra else "")
+    return {"kind": "ours", "label": label, "opts": opts}
+
+
+def decode_tps(side: dict, ids: list[int], steps: int = 32, threads: int = 2, warmup: int = 4,
+               timeout: float = 1800) -> dict:
+    """Run one side in a subprocess -> its JSON result, or {"error": ...} if it failed or crashed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ids_file = Path(tmp) / "ids.json"
+        ids_file.write_text(json.dumps(ids))
+        spec = {**side, "ids_file": str(ids_file), "steps": steps, "warmup": warmup, "threads": threads}
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        try:
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+    return worker_result(proc)
+
+
+def worker_result(proc: subprocess.CompletedProcess) -> dict:
+    """The worker's JSON line, or {"error": ...} naming the signal or the last line of its stderr."""
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if lines:
+        return json.loads(lines[-1])
+    if proc.returncode < 0:
+        return {"error": f"crashed ({signal.Signals(-proc.returncode).name})"}
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"exit status {proc.returncode}: {tail[:300]}"}
+
+
+def prompt_ids(args, vocab_from: Path) -> list[int]:
+    """--text FILE tokenized (the checkpoint's tokenizer), else seeded random ids below 32000."""
+    n = max(args.contexts)
+    if args.text:
+        from checkpoint import read_checkpoint
+        _, _, tok = read_checkpoint(vocab_from)
+        ids = tok.encode(Path(args.text).read_text())
+        if len(ids) < n:
+            raise ValueError(f"{args.text} gives {len(ids)} tokens, need {n}")
+        return ids[:n]
+    import random
+    rng = random.Random(args.seed)
+    return [rng.randrange(100, 32000) for _ in range(n)]
+
+
+def run(args) -> list[dict]:
+    sides = [parse_side("ours:" + s, args.gguf, args.hf) for s in args.ours] + \
+        [parse_side(p, args.gguf, args.hf) for p in filter(None, args.peers.split(","))]
+    ids = prompt_ids(args, args.gguf if args.gguf.exists() else args.hf)
+    samples = {(s["label"], c): [] for s in sides for c in args.contexts}
+    results = {}
+    for r in range(args.repeats):
+        for c in args.contexts:
+            for s in sides:
+                res = decode_tps(s, ids[:c], args.steps, args.threads, args.warmup)
+                results.setdefault((s["label"], c), res)
+                if "tok_s" in res:
+                    samples[(s["label"], c)].append(res)
+                print(f"# round {r + 1} ctx {c} {s['label']}: " + (f"{res['tok_s']:.1f} tok/s" if "tok_s" in res
+                                                                  else res["error"]), file=sys.stderr, flush=True)
+    rows = []
+    for (label, c), got in samples.items():
+        row = {"side": label, "context": c, "runs": len(got)}
+        if got:
+            row.update({k: statistics.median(x[k] for x in got) for k in ("tok_s", "peak_rss", "prefill_s")})
+            compile_s = [x["compile_s"] for x in got if x.get("compile_s") is not None]
+            row["compile_s"] = compile_s or None
+        else:
+            row["error"] = results[(label, c)]["error"]
+        rows.append(row)
+    return rows
+
+
+def compare_with_rows(ours: list[dict], peers: str, threads: int, steps: int, gguf: Path = DEFAULT_GGUF,
+                      hf: Path = DEFAULT_HF, seed: int = 0) -> None:
+    """The benchmark's --peers hook: measure `peers` at the contexts of the batch-1 rows `ours` (dicts
+    with policy, context_length, decode_tokens_per_s, ...) and print each of ours over each peer."""
+    contexts = sorted({r["context_length"] for r in ours if r.get("batch_size") == 1 and r.get("decode_tokens_per_s")})
+    if not contexts:
+        return
+    args = argparse.Namespace(ours=[], peers=peers, gguf=gguf, hf=hf, contexts=contexts, steps=steps, warmup=4,
+                              threads=threads, repeats=1, text=None, seed=seed)
+    got = {(r["side"], r["context"]): r for r in run(args)}
+    print(f"# peers (scripts/peers.py, {threads} threads, same OMP_WAIT_POLICY), batch 1: ours / theirs")
+    for r in ours:
+        if r.get("batch_size") != 1 or not r.get("decode_tokens_per_s"):
+            continue
+        c, tps = r["context_length"], r["decode_tokens_per_s"]
+        parts = []
+        for p in filter(None, peers.split(",")):
+            x = got.get((p, c), {})
+            parts.append(f"{p} {x['tok_s']:.1f} tok/s -> {tps / x['tok_s']:.2f}x" if "tok_s" in x
+                         else f"{p}: {x.get('error', 'not measured')}")
+        label = f"{r['policy']}{' compiled' if r.get('compile') else ''} kv{r.get('kv_bits', 16)}"
+        print(f"#   {label:32s} ctx {c:5d} {tps:7.1f} tok/s | " + " | ".join(parts))
+
+
+def print_table(rows: list[dict], base_sides: Sequence[str]) -> None:
+    by = {(r["side"], r["context"]): r for r in rows}
+    print(f"{'side':58s} {'ctx':>5s} {'tok/s':>7s} " + " ".join(f"{'/' + b[:10]:>11s}" for b in base_sides)
+          + f" {'peak RSS':>9s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['side']:58s} {r['context']:5d}  error: {r['error']}")
+            continue
+        ratios = []
+        for b in base_sides:
+            ref = by.get((b, r["context"]))
+            ratios.append(f"{r['tok_s'] / ref['tok_s']:10.2f}x" if ref and "tok_s" in ref else f"{'-':>11s}")
+        print(f"{r['side']:58s} {r['context']:5d} {r['tok_s']:7.1f} " + " ".join(ratios)
+              + f" {r['peak_rss'] / 2**20:7.0f}MB")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return worker_main(json.loads(argv[1]))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ours", action="append", default=[], metavar="CHECKPOINT[:k=v,...]",
+                   help="a side of this engine (repeatable), e.g. ckpt.gguf:compile=1,policy=snapkv,"
+                        "policy_args=budget=256")
+    p.add_argument("--peers", default="llama.cpp,hf", help="comma-separated: llama.cpp, hf ('' for none)")
+    p.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the GGUF llama.cpp runs")
+    p.add_argument("--hf", type=Path, default=DEFAULT_HF, help="the float directory (or GGUF) transformers runs")
+    p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 4096])
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds (medians)")
+    p.add_argument("--text", help="text file for the prompt (default: random ids)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the rows as JSON")
+    args = p.parse_args(argv)
+    try:
+        sides = [parse_side("ours:" + s, args.gguf, args.hf) for s in args.ours]
+        rows = run(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"# threads {args.threads}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, batch 1, "
+          f"{args.steps} timed decode steps (+{args.warmup}), {args.repeats} round(s), prompt "
+          f"{args.text or f'random ids (seed {args.seed})'}")
+    print_table(rows, [s for s in ("llama.cpp", "hf") if s in args.peers.split(",")] +
+                ([sides[0]["label"]] if sides else []))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""KIVI's fused kernels against their torch twins: kvc::kivi_attention (C++) and the Triton kernel
+(interpreter) against kernels.kivi_attention.kivi_attention_torch on random packed caches (odd
+lengths, every group boundary, every key-residual size, eviction-shuffled slots, sparse reads), the C++
+writes against SlotStore's torch writes bit for bit, the residual rule after n tokens, the 16-bit
+dense kernel, and compiled == eager decode over packed storage."""
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import needs_cpp
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from cache.quantized import KIVIDenseCache, SlotStore  # noqa: E402
+from kernels.cpu import (dense_attention_cpu, kivi_attention_cpu,  # noqa: E402
+                         kivi_write_cpu, kivi_write_range_cpu)
+from kernels.kivi_attention import kivi_attention, kivi_attention_torch, ring_flags  # noqa: E402
+from model import ModelArgs, grouped_attention  # noqa: E402
+
+cpp = needs_cpp
+
+
+def random_store(B, H, D, n, bits, G, R, seed, evict=False, extra=0):
+    """A SlotStore holding n tokens (positions 0..n-1, shuffled over the slots per head when evict, a
+    few empty slots then) written one block at a time; now = n - 1 + extra."""
+    g = torch.Generator().manual_seed(seed)
+    C = n + 2 * G
+    store = SlotStore(B, H, D, C, bits, G, R, torch.float32)
+    pos = torch.full((B, H, C), -1)
+    order = torch.stack([torch.randperm(n, generator=g) if evict else torch.arange(n) for _ in range(B * H)])
+    pos[..., :n] = order.view(B, H, n)
+    if evict and n > 3:
+        pos[0, 0, 1] = pos[-1, -1, n - 2] = -1
+    k = torch.randn(B, H, n, D, generator=g) * 2 + 0.3
+    v = torch.randn(B, H, n, D, generator=g)
+    now = torch.full((B,), n - 1 + extra)
+    store.write_range_torch(0, k, v, pos, now)
+    return store, pos, now, g
+
+
+CASES = [(bits, D, G, R) for bits in (4, 2, 8) for D, G, R in ((64, 32, 128), (64, 16, 32), (128, 32, 64), (64, 64, 64))]
+LENGTHS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 200, 257]
+
+
+@cpp
+@pytest.mark.parametrize("bits,D,G,R", CASES)
+def test_cpp_attention_equals_twin(bits, D, G, R):
+    """Dense reads: odd lengths and every group boundary, GQA 3:1 / 4:1 / MHA, per-head or shared
+    visibility, slots shuffled as an evicting policy leaves them; fp32 within 1e-4."""
+    for i, n in enumerate(LENGTHS):
+        B, H, Hq = (2, 3, 9) if i % 3 == 0 else (1, 2, 8) if i % 3 == 1 else (2, 2, 2)
+        store, pos, now, g = random_store(B, H, D, n, bits, G, R, seed=i, evict=i % 2 == 1)
+        q = torch.randn(B, Hq, 1, D, generator=g) * 2
+        vis = (pos >= 0) & (torch.rand(B, H if i % 2 else 1, pos.shape[2], generator=g) > 0.15)
+        for visible, shared in ((vis, pos[:, :1]), (None, pos)):
+            ref = kivi_attention_torch(q, store.buffers, shared, visible, now, n)
+            out = kivi_attention_cpu(q, store.buffers, shared, visible, now, n)
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@cpp
+def test_cpp_attention_every_residual_size():
+    """n through a whole R-block: the key residual takes every size 0 .. R-1 (the value FIFO is R)."""
+    R = 32
+    sizes = set()
+    for n in range(4 * R, 5 * R):
+        store, pos, now, g = random_store(2, 3, 64, n, 4, 16, R, seed=n, evict=True)
+        q = torch.randn(2, 9, 1, 64, generator=g)
+        key_exact, value_exact = ring_flags(pos, now, R)
+        sizes.add(int(key_exact[1, 0].sum()))
+        assert int(value_exact[1, 0].sum()) == R
+        ref = kivi_attention_torch(q, store.buffers, pos, pos >= 0, now, n)
+        torch.testing.assert_close(kivi_attention_cpu(q, store.buffers, pos, pos >= 0, now, n), ref,
+                                   atol=1e-4, rtol=1e-4)
+    assert sizes == set(range(R))
+
+
+@cpp
+@pytest.mark.parametrize("bits,D,G,R", [(4, 64, 32, 128), (2, 64, 16, 32), (8, 128, 32, 64), (4, 128, 8, 16)])
+def test_cpp_sparse_reads_equal_twin(bits, D, G, R):
+    """Selected slots (sorted or not, lists per KV head or per query head, invalid entries holding
+    garbage indices) read from packed storage: no gathered copy, same result as gather + attention."""
+    for i, n in enumerate((33, 150, 300)):
+        store, pos, now, g = random_store(2, 3, D, n, bits, G, R, seed=10 + i, evict=True)
+        q = torch.randn(2, 9, 1, D, generator=g)
+        for Hidx in (3, 9):
+            N = min(n, 70)
+            idx = torch.stack([torch.randperm(n, generator=g)[:N] for _ in range(2 * Hidx)]).view(2, Hidx, N)
+            if i % 2:
+                idx = idx.sort(-1).values
+            valid = torch.rand(2, Hidx, N, generator=g) > 0.2
+            idx = torch.where(valid, idx, n + 1000)                      # never read
+            ref = kivi_attention_torch(q, store.buffers, pos, None, now, n, idx=idx, valid=valid)
+            out = kivi_attention_cpu(q, store.buffers, pos, None, now, n, idx=idx, valid=valid)
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@cpp
+@pytest.mark.parametrize("bits", [4, 2, 8])
+@pytest.mark.parametrize("D,G,R", [(64, 32, 64), (128, 16, 32), (16, 8, 16)])
+def test_cpp_writes_equal_torch_bit_for_bit(bits, D, G, R):
+    """kvc::kivi_write / kivi_write_range against SlotStore.write_torch / write_range_torch: random slot
+    overwrites (old, residual and empty slots, `where` masks) and prompt chunks with padding."""
+    store, pos, now, g = random_store(2, 3, D, 60, bits, G, R, seed=bits, evict=True)
+    twin = copy.deepcopy(store)
+    B, H, S = pos.shape
+    for step in range(30):
+        now = now + 1
+        slot = torch.randint(0, S, (B, H), generator=g)
+        pos.scatter_(2, slot[..., None], now[:, None, None].expand(B, H, 1))
+        k, v = torch.randn(2, B, H, 1, D, generator=g) * 3
+        where = torch.rand(B, H, generator=g) > 0.3 if step % 2 else None
+        twin.write_torch(slot, k, v, pos, now, where)
+        kivi_write_cpu(store.buffers, slot, k, v, pos, now, where)
+    assert all(torch.equal(a, b) for a, b in zip(store.buffers[:8], twin.buffers[:8]))
+    start, T = 7, 45
+    pos[..., start:start + T] = torch.arange(start, start + T)
+    pos[0, 1, start + 3] = -1                                           # a padding slot
+    now = torch.full((B,), start + T - 1)
+    k, v = torch.randn(2, B, H, T, D, generator=g)
+    twin.write_range_torch(start, k, v, pos, now)
+    kivi_write_range_cpu(store.buffers, start, k, v, pos, now)
+    assert all(torch.equal(a, b) for a, b in zip(store.buffers[:8], twin.buffers[:8]))
+
+
+def test_triton_interpreter_equals_twin():
+    """The Triton kernel under TRITON_INTERPRET=1: dense (with and without visibility) and sparse reads
+    (lists per KV head and per query head, several splits) against the twin."""
+    pytest.importorskip("triton")
+    code = """
+import sys, torch
+sys.path.insert(0, '.')
+from tests.test_kivi_kernels import random_store
+from kernels.kivi_attention import kivi_attention_torch
+from kernels.kivi_triton import kivi_attention_triton
+worst = 0.0
+for i, (bits, D, G, R, n, splits) in enumerate([(4, 64, 32, 128, 200, 2), (2, 64, 16, 32, 77, 1), (8, 32, 16, 16, 45, 3),
+                                                (4, 64, 16, 32, 129, 4)]):
+    store, pos, now, g = random_store(2, 3, D, n, bits, G, R, seed=i, evict=i % 2 == 1)
+    q = torch.randn(2, 9, 1, D, generator=g)
+    vis = (pos >= 0) & (torch.rand(2, 3, pos.shape[2], generator=g) > 0.2)
+    for visible in (vis, None):
+        ref = kivi_attention_torch(q, store.buffers, pos, visible, now, n)
+        out = kivi_attention_triton(q, store.buffers, pos, visible, now, n, n_splits=splits)
+        worst = max(worst, (out - ref).abs().max().item())
+    for Hidx in (3, 9):
+        idx = torch.stack([torch.randperm(n, generator=g)[:37] for _ in range(2 * Hidx)]).view(2, Hidx, 37)
+        valid = torch.rand(2, Hidx, 37, generator=g) > 0.2
+        ref = kivi_attention_torch(q, store.buffers, pos, None, now, n, idx=idx, valid=valid)
+        out = kivi_attention_triton(q, store.buffers, pos, None, now, n, idx=idx, valid=valid, n_splits=splits)
+        worst = max(worst, (out - ref).abs().max().item())
+print(worst)
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert float(p.stdout.strip().splitlines()[-1]) <= 1e-4
+
+
+def full_cache(D=64, G=32, R=128, bits=4, B=2, S=600):
+    a = ModelArgs(vocab_size=16, dim=2 * D, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=8, head_dim=D)
+    cache = KIVIDenseCache(bits, G, R)
+    cache.setup(a, B, S, torch.float32, "cpu")
+    return cache
+
+
+@pytest.mark.parametrize("R", [32, 128])
+def test_residual_size_after_n_tokens(R):
+    """Issue 20 item 6, KIVI's rule: after n tokens (prompt + decode steps through the policy's own
+    hooks) exactly the n mod R newest keys read back exact, the rest quantized; values keep the newest
+    min(n, R) exact.  n around multiples of R."""
+    G, D = 32, 64
+    cache = full_cache(D, G, R)
+    g = torch.Generator().manual_seed(R)
+    T0 = R - 3
+    k, v = torch.randn(2, 2, 1, 3 * R + 3, D, generator=g)
+    q = torch.randn(2, 2, 1, D, generator=g)
+    cache.begin(torch.arange(T0)[None].repeat(2, 1))
+    cache.prefill(0, torch.randn(2, 2, T0, D, generator=g), k[:, :, :T0], v[:, :, :T0])
+    checks = {R - 1, R, R + 1, 2 * R - 1, 2 * R, 2 * R + 1, 3 * R}
+    for n in range(T0 + 1, 3 * R + 2):
+        cache.begin(torch.full((2, 1), n - 1))
+        cache.decode(0, q, k[:, :, n - 1:n], v[:, :, n - 1:n])
+        if n not in checks:
+            continue
+        kd, vd = cache.stores[0].dequantized(cache.pos[:, None], cache.now, n)
+        exact_k = (kd == k[:, :, :n]).all(-1)                                   # [B, H, n]
+        exact_v = (vd == v[:, :, :n]).all(-1)
+        assert int(exact_k[0, 0].sum()) == n % R and exact_k[..., n - n % R:].all(), n
+        assert int(exact_v[0, 0].sum()) == min(n, R) and exact_v[..., n - min(n, R):].all(), n
+
+
+@cpp
+def test_dense_bf16_attention_equals_sdpa():
+    """kvc::dense_attention over bf16 rows (the --kv-dtype bfloat16 cache) == SDPA over their fp32 values."""
+    g = torch.Generator().manual_seed(3)
+    for D, (B, Hq, H), n in ((64, (2, 9, 3), 77), (128, (1, 4, 4), 300)):
+        k, v = (torch.randn(2, B, H, n + 10, D, generator=g)).bfloat16()
+        q = torch.randn(B, Hq, 1, D, generator=g)
+        ref = grouped_attention(q, k[:, :, :n].float(), v[:, :, :n].float(), None)
+        torch.testing.assert_close(dense_attention_cpu(q, k, v, n), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dense_attention_cpu(q, k.float(), v.float(), n), ref, atol=1e-5, rtol=1e-5)
+
+
+@cpp
+def test_compiled_decode_over_packed_storage_equals_eager_without_recompiles():
+    """torch.compile over the fused ops (opaque to Inductor through their fake kernels): the compiled
+    decode step equals eager within 1e-4 and compiles nothing after the first step, through a key flush."""
+    from torch._dynamo.utils import counters
+    import engine
+    from model import Transformer
+    torch.manual_seed(0)
+    a = ModelArgs(vocab_size=64, dim=128, n_layers=2, n_heads=6, n_kv_heads=2, intermediate_size=64, head_dim=64)
+    model = Transformer(a).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    tokens = torch.randint(0, 64, (2, 100))
+    runs = {}
+    torch._dynamo.reset()
+    for compiled in (False, True):
+        model.setup_caches(2, 120, KIVIDenseCache(4, 32, 32))
+        step = torch.compile(engine.decode_step, dynamic=True) if compiled else engine.decode_step
+        logits = []
+        with torch.inference_mode():
+            engine.run_prefill(model, tokens[:, :65], torch.arange(65).repeat(2, 1))
+            for i, t in enumerate(range(65, 100)):           # keys flush at 96
+                logits.append(step(model, tokens[:, t:t + 1], torch.full((2, 1), t), model.cache.n_filled))
+                if compiled and i == 0:
+                    graphs = counters["stats"]["unique_graphs"]
+        runs[compiled] = torch.stack(logits)
+    assert counters["stats"]["unique_graphs"] == graphs, "decode recompiled"
+    torch.testing.assert_close(runs[True], runs[False], atol=1e-4, rtol=1e-4)
+
+
+@cpp
+def test_dispatch_takes_cpp_on_fp32_cpu_and_the_twin_elsewhere():
+    store, pos, now, g = random_store(1, 1, 64, 40, 4, 32, 32, seed=1)
+    q = torch.randn(1, 3, 1, 64, generator=g)
+    ref = kivi_attention_torch(q, store.buffers, pos, None, now, 40)
+    torch.testing.assert_close(kivi_attention(q, store.buffers, pos, None, now, 40), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kivi_attention(q, store.buffers, pos, None, now, 40, backend="torch"), ref, atol=0, rtol=0)
+    small, pos8, now8, _ = random_store(1, 1, 64, 40, 4, 8, 32, seed=1)           # G 8: dense path is the twin's
+    with pytest.raises(ValueError, match="fp32"):
+        kivi_attention(q, small.buffers, pos8, None, now8, 40, backend="cpp")

@@ -1,0 +1,52 @@
+"""scripts/peers.py: every side runs in a subprocess and a failing side is a row, never a crash of the run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import peers  # noqa: E402
+
+
+def test_worker_result_reports_crashes_and_errors():
+    ok = subprocess.CompletedProcess([], 0, stdout='noise\n{"tok_s": 12.5}\n', stderr="")
+    assert peers.worker_result(ok) == {"tok_s": 12.5}
+    segv = subprocess.CompletedProcess([], -11, stdout="", stderr="")
+    assert peers.worker_result(segv) == {"error": "crashed (SIGSEGV)"}
+    fail = subprocess.CompletedProcess([], 1, stdout="", stderr="Traceback\nValueError: bad file\n")
+    assert peers.worker_result(fail) == {"error": "exit status 1: ValueError: bad file"}
+
+
+def test_parse_side():
+    s = peers.parse_side("ours:ck.gguf:compile=1,policy=snapkv,policy_args=budget=256;window=8", Path("g"), Path("h"))
+    assert s["kind"] == "ours" and s["opts"] == {"path": "ck.gguf", "compile": "1", "policy": "snapkv",
+                                                 "policy_args": "budget=256;window=8"}
+    assert peers.parse_side("llama.cpp", Path("g.gguf"), Path("h"))["opts"]["path"] == "g.gguf"
+    with pytest.raises(ValueError, match="unknown side"):
+        peers.parse_side("vllm", Path("g"), Path("h"))
+
+
+def test_missing_llama_cpp_names_the_install_command(tmp_path, monkeypatch):
+    (tmp_path / "llama_cpp.py").write_text("raise ImportError('no llama_cpp')\n")   # shadows an installed one
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    res = peers.decode_tps(peers.parse_side("llama.cpp", tmp_path / "x.gguf", tmp_path), [1, 2, 3], steps=1,
+                           threads=1, warmup=0, timeout=120)
+    assert "llama-cpp-python is not installed" in res["error"] and "pip install -e '.[peers]'" in res["error"]
+
+
+def test_a_failing_side_is_a_row(tmp_path):
+    res = peers.decode_tps(peers.parse_side(f"ours:{tmp_path / 'missing'}", tmp_path, tmp_path), [1, 2, 3],
+                           steps=1, threads=1, warmup=0, timeout=300)
+    assert "does not exist" in res["error"]
+
+
+@pytest.mark.model
+def test_ours_on_the_default_model(default_gguf):
+    res = peers.decode_tps(peers.parse_side(f"ours:{default_gguf}", default_gguf, default_gguf), list(range(100, 140)),
+                           steps=2, threads=1, warmup=1, timeout=600)
+    assert res["tok_s"] > 0 and res["peak_rss"] > 0 and res["prefill_s"] > 0
