@@ -76,6 +76,7 @@ def load_model(checkpoint, device="cpu", dtype=None, weights: str = "auto", tp: 
     dtype = resolve_dtype(dtype, device)
     args, tensors, tokenizer = read_checkpoint(checkpoint, weights)
     args.checkpoint = str(checkpoint)
+    tensor_parallel.check(args, tp)        # a bad --tp or launch fails before anything is built
     if tp > 1:
         return tensor_parallel.build(args, tensors, device, dtype, tp, tp_head), tokenizer
     return build_model(args, tensors, device, dtype, consume=True), tokenizer
@@ -460,16 +461,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return run_cli(args)
     except (UsageError, CheckpointError, PolicyError, TPError, FileNotFoundError) as e:
-        if tensor_parallel.is_leader():          # under --tp every process meets the same error
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return tensor_parallel.fail(str(e))      # under --tp every process meets the same error
     finally:
         tensor_parallel.finish()
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """main() after parsing: generate, then print (rank 0 only under --tp)."""
-    tensor_parallel.check_launch(args.tp)
     prompts = collect_prompts(args)
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")

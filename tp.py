@@ -28,10 +28,13 @@ Every process ends a step with bit-identical logits (an all-reduce or all-gather
 process the same result), so sampling with a shared seed picks the same tokens everywhere; rank 0
 prints.  Backend: gloo on CPU, NCCL on CUDA (device cuda:LOCAL_RANK).
 
-Slicing happens on the HuggingFace-named float tensors before any module is built
+Slicing happens on the HuggingFace-named tensors before any module is built
 (`checkpoint.build_model` then fuses q|k|v and gate|up per process as for one), so what the loader
-builds from them (fused linears, future quantized linears) is built per shard.  Checkpoints whose
-tensors are already quantized are refused with a clear error (not sharded yet).
+builds from them (fused linears, quantized linears) is built per shard.  Weight-quantized checkpoints
+(`quantize.py` directories, GGUF Q8_0/Q4_0/Q4_1) are sharded as stored, code for code: q/k/v and
+gate/up by rows (codes, scales and mins alike), o/down by columns at whole scale groups (a weight
+with one group per row takes any column slice; otherwise a group that would straddle two processes
+is a TPError naming a --groupsize that fits).  A quantized output head stays replicated.
 
 Policies see the per-process ModelArgs (n_heads / N, n_kv_heads / N; `args.shard` is the
 GroupShard below), so each runs on its own KV heads; decisions that span heads use the shard's
@@ -42,6 +45,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import sys
+import time
 from typing import Optional
 
 import torch
@@ -51,6 +56,7 @@ from torch import Tensor
 
 from cache.shard import Shard
 from checkpoint import build_model
+from kernels.qlinear import MIN_GROUP, QWeight
 from model import Linear, ModelArgs, Transformer
 
 HEADS = ("auto", "vocab", "replicated")     # how the output head is placed (auto: vocab on CUDA)
@@ -74,9 +80,7 @@ def is_leader() -> bool:
 
 
 def check_launch(tp: int) -> None:
-    """TPError unless --tp matches how the processes were started (call before loading)."""
-    if tp < 1:
-        raise TPError(f"--tp must be at least 1, got {tp}")
+    """TPError unless --tp (>= 1) matches how the processes were started."""
     size = launched_size()
     if size is None:
         if tp > 1:
@@ -85,6 +89,26 @@ def check_launch(tp: int) -> None:
     elif size != tp:
         raise TPError(f"torchrun started {size} processes but --tp is {tp}: the number of processes "
                       f"(--nproc-per-node x --nnodes) must equal --tp")
+
+
+def check(args: ModelArgs, tp: int) -> None:
+    """TPError for a bad --tp (not positive, not dividing the KV heads) or a launch that does not
+    match it; cheap, so the loader calls it before building anything."""
+    if tp < 1:
+        raise TPError(f"--tp must be at least 1, got {tp}")
+    check_heads(args, tp)
+    check_launch(tp)
+
+
+def fail(message: str, wait: float = 1.0) -> int:
+    """Report a bad-input error the way every process meets it: rank 0 prints `error: message`; the
+    others wait a moment before exiting, so torchrun (which stops every process when one exits
+    non-zero) does not stop rank 0 before it has printed.  -> exit status 2."""
+    if is_leader():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    elif launched_size():
+        time.sleep(wait)
+    return 2
 
 
 def check_heads(args: ModelArgs, tp: int) -> None:
@@ -167,13 +191,35 @@ def span(n: int, shard: Shard, unit: int = 1) -> slice:
     return slice(r * n // N * unit, (r + 1) * n // N * unit)
 
 
+def rows_of(t, rows: slice):
+    """Output rows `rows` of a weight or bias (a float tensor or a QWeight: codes, scales, mins)."""
+    return t.map(lambda x: x[rows]) if isinstance(t, QWeight) else t[rows]
+
+
+def columns_of(t, cols: slice, name: str):
+    """Input columns `cols` of a weight (a float tensor, or a QWeight cut at whole scale groups)."""
+    if not isinstance(t, QWeight):
+        return t[:, cols].contiguous()
+    width = cols.stop - cols.start
+    one_group = t.scales.shape[1] == 1                 # a scale (and min) per row: any slice keeps it
+    if one_group and width % MIN_GROUP == 0:
+        group, groups = width, slice(0, 1)
+    elif not one_group and cols.start % t.group == 0 and width % t.group == 0:
+        group, groups = t.group, slice(cols.start // t.group, cols.stop // t.group)
+    else:
+        fits = [g for g in range(MIN_GROUP, width + 1, MIN_GROUP) if width % g == 0]
+        raise TPError(f"--tp: quantized weight {name} has scale groups of {t.group} input channels, which do not "
+                      f"split into this process's {width} columns; quantize with a --groupsize dividing {width} "
+                      f"({', '.join(map(str, fits)) or 'none'}) or load it with --weights float")
+    per_byte = 8 // t.bits
+    cut = lambda x, c: None if x is None else x[:, c].contiguous()
+    return QWeight(cut(t.qweight, slice(cols.start // per_byte, cols.stop // per_byte)), cut(t.scales, groups),
+                   cut(t.mins, groups), t.bits, group)
+
+
 def shard_tensors(args: ModelArgs, hf: dict, shard: Shard) -> tuple[ModelArgs, dict]:
     """(this process's ModelArgs, its slices of the HuggingFace-named tensors): q/k/v and gate/up
-    rows, o/down columns; everything else as it is."""
-    quantized = sorted(k for k, t in hf.items() if not isinstance(t, Tensor))
-    if quantized:
-        raise TPError(f"--tp: tensor {quantized[0]} is stored quantized; sharding quantized weights is not "
-                      f"supported yet (load the float checkpoint)")
+    rows, o/down columns (float tensors or QWeights); everything else as it is."""
     q, kv = span(args.n_heads, shard, args.head_dim), span(args.n_kv_heads, shard, args.head_dim)
     ffn = span(args.intermediate_size, shard)
     out = dict(hf)
@@ -183,10 +229,10 @@ def shard_tensors(args: ModelArgs, hf: dict, shard: Shard) -> tuple[ModelArgs, d
                            ("mlp.gate_proj", ffn), ("mlp.up_proj", ffn)):
             for key in (f"{p}{name}.weight", f"{p}{name}.bias"):
                 if key in out:
-                    out[key] = out[key][rows]
+                    out[key] = rows_of(out[key], rows)
         for key, cols in ((f"{p}self_attn.o_proj.weight", q), (f"{p}mlp.down_proj.weight", ffn)):
             if key in out:
-                out[key] = out[key][:, cols].contiguous()
+                out[key] = columns_of(out[key], cols, key)
     rank_args = dataclasses.replace(args, n_heads=args.n_heads // shard.size, n_kv_heads=args.n_kv_heads // shard.size,
                                     intermediate_size=ffn.stop - ffn.start, shard=shard)
     return rank_args, out
@@ -224,7 +270,7 @@ def parallelize(model: Transformer, shard: GroupShard, head: str = "auto") -> Tr
     for layer in model.layers:
         layer.attention.wo.register_forward_hook(all_reduce)
         layer.feed_forward.w2.register_forward_hook(all_reduce)
-    if head == "vocab" and model.args.vocab_size % shard.size == 0:
+    if head == "vocab" and model.args.vocab_size % shard.size == 0 and type(model.output) is Linear:
         model.output = vocab_parallel_head(model, shard)
     return model
 
@@ -233,8 +279,7 @@ def build(args: ModelArgs, hf: dict, device: torch.device, dtype: torch.dtype, t
           head: str = "auto") -> Transformer:
     """This process's part of the model from the whole checkpoint's HF-named tensors (joins the
     process group; TPError for a bad launch or a tp that does not divide the KV heads)."""
-    check_launch(tp)
-    check_heads(args, tp)
+    check(args, tp)
     shard = init_group(tp, device)
     rank_args, rank_tensors = shard_tensors(args, hf, shard)
     return parallelize(build_model(rank_args, rank_tensors, shard.device, dtype), shard, head)

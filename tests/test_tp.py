@@ -9,15 +9,19 @@ what perturbing the weights by 1e-7 relative does to the single process's own lo
 of std 0.15 instead of 0.1 both reach 1-2e-5), holding exactly the single
 process's kept positions for their own KV heads.  Exceptions, each for a documented reason: HShare's
 head sharing (restricted to each process's heads: checked for that rule) and D2O over 4-bit KIVI
-(KEPT_ONLY).  The real default model runs the chat demo under torchrun --tp 3 (marked slow).
+(KEPT_ONLY).  Weight-only int4/int8 checkpoints are sharded as stored (QARGS: an MLP width whose
+halves hold whole scale groups).  The real default model runs the chat demo under torchrun --tp 3
+(marked slow).  One spawn serves every case (the fixture `runs`), so the file stays near a minute.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import subprocess
 import sys
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -31,6 +35,8 @@ from cache.calibration import ensure_channels, ensure_pod
 from cache.quantized import with_kv_bits
 from checkpoint import build_model
 from model import ModelArgs
+from kernels.qlinear import dequantize, resolve_qbackend
+from quantize import quantize_state, quantize_weight
 from tests.helpers import left_padded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +64,8 @@ EXTRA = {   # label -> (spec, kv bits)
                       f"layer_ratio=2/3,sim_queries=4", 16),
     "full@kv4": ("full", 4), "d2o@kv4": ("d2o:budget=16,n_sink=2,dense_share=0.34", 4),
     "hshare@heads": (f"hshare:{READER},channels=prompt,head_ratio=1/2,layer_ratio=2/3,sim_queries=4", 16),
+    "quest@query": (f"quest:{READER},page_size=4,head_agg=query", 16),
+    "ds@max": (f"ds:{READER},channels=prompt,head_agg=max", 16),
 }
 SHARING_ONLY = {"hshare@heads"}     # head sharing within each process: checked by its rule, not equality
 # D2O over 4-bit KIVI re-rounds a packed group at every merge, so a one-ulp difference anywhere flips codes:
@@ -71,10 +79,10 @@ def cases() -> dict[str, tuple[str, int]]:
     return {**named, **EXTRA}
 
 
-def hf_tensors() -> dict[str, torch.Tensor]:
-    """Random HuggingFace-named weights of ARGS (norms near 1)."""
+def hf_tensors(a: ModelArgs = ARGS) -> dict[str, torch.Tensor]:
+    """Random HuggingFace-named weights of `a` (norms near 1)."""
     g = torch.Generator().manual_seed(0)
-    a, D = ARGS, ARGS.head_dim
+    D = a.head_dim
 
     def w(*shape, scale=0.1, base=0.0):
         return base + scale * torch.randn(*shape, generator=g)
@@ -89,6 +97,34 @@ def hf_tensors() -> dict[str, torch.Tensor]:
                    p + "mlp.down_proj.weight": w(a.dim, a.intermediate_size),
                    p + "input_layernorm.weight": w(a.dim, base=1.0), p + "post_attention_layernorm.weight": w(a.dim, base=1.0)})
     return hf
+
+
+# weight-only quantized checkpoints are sharded as stored: an MLP width whose halves hold whole groups of 32
+QARGS = dataclasses.replace(ARGS, intermediate_size=128)
+WEIGHT_MODES = {"int4": ("int4", 32), "int8": ("int8", 0)}      # int8: one scale per output row
+QBACKENDS = ("torch", "cpp")
+
+
+def quantized_tensors(mode: str) -> dict:
+    kind, group = WEIGHT_MODES[mode]
+    return quantize_state(hf_tensors(QARGS), QARGS, {"mode": kind, "group_size": group, "symmetric": False,
+                                                    "head": "int8"})
+
+
+def run_quantized(build) -> dict:
+    """Each weight mode and quantized-linear backend: `build(args, tensors)` -> model, then full and
+    snapkv at batch 3."""
+    results = {}
+    for backend in QBACKENDS:
+        with mock.patch("kernels.qlinear.resolve_qbackend", lambda b, d, real=resolve_qbackend: real(backend, d)):
+            for mode in WEIGHT_MODES:
+                model = build(QARGS, quantized_tensors(mode))
+                results.update({(f"{spec}@{mode}@{backend}", "b3"): run_case(model, spec, 16, BATCHES["b3"])
+                                for spec in ("full", POLICY_SPEC_SNAPKV)})
+    return results
+
+
+POLICY_SPEC_SNAPKV = f"snapkv:{POLICY_ARGS['snapkv']}"
 
 
 def run_case(model, spec: str, bits: int, lengths: list[int]) -> dict:
@@ -149,6 +185,7 @@ def worker(rank: int, size: int, port: int, out: str) -> None:
     results["rank_args"] = (model.args.n_heads, model.args.n_kv_heads, model.args.intermediate_size)
     replicated = tp.build(ARGS, hf_tensors(), torch.device("cpu"), torch.float32, size, head="replicated")
     results["replicated_head"] = run_case(replicated, "full", 16, BATCHES["b3"])
+    results.update(run_quantized(lambda a, t: tp.build(a, t, torch.device("cpu"), torch.float32, size, head="vocab")))
     torch.save(results, Path(out) / f"rank{rank}.pt")
     tp.finish()
 
@@ -165,7 +202,8 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("tp")
     model = build_model(ARGS, hf_tensors(), "cpu", torch.float32)
-    single = {**run_all(model), **run_with_files(model, out / "single")}
+    single = {**run_all(model), **run_with_files(model, out / "single"),
+              **run_quantized(lambda a, t: build_model(a, t, "cpu", torch.float32))}
     mp.spawn(worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     return single, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -239,33 +277,81 @@ def test_hshare_head_sharing_stays_within_each_process(runs):
 
 # --------------------------------------------------------------------------- bad configurations
 
-def run_engine(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")} | env
-    return subprocess.run([sys.executable, "engine.py", "--prompt", "hi", "--max-new-tokens", "2", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+def clean_env(**extra) -> dict:
+    """This environment without torchrun's variables (one thread per process), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return env | {"OMP_NUM_THREADS": "1"} | extra
 
 
 SAME = "the number of processes (--nproc-per-node x --nnodes) must equal --tp"
 
 
 @pytest.mark.parametrize("argv,env,message", [
-    (["--tp", "2"], {}, "--tp 2 needs 2 processes started by torchrun: torchrun --nproc-per-node 2 engine.py ... --tp 2"),
-    (["--tp", "2"], {"WORLD_SIZE": "3", "RANK": "0"}, f"torchrun started 3 processes but --tp is 2: {SAME}"),
+    (["--tp", "3"], {}, "--tp 3 needs 3 processes started by torchrun: torchrun --nproc-per-node 3 engine.py ... --tp 3"),
+    (["--tp", "3"], {"WORLD_SIZE": "2", "RANK": "0"}, f"torchrun started 2 processes but --tp is 3: {SAME}"),
     ([], {"WORLD_SIZE": "2", "RANK": "0"}, f"torchrun started 2 processes but --tp is 1: {SAME}"),
-    (["--tp", "2"], {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
-     "--tp 2 does not divide the model's 3 KV heads (each process holds whole KV heads with their query heads): "
+    (["--tp", "0"], {}, "--tp must be at least 1, got 0"),
+    (["--tp", "2"], {}, "--tp 2 does not divide the model's 3 KV heads (each process holds whole KV heads with their query heads): "
      "use --tp 3 or 1"),
 ])
-def test_bad_launches_are_one_line_errors(default_dir, argv, env, message):
-    r = run_engine(["--checkpoint", str(default_dir), *argv], env)
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.strip() == f"error: {message}"
+def test_bad_launches_are_one_line_errors(default_dir, argv, env, message, monkeypatch, capsys):
+    """In this process: every check runs before a process group is joined or a model is built."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert engine.main(["--checkpoint", str(default_dir), "--prompt", "hi", "--max-new-tokens", "2", *argv]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
 
 
-def test_tp_of_a_quantized_checkpoint_is_refused():
-    hf = {**hf_tensors(), "model.layers.0.mlp.down_proj.weight": object()}
-    with pytest.raises(tp.TPError, match="stored quantized; sharding quantized weights is not supported yet"):
-        tp.shard_tensors(ARGS, hf, tp.Shard())
+HEADS_2 = ("error: --tp 2 does not divide the model's 3 KV heads (each process holds whole KV heads with their "
+           "query heads): use --tp 3 or 1")
+
+
+def test_the_benchmark_refuses_a_bad_tp_alike(default_dir, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import benchmark
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert benchmark.main(["--checkpoint", str(default_dir), "--tp", "2", "--policies", "full"]) == 2
+    assert capsys.readouterr().err.strip() == HEADS_2
+
+
+def test_under_torchrun_rank_0_says_why_before_torchrun_stops(default_dir):
+    """torchrun stops every process once one exits non-zero: rank 0's line must be out by then."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "engine.py",
+                        "--checkpoint", str(default_dir), "--prompt", "hi", "--tp", "2"],
+                       cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert r.stderr.count(HEADS_2) == 1, r.stderr
+
+
+@pytest.mark.parametrize("case", [(s, m, b) for b in QBACKENDS for m in WEIGHT_MODES for s in ("full", POLICY_SPEC_SNAPKV)],
+                         ids=lambda c: f"{c[0].split(':')[0]}-{c[1]}-{c[2]}")
+def test_weight_quantized_shards_equal_one_process(runs, case):
+    """int4 (groups of 32) and int8 (a scale per row) weights, sliced code for code: within 1e-5 of one
+    process through the torch backend (dequantize + matmul).  The C++ GEMV rounds its activations to
+    16 bits per block of 32 (the shards cut at whole blocks), so the row-parallel sums' 1e-7 changes
+    of the residual stream can move an activation by one 16-bit step: up to 2.5e-4 measured, 1e-3 allowed."""
+    single, ranks = runs
+    key = ("@".join(case), "b3")
+    assert torch.equal(ranks[0][key]["logits"], ranks[1][key]["logits"])
+    atol = 1e-5 if case[2] == "torch" else 1e-3
+    torch.testing.assert_close(ranks[0][key]["logits"], single[key]["logits"], rtol=0, atol=atol)
+
+
+class Rank1of2(tp.Shard):
+    rank, size = 1, 2
+
+
+def test_quantized_columns_are_cut_at_whole_groups():
+    w = torch.randn(8, 192)
+    for kind, group in (("int4", 32), ("int8", 0), ("int4", 192)):
+        qw = quantize_weight(w, kind, group)
+        part = tp.columns_of(qw, tp.span(192, Rank1of2()), "w")
+        torch.testing.assert_close(dequantize(part), dequantize(qw)[:, 96:], rtol=0, atol=0)
+    with pytest.raises(tp.TPError, match=r"scale groups of 64 input channels, which do not split into this "
+                                         r"process's 96 columns; quantize with a --groupsize dividing 96 \(32, 96\)"):
+        tp.columns_of(quantize_weight(w, "int4", 64), tp.span(192, Rank1of2()), "w")
 
 
 def test_head_count_suggestions():
@@ -280,11 +366,10 @@ def test_chat_demo_under_tp3_answers_as_one_process(default_dir):
     """torchrun --nproc-per-node 3 engine.py --tp 3: the greedy chat answer of SmolLM2-135M-Instruct
     (3 KV heads: one per process) is the single process's."""
     chat = ["engine.py", "--checkpoint", str(default_dir), "--chat", "--prompt", "What is the capital of France?",
-            "--max-new-tokens", "32"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    one = subprocess.run([sys.executable, *chat], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+            "--max-new-tokens", "12"]
+    one = subprocess.run([sys.executable, *chat], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
     three = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", *chat, "--tp", "3"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
     assert one.returncode == 0 and three.returncode == 0, three.stderr[-2000:]
     assert "Paris" in one.stdout
     assert three.stdout == one.stdout

@@ -146,9 +146,7 @@ def main(argv: Optional[Sequence[str]] = None, description: Optional[str] = None
     try:
         return run(o)
     except (BenchmarkError, engine.UsageError, engine.CheckpointError, PolicyError, TPError, FileNotFoundError) as e:
-        if tensor_parallel.is_leader():          # under --tp every process meets the same error
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return tensor_parallel.fail(str(e))      # under --tp every process meets the same error
     finally:
         tensor_parallel.finish()
 
@@ -162,7 +160,6 @@ def quiet_followers(o: argparse.Namespace) -> None:
 
 def run(o: argparse.Namespace) -> int:
     """main() after parsing (exceptions of bad input propagate to it)."""
-    tensor_parallel.check_launch(o.tp)
     quiet_followers(o)
     check_options(o)
     model, tokenizer, file_ids = load(o)
