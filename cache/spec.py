@@ -70,7 +70,8 @@ def parse_spec(text: str) -> PolicySpec:
     head, colon, rest = text.strip().partition(":")
     name, at, label = head.partition("@")
     name, label = name.strip(), label.strip()
-    if not name or any(not part.strip() for part in name.split("+")) or (at and not label):
+    parts = [part.strip() for part in name.split("+")]
+    if not all(part.isidentifier() for part in parts) or (at and not label):
         raise PolicyError(f"malformed policy spec {text!r}: expected NAME[@LABEL][:key=value,...]")
     if colon and not rest.strip():
         raise PolicyError(f"malformed policy spec {text!r}: nothing after ':'")

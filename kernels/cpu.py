@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -76,10 +77,26 @@ def use_cpu_kernel(backend: str, supported: bool) -> bool:
     return backend == "auto" and supported and cpu_kernels_available()
 
 
+STALE_LOCK_SECONDS = 900
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's build lock stays behind when a build is killed, and every later load then waits on it
+    forever: a lock older than any build takes (15 min) is removed, with a warning."""
+    from torch.utils.cpp_extension import get_default_build_root
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    for lock in root.glob(f"*/{name}/lock"):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            warnings.warn(f"removing the stale build lock {lock} (left by an interrupted build)", RuntimeWarning)
+            lock.unlink(missing_ok=True)
+
+
 def _build() -> bool:
+    name = f"kvc_cpu_kernels_{_build_tag()}"
     try:
         from torch.utils.cpp_extension import load
-        load(name=f"kvc_cpu_kernels_{_build_tag()}", sources=[str(p) for p in SOURCES],
+        _clear_stale_lock(name)
+        load(name=name, sources=[str(p) for p in SOURCES],
              extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:                                              # no compiler, no headers, ...
         warnings.warn(f"the C++ CPU kernels could not be built ({type(e).__name__}: {str(e)[:200]}); "

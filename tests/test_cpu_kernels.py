@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import needs_cpp
-
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tests.helpers import needs_cpp  # noqa: E402
 
 from cache.sparse_read import select_slots  # noqa: E402
 from kernels import sparse_decode_attention, sparse_decode_attention_torch  # noqa: E402
@@ -157,3 +157,20 @@ def test_fused_rms_norm_equals_model_rmsnorm():
     torch.testing.assert_close(fused(x), ref(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused(x.bfloat16()), ref(x.bfloat16()), atol=0, rtol=0)   # the model's own path
     torch.testing.assert_close(fused(x[:, :1]), ref(x[:, :1]), atol=1e-5, rtol=1e-5)
+
+
+def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A build killed midway leaves torch's lock behind, and every later load would wait on it forever."""
+    import os
+    import time
+    import kernels.cpu as cpu
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "py3_cpu" / "kvc_x" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    cpu._clear_stale_lock("kvc_x")
+    assert lock.exists()
+    os.utime(lock, (time.time() - cpu.STALE_LOCK_SECONDS - 1,) * 2)
+    with pytest.warns(RuntimeWarning, match="stale build lock"):
+        cpu._clear_stale_lock("kvc_x")
+    assert not lock.exists()

@@ -74,7 +74,7 @@ def test_longbench_cli_on_multi_news(default_dir, multi_news, tmp_path, capsys):
         multi_news.read_text().splitlines()[0])["answers"][0]))
     assert r["usage"]["requests"] == 1 and r["usage"]["kv_allocated"] > 0 and "multi_news: rouge_l" in stdout
     code, _, err = run_main(longbench, capsys, "--checkpoint", default_dir, "--data", "nope", "--data-dir", tmp_path)
-    assert code == 2 and "does not exist" in err
+    assert code == 2 and "no LongBench task 'nope'" in err and "scripts/download.py longbench" in err
 
 
 # --------------------------------------------------------------------------- passkey and RULER
@@ -327,7 +327,7 @@ def test_suite_failing_cell_is_an_error_not_a_crash(suite_env, tmp_path, capsys,
 @pytest.mark.parametrize("argv,message", [
     (["--tasks", "needle"], "--policies is required without --preset"),
     (["--policies", "full", "--tasks", "nope"], "unknown task 'nope'"),
-    (["--policies", "full", "--tasks", "longbench:nope"], "does not exist"),
+    (["--policies", "full", "--tasks", "longbench:nope"], "no LongBench task 'nope'"),
     (["--policies", "full", "--tasks", "needle", "--depths", "2"], "--depths must lie in [0, 1]"),
     (["--policies", "full", "--tasks", "needle", "--kv-bits", "x"], "--kv-bits 'x': expected"),
     (["--policies", "full;full:kv_bits=4", "--tasks", "needle", "--kv-bits", "16,4"], "runs 'full kv4' twice"),

@@ -213,8 +213,9 @@ def test_composition_routes_arguments_and_rejects_what_cannot_compose():
     for name in ("h2o+hshare", "d2o+ds"):
         with pytest.raises(PolicyError, match="attention probabilities"):
             make_policy(name)
-    with pytest.raises(PolicyError, match="strategy=prefill"):
-        make_policy("simlayerkv+quest", "strategy=decode")
+    with pytest.raises(PolicyError, match="'strategy': 'decode'.*cannot be combined with a sparse reader"):
+        make_policy("simlayerkv+quest", "strategy=decode")          # the default: needs a full decode step
+    assert make_policy("simlayerkv+quest", "strategy=prefill").inner.strategy == "prefill"
     for name in ("hshare+snapkv", "ds+hshare", "snapkv+pyramidkv", "snapkv+hshare+ds", "nope+ds"):
         with pytest.raises(PolicyError):
             make_policy(name)

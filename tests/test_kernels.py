@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import needs_cpp
-
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+if str(ROOT) not in sys.path:     # also run as a script (the Triton subprocess below)
     sys.path.insert(0, str(ROOT))
+
+from tests.helpers import needs_cpp  # noqa: E402
 
 from kernels import (approx_scores, approx_scores_torch, dequantize_labels_4bit,  # noqa: E402
                      mask_sink_recent, pack_4bit, quantize_labels_4bit, resolve_backend,

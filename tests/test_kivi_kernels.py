@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import needs_cpp
-
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tests.helpers import needs_cpp  # noqa: E402
 
 from cache.quantized import KIVIDenseCache, SlotStore  # noqa: E402
 from kernels.cpu import (dense_attention_cpu, kivi_attention_cpu,  # noqa: E402
