@@ -67,17 +67,20 @@ def parse_args(text: str | None) -> dict[str, str]:
 
 def parse_spec(text: str) -> PolicySpec:
     """'NAME[@LABEL][:k=v,...]' -> PolicySpec (names are checked against the registry by make_policy)."""
-    head, colon, rest = text.strip().partition(":")
-    name, at, label = head.partition("@")
-    name, label = name.strip(), label.strip()
-    parts = [part.strip() for part in name.split("+")]
-    if not all(part.isidentifier() for part in parts) or (at and not label):
-        raise PolicyError(f"malformed policy spec {text!r}: expected NAME[@LABEL][:key=value,...]")
-    if colon and not rest.strip():
-        raise PolicyError(f"malformed policy spec {text!r}: nothing after ':'")
     if ";" in text:
         raise PolicyError(f"{text!r} holds several specs: give one, or use a list flag (';' separates specs)")
-    return PolicySpec("+".join(p.strip() for p in name.split("+")), label, tuple(parse_args(rest).items()))
+    head, colon, rest = text.strip().partition(":")
+    if colon and not rest.strip():
+        raise PolicyError(f"malformed policy spec {text!r}: nothing after ':'")
+    args = parse_args(rest)
+    if "," in head or any(":" in key or "@" in key for key in args):
+        raise PolicyError(f"{text.strip()!r} is not one spec: separate specs with ';' or repeat the flag "
+                          f"(a comma separates one spec's arguments: NAME[@LABEL]:k=v,k=v)")
+    name, at, label = head.partition("@")
+    parts, label = [part.strip() for part in name.split("+")], label.strip()
+    if not all(part.isidentifier() for part in parts) or (at and not label):
+        raise PolicyError(f"malformed policy spec {text!r}: expected NAME[@LABEL][:key=value,...]")
+    return PolicySpec("+".join(parts), label, tuple(args.items()))
 
 
 def parse_spec_list(texts: str | list[str]) -> list[PolicySpec]:

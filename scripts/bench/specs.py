@@ -102,9 +102,6 @@ def parse_policies(texts: Iterable[str]) -> list[PolicySpec]:
     except PolicyError as e:
         raise BenchmarkError("--policies is empty" if not any(items) else str(e)) from None
     for spec in specs:
-        if "," in spec.variant or any(":" in key or "@" in key for key, _ in spec.args):
-            raise BenchmarkError(f"--policies: {str(spec)!r} is not one spec: separate specs with ';' or repeat "
-                                 f"--policies (a comma separates one spec's arguments: NAME[@LABEL]:k=v,k=v)")
         check_spec(spec, "")
     return specs
 
