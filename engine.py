@@ -28,6 +28,8 @@ from cache.quantized import GROUP, RESIDUAL, check_format
 from checkpoint import WEIGHTS, CheckpointError, build_model, read_checkpoint
 from model import Transformer
 from tokenizer import Tokenizer
+import tp as tensor_parallel
+from tp import TPError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,17 +64,22 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(checkpoint, device="cpu", dtype=None, weights: str = "auto") -> tuple[Transformer, Tokenizer]:
+def load_model(checkpoint, device="cpu", dtype=None, weights: str = "auto", tp: int = 1,
+               tp_head: str = "auto") -> tuple[Transformer, Tokenizer]:
     """Load a HuggingFace/converted/quantized directory or a .gguf file -> (model, tokenizer).
 
     weights="auto": quantized weights run as stored (a `python quantize.py` directory; a GGUF file's
-    Q8_0/Q4_0/Q4_1 tensors, repacked without rounding); "float": everything dequantized to `dtype`."""
+    Q8_0/Q4_0/Q4_1 tensors, repacked without rounding); "float": everything dequantized to `dtype`.
+    With tp > 1 (under torchrun) the model is this process's shard (tp.py; TPError for a bad launch or
+    head count)."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     args, tensors, tokenizer = read_checkpoint(checkpoint, weights)
     args.checkpoint = str(checkpoint)
-    model = build_model(args, tensors, device, dtype, consume=True)
-    return model, tokenizer
+    tensor_parallel.check(args, tp)        # a bad --tp or launch fails before anything is built
+    if tp > 1:
+        return tensor_parallel.build(args, tensors, device, dtype, tp, tp_head), tokenizer
+    return build_model(args, tensors, device, dtype, consume=True), tokenizer
 
 
 # --------------------------------------------------------------------------- sampling
@@ -380,7 +387,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy-args", default="", help="more policy parameters, k=v,k=v (--policy X --policy-args k=v "
                                                      "is the same as --policy X:k=v)")
     add_kv_flags(p)
+    add_tp_flags(p)
     return p
+
+
+def add_tp_flags(p: argparse.ArgumentParser) -> None:
+    """--tp / --tp-head (the benchmark takes them too)."""
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism over N processes, sharded by KV head: "
+                                                     "launch with torchrun --nproc-per-node N (tp.py)")
+    p.add_argument("--tp-head", choices=tensor_parallel.HEADS, default="auto",
+                   help="output head under --tp: vocab (each process its vocabulary slice, logits all-gathered), "
+                        "replicated, or auto (default: vocab on CUDA, replicated on CPU)")
 
 
 def add_kv_flags(p: argparse.ArgumentParser) -> None:
@@ -442,19 +459,30 @@ def collect_prompts(args) -> list[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        prompts = collect_prompts(args)
-        if args.max_new_tokens < 1:
-            raise UsageError("--max-new-tokens must be at least 1")
-        Sampler(args.temperature, args.top_k, args.top_p)            # bad sampling flags fail before loading
-        policy = kv_policy(make_policy(args.policy, args.policy_args), args)
-        device = resolve_device(args.device)
-        model, tokenizer = load_model(args.checkpoint, device, args.dtype, args.weights)
-        check_kv_fits(args, model.args)
-        result = generate(model, tokenizer, prompts, args.max_new_tokens, args.temperature, args.top_k,
-                          args.top_p, args.seed, policy, args.max_seq_length, args.chat, args.compile)
-    except (UsageError, CheckpointError, PolicyError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return run_cli(args)
+    except (UsageError, CheckpointError, PolicyError, TPError, FileNotFoundError) as e:
+        return tensor_parallel.fail(str(e))      # under --tp every process meets the same error
+    finally:
+        tensor_parallel.finish()
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """main() after parsing: generate, then print (rank 0 only under --tp)."""
+    prompts = collect_prompts(args)
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1")
+    Sampler(args.temperature, args.top_k, args.top_p)            # bad sampling flags fail before loading
+    policy = kv_policy(make_policy(args.policy, args.policy_args), args)
+    device = resolve_device(args.device)
+    model, tokenizer = load_model(args.checkpoint, device, args.dtype, args.weights, args.tp, args.tp_head)
+    check_kv_fits(args, model.args)
+    seed = args.seed
+    if seed is None and model.args.shard is not None:             # every process must sample alike
+        seed = model.args.shard.shared_seed()
+    result = generate(model, tokenizer, prompts, args.max_new_tokens, args.temperature, args.top_k,
+                      args.top_p, seed, policy, args.max_seq_length, args.chat, args.compile)
+    if not tensor_parallel.is_leader():
+        return 0
     for i, text in enumerate(result.texts):
         if len(result.texts) > 1:
             print(f"--- [{i}]")

@@ -48,6 +48,8 @@ class ModelArgs:
     attention_bias: bool = False
     checkpoint: Optional[str] = None       # where it was loaded from (not architecture): policies look
                                            # for per-checkpoint calibration files beside it
+    shard: Optional[object] = None         # tensor parallelism (not architecture either): this process's
+                                           # share of the heads, set by the project's tp.py; None = all
 
     def __post_init__(self):
         if not self.head_dim:

@@ -14,6 +14,11 @@ disjoint from the evaluation text in `data/paul_graham_essays/`):
 `ensure_channels` / `ensure_pod` return the file, calibrating first (one line on stderr) when it is
 missing.  Policies call them from their `prepare` hook; `scripts/calibrate_channels.py` and
 `scripts/calibrate_pod.py` run the same functions with other settings.
+
+Tensor parallelism (tp.py): both statistics are per KV head, so every process computes its own
+heads' part on its shard of the model, the parts are all-gathered into the whole model's, and rank 0
+writes the file (the others wait); reading a file, each process takes its own heads (`Shard.own`).
+Without a shared filesystem across machines, make the files first (the scripts above, one process).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from cache.shard import SINGLE, Shard, shard_of
 from model import DenseCache, ModelArgs
 
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "data" / "calibration"
@@ -74,18 +80,21 @@ def write_channels_file(path, ranking: Tensor, importance: Tensor, meta: dict) -
 
 
 def read_channels_file(path, args: ModelArgs) -> Tensor:
-    """Channel ranking [L, H_kv, D] (long) from a calibration file, checked against the model."""
+    """Channel ranking [L, H_kv, D] (long) from a calibration file, checked against the model (under
+    tensor parallelism: the whole model's, and the ranking of this process's KV heads is returned)."""
     data = json.loads(Path(path).read_text())
     if data.get("format") != CHANNELS_FORMAT:
         raise ValueError(f"{path}: not a heavy-channel file (format {data.get('format')!r})")
     shape = (data.get("n_layers"), data.get("n_kv_heads"), data.get("head_dim"))
-    if shape != (args.n_layers, args.n_kv_heads, args.head_dim):
+    shard = shard_of(args)
+    model = (args.n_layers, shard.whole(args.n_kv_heads), args.head_dim)
+    if shape != model:
         raise ValueError(f"{path} was calibrated for (layers, kv heads, head_dim) = {shape}, the model has "
-                         f"{(args.n_layers, args.n_kv_heads, args.head_dim)}: re-run scripts/calibrate_channels.py")
+                         f"{model}: re-run scripts/calibrate_channels.py")
     ranking = torch.tensor(data["channels"], dtype=torch.long)
     if ranking.shape != shape or not all((r.sort().values == torch.arange(shape[2])).all() for r in ranking.flatten(0, 1)):
         raise ValueError(f"{path}: every (layer, head) entry must rank all {shape[2]} channels")
-    return ranking
+    return shard.own(ranking, dim=1)
 
 
 # --------------------------------------------------------------------------- running the model on calibration text
@@ -160,20 +169,24 @@ def _run_blocks(model, recorder: DenseCache, blocks: list[list[int]], on_block) 
             recorder.reset()
             model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device), last_only=True)
             on_block(i)
-            print(f"\r  block {i + 1}/{len(blocks)}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+            if shard_of(model.args).writes_files:
+                print(f"\r  block {i + 1}/{len(blocks)}", end="", file=sys.stderr, flush=True)
+    if shard_of(model.args).writes_files:
+        print(file=sys.stderr)
 
 
 def calibrate_channels(model, blocks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Heavy-channel ranking over token blocks -> (ranking [L, H_kv, D] long, mean importance [L, H_kv, D])."""
+    """Heavy-channel ranking over token blocks -> (ranking [L, H_kv, D] long, mean importance [L, H_kv, D]),
+    of the whole model's KV heads under tensor parallelism."""
     stats = ChannelStats()
     _run_blocks(model, stats, blocks, lambda i: None)
-    mean = (stats.total / max(stats.terms, 1)).float()
+    mean = shard_of(model.args).all_gather((stats.total / max(stats.terms, 1)).float(), 1)
     return rank_channels(mean), mean
 
 
 def calibrate_pod(model, blocks: list[list[int]], queries: int) -> torch.Tensor:
-    """POD's mean layer similarity [H_kv, L, L] over token blocks (see the module docstring)."""
+    """POD's mean layer similarity [H_kv, L, L] over token blocks (see the module docstring), of the
+    whole model's KV heads under tensor parallelism."""
     from cache.pod import similarity_sums
     recorder = RowRecorder(queries)
     acc = {"total": 0, "count": 0}
@@ -186,7 +199,7 @@ def calibrate_pod(model, blocks: list[list[int]], queries: int) -> torch.Tensor:
         acc["total"], acc["count"] = acc["total"] + sums, acc["count"] + c
 
     _run_blocks(model, recorder, blocks, add)
-    return (acc["total"] / acc["count"]).float()
+    return shard_of(model.args).all_gather((acc["total"] / acc["count"]).float(), 0)
 
 
 def write_channels(model, tokenizer, out: Path, data: Path = CALIBRATION_TEXT, tokens: int = 16384,
@@ -196,38 +209,45 @@ def write_channels(model, tokenizer, out: Path, data: Path = CALIBRATION_TEXT, t
     blocks = calibration_blocks(tokenizer, data, tokens, block)
     ranking, mean = calibrate_channels(model, blocks)
     meta = {"data": data.name, "tokens": len(blocks) * block, "block": block}
-    return write_channels_file(out, ranking, mean, meta)
+    if shard_of(model.args).writes_files:
+        write_channels_file(out, ranking, mean, meta)
+    return Path(out)
 
 
 def write_pod(model, tokenizer, out: Path, data: Path = CALIBRATION_TEXT, samples: int = 8, length: int = 2048,
-              queries: int = 16, deltas=(0.3, 0.5, 0.7)) -> dict:
-    """Calibrate POD's layer similarity on `data` and write it (with groupings for `deltas`) to `out`."""
+              queries: int = 16, deltas=(0.3, 0.5, 0.7)) -> dict | None:
+    """Calibrate POD's layer similarity on `data` and write it (with groupings for `deltas`) to `out`:
+    the file's data (None on the processes that do not write, under tensor parallelism)."""
     from cache.pod import write_calibration
     length = min(length, model.args.max_position_embeddings)
     blocks = calibration_blocks(tokenizer, data, samples * length, length)
     sim = calibrate_pod(model, blocks, queries)
     meta = {"data": data.name, "samples": len(blocks), "length": length, "queries": queries}
-    return write_calibration(out, sim, meta, deltas)
+    return write_calibration(out, sim, meta, deltas) if shard_of(model.args).writes_files else None
 
 
-def ensure(path: Path, what: str, make) -> Path:
-    """`path` if it exists, else make(path) first with a one-line note on stderr."""
+def ensure(path: Path, what: str, make, shard: Shard = SINGLE) -> Path:
+    """`path` if it exists, else make(path) first with a one-line note on stderr (under tensor
+    parallelism every process calibrates when one misses the file, and all wait for the write)."""
     path = Path(path)
-    if not path.exists():
+    if shard.any(not path.exists()):
         t0 = time.perf_counter()
-        print(f"calibrating {what} on {CALIBRATION_TEXT.name}/ (first use of this checkpoint) -> {path}",
-              file=sys.stderr, flush=True)
+        if shard.writes_files:
+            print(f"calibrating {what} on {CALIBRATION_TEXT.name}/ (first use of this checkpoint) -> {path}",
+                  file=sys.stderr, flush=True)
         make(path)
-        print(f"  done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        shard.barrier()
+        if shard.writes_files:
+            print(f"  done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return path
 
 
 def ensure_channels(model, tokenizer, checkpoint) -> Path:
     return ensure(channels_path(checkpoint), "heavy channels",
-                  lambda out: write_channels(model, tokenizer, out))
+                  lambda out: write_channels(model, tokenizer, out), shard_of(model.args))
 
 
 def ensure_pod(model, tokenizer, checkpoint) -> Path:
     from cache.pod import calibration_path
     return ensure(calibration_path(checkpoint), "POD layer similarity",
-                  lambda out: write_pod(model, tokenizer, out))
+                  lambda out: write_pod(model, tokenizer, out), shard_of(model.args))

@@ -28,6 +28,13 @@ Capabilities are declared as class attributes (never probed with hasattr):
 `full_cache_args(n)` states the policy's promise about the full cache: the arguments under which it
 keeps and reads every one of n tokens, so its logits equal the full cache's (None: no such promise).
 The policy test matrix (tests/test_policy_matrix.py) checks every registered policy against this.
+
+Tensor parallelism (`--tp N`, tp.py): each process sets up its policy with its own ModelArgs (n_heads
+/ N, n_kv_heads / N), so a policy runs on that process's KV heads and needs nothing more, unless a
+decision spans heads: then it reaches the process group only through `cache.shard.shard_of(args)`
+(collectives that are identities in one process: `mean`, `all_reduce`, `all_gather`, `any`, and
+`own` for the process's heads of a whole-model calibration file), called from code every process
+runs in the same order (never from describe/kv_bytes).  Each policy's rule: docs/policies.md.
 """
 from __future__ import annotations
 

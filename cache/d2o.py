@@ -25,6 +25,7 @@ from torch import Tensor
 
 from cache.base import (ALWAYS, HEAD_AGG_PARAM, NEVER, EvictionPolicy, column_scores, cosine, recent_and_sinks,
                         reduce_heads, split_integer)
+from cache.shard import shard_of
 
 
 class D2OPolicy(EvictionPolicy):
@@ -68,7 +69,8 @@ class D2OPolicy(EvictionPolicy):
         return {"acc": acc, "variance": variance.mean()}
 
     def plan(self, stats: list[dict]) -> None:
-        self.variances = torch.stack([s["variance"] for s in stats]).tolist()      # one host sync
+        # one host sync; under --tp the mean over every process's heads (one all-reduce)
+        self.variances = shard_of(self.args).mean(torch.stack([s["variance"] for s in stats])).tolist()
         weights = [self.dense_factor if dense else 1.0 for dense in self.dense_layers(self.variances)]
         if self.conserve_total:
             self.budgets = split_integer(len(weights) * self.budget, weights)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cache.shard import shard_of
 from cache.sparse_read import (INF, LabelReader, gather_channels, n_sources, parse_ratios, ratio, select_slots)
 
 
@@ -202,7 +203,9 @@ class HSharePolicy(LabelReader):
             ids, ok = zip(*(self.critical_sets(layer) for layer in range(L)))
             space = self.readable_length(0) if self.storage_.uniform else self.max_seq_length
             row_ok = (self.tail_pos >= 0)                                       # [B, w]
-            self.layer_sim = self.layer_similarity(ids, ok, row_ok, space)
+            # under --tp: the mean over every process's heads (the same layer roots everywhere); head sharing
+            # stays within the process's own heads (head_similarity of its heads only: docs/policies.md)
+            self.layer_sim = shard_of(self.args).mean(self.layer_similarity(ids, ok, row_ok, space))
             self.head_sim = [self.head_similarity(ids[layer], ok[layer], row_ok, space) for layer in range(L)]
             g = torch.Generator().manual_seed(self.seed)
             if self.layer_sharing:

@@ -79,6 +79,7 @@ from torch import Tensor
 
 from cache.calibration import ensure_pod
 from cache.base import NEVER, EvictionPolicy, attention_probs, column_scores, last_rows, pool1d, select_top
+from cache.shard import shard_of
 from model import ModelArgs, grouped_attention
 
 BLOCKS_FILE = "pod_calibration.json"
@@ -177,26 +178,28 @@ def write_calibration(path, sim: Tensor, meta: dict, deltas=(0.3, 0.5, 0.7)) -> 
 
 def read_blocks(path, args: ModelArgs, delta: float) -> tuple[list, Optional[Tensor]]:
     """(blocks per KV head, similarity [H_kv, L, L] or None) from a calibration file: regrouped
-    with `delta` when the file holds similarities, else its `blocks` entry as written."""
+    with `delta` when the file holds similarities, else its `blocks` entry as written.  Checked
+    against the whole model; under tensor parallelism the part of this process's KV heads."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read POD blocks file {path}: {e}") from None
     if data.get("format") != BLOCKS_FORMAT:
         raise ValueError(f"{path}: not a POD blocks file (format {data.get('format')!r})")
-    shape = (data.get("n_layers"), data.get("n_kv_heads"))
-    if shape != (args.n_layers, args.n_kv_heads):
+    shard = shard_of(args)
+    shape, model = (data.get("n_layers"), data.get("n_kv_heads")), (args.n_layers, shard.whole(args.n_kv_heads))
+    if shape != model:
         raise ValueError(f"{path} was calibrated for (layers, kv heads) = {shape}, the model has "
-                         f"{(args.n_layers, args.n_kv_heads)}: re-run scripts/calibrate_pod.py")
+                         f"{model}: re-run scripts/calibrate_pod.py")
     if "similarity" in data:
-        sim = torch.tensor(data["similarity"], dtype=torch.float64)
+        sim = shard.own(torch.tensor(data["similarity"], dtype=torch.float64))
         return group_heads(sim, delta), sim
     blocks = data.get("blocks")
     flat = [sum(b, []) for b in blocks or []]
-    if len(flat) != args.n_kv_heads or any(f != list(range(args.n_layers)) for f in flat):
+    if len(flat) != model[1] or any(f != list(range(args.n_layers)) for f in flat):
         raise ValueError(f"{path}: 'blocks' must list, per KV head, consecutive blocks covering layers "
                          f"0..{args.n_layers - 1} in order")
-    return blocks, None
+    return shard.own(blocks), None
 
 
 # --------------------------------------------------------------------------- attention pieces

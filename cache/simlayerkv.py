@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from cache.base import ALWAYS, NEVER, EvictionPolicy, attention_probs, last_rows, recent_and_sinks
+from cache.shard import shard_of
 
 DELTA_BY_FAMILY = {"llama3": 0.9, "llama2": 0.65, "mistral": 0.8, "qwen": 0.85, "other": 0.9}
 
@@ -109,8 +110,9 @@ class SimLayerKVPolicy(EvictionPolicy):
             self.decide(torch.stack([s["mass"] for s in stats]))
 
     def decide(self, masses: Tensor) -> None:
-        """masses [n_layers, B] -> lazy flags (one host sync per request)."""
-        self.decided_masses = masses.tolist()
+        """masses [n_layers, B] -> lazy flags (one host sync per request; under --tp the masses are first
+        averaged over every process's heads, so all decide alike and as one process would)."""
+        self.decided_masses = shard_of(self.args).mean(masses).tolist()
         self.lazy = [all(m > self.lazy_threshold for m in row) for row in self.decided_masses]
         self.layer_appends = [not lazy for lazy in self.lazy]
 

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from cache.base import NEVER, EvictionPolicy, column_scores
+from cache.shard import shard_of
 
 
 class TOVAPolicy(EvictionPolicy):
@@ -20,14 +21,17 @@ class TOVAPolicy(EvictionPolicy):
 
     def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
         last = column_scores(q, k, q_pos, 1, self.sliding_window)        # [B, H_kv, T], group mean
-        return {"acc": last.mean(1, keepdim=True).expand_as(last)}      # the layer's mean, every head
+        layer_mean = shard_of(self.args).mean(last.mean(1, keepdim=True))  # every head's (--tp: all-reduce)
+        return {"acc": layer_mean.expand_as(last)}
 
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
         return stats["acc"].masked_fill((q_pos < 0)[:, None, :], NEVER)
 
     def observe(self, layer: int, p_old: Tensor, p_new: Tensor) -> None:
-        """p_old [B, H_kv, G, C]: this step's attention, averaged over every head of the layer."""
-        self.score[layer].copy_(p_old.mean((1, 2), keepdim=True)[:, :, 0].expand_as(self.score[layer]))
+        """p_old [B, H_kv, G, C]: this step's attention, averaged over every head of the layer (under --tp
+        over every process's heads: one all-reduce of B x C per layer and step)."""
+        layer_mean = shard_of(self.args).mean(p_old.mean((1, 2), keepdim=True)[:, :, 0])
+        self.score[layer].copy_(layer_mean.expand_as(self.score[layer]))
 
     def decode_victim(self, layer: int) -> Tensor:
         return self.lowest(layer, self.score[layer], torch.zeros_like(self.pos[layer], dtype=torch.bool))

@@ -4,6 +4,7 @@ exit status (1 when a row errored)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -20,6 +21,8 @@ from bench.specs import (KV_BITS, BenchmarkError, parse_int_list, parse_policies
                          with_reference)
 from cache import PolicyError, policy_names
 from cache.quantized import RESIDUAL, check_format
+import tp as tensor_parallel
+from tp import TPError
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
@@ -67,6 +70,7 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     exclusive = p.add_mutually_exclusive_group()
     for mode in MODES:
         mode.add_arguments(p, exclusive)
+    engine.add_tp_flags(p)
     p.add_argument("--peers", metavar="llama.cpp,hf", help="e2e: also run these peer engines (scripts/peers.py, each "
                                                           "in a subprocess) at the batch-1 contexts and print ours / theirs")
     p.add_argument("--json", type=Path, help="write the rows as a JSON list (atomically, after every row)")
@@ -96,6 +100,9 @@ def check_options(o: argparse.Namespace) -> None:
     o.policy_list, o.reference = with_reference(parse_policies(o.policies or ["all"]), o.speedup_vs)
     for mode in MODES:
         mode.check(o)
+    if o.tp > 1 and selected_mode(o).name not in ("e2e", "sweep"):
+        raise BenchmarkError(f"--tp runs the end-to-end and --sweep-context modes only (not {selected_mode(o).name}: "
+                             f"its processes would size or time their shards on their own)")
     if o.prompt_file is not None and not o.prompt_file.is_file():
         raise BenchmarkError(f"cannot read --prompt-file {o.prompt_file}")
 
@@ -111,7 +118,8 @@ def check_kv_formats(o: argparse.Namespace, head_dim: Optional[int]) -> None:
 
 def load(o: argparse.Namespace):
     """(model, tokenizer, prompt-file token ids or None), checked against the options."""
-    model, tokenizer = engine.load_model(o.checkpoint, engine.resolve_device(o.device), o.dtype)
+    model, tokenizer = engine.load_model(o.checkpoint, engine.resolve_device(o.device), o.dtype, tp=o.tp,
+                                         tp_head=o.tp_head)
     o.compute_dtype = model.norm.weight.dtype      # the compute dtype (linear layers may be quantized)
     check_kv_formats(o, model.args.head_dim)
     file_ids = None
@@ -136,11 +144,25 @@ def start(o: argparse.Namespace, model, tokenizer, file_ids, writer: RowWriter) 
 def main(argv: Optional[Sequence[str]] = None, description: Optional[str] = None) -> int:
     o = build_parser(description).parse_args(argv)
     try:
-        check_options(o)
-        model, tokenizer, file_ids = load(o)
-    except (BenchmarkError, engine.UsageError, engine.CheckpointError, PolicyError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return run(o)
+    except (BenchmarkError, engine.UsageError, engine.CheckpointError, PolicyError, TPError, FileNotFoundError) as e:
+        return tensor_parallel.fail(str(e))      # under --tp every process meets the same error
+    finally:
+        tensor_parallel.finish()
+
+
+def quiet_followers(o: argparse.Namespace) -> None:
+    """Under --tp only rank 0 prints and writes files; the others measure in lockstep, silently."""
+    if not tensor_parallel.is_leader():
+        o.json = o.csv = o.plot = None
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+
+
+def run(o: argparse.Namespace) -> int:
+    """main() after parsing (exceptions of bad input propagate to it)."""
+    quiet_followers(o)
+    check_options(o)
+    model, tokenizer, file_ids = load(o)
     mode = selected_mode(o)
     # every (policy, batch specialisation) may need its own graph: never fall back to eager silently
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(o.policy_list) + 8)

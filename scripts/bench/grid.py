@@ -7,6 +7,7 @@ import functools
 import statistics
 import sys
 
+from bench.collectives import collective_share
 from bench.measure import measure_e2e, release, warm_up
 from bench.report import print_e2e, print_e2e_header
 from bench.roofline import decode_bound
@@ -77,7 +78,8 @@ class E2EMode:
                       f"{batch * o.decode_steps / s['decode_s']:.2f} tok/s, prefill "
                       f"{batch * context / s['prefill_s']:.1f} tok/s", file=sys.stderr, flush=True)
                 if r == o.repeats - 1:
-                    self.add_row(bench, e2e_row(bench, self.name, cfg, batch, context, samples[cfg]))
+                    self.add_row(bench, with_collectives(bench, cfg, tokens,
+                                                         e2e_row(bench, self.name, cfg, batch, context, samples[cfg])))
         release(bench.model)
 
     @staticmethod
@@ -115,6 +117,16 @@ def timed_run(bench: Bench, cfg: Config, tokens, warm: bool) -> dict:
     if warm:
         warm_up(bench.model, cfg, tokens, o.decode_steps, o.warmup_steps, o.prefill_chunk, bench.meter)
     return measure_e2e(bench.model, cfg, tokens, o.decode_steps, o.warmup_steps, o.prefill_chunk, bench.meter)
+
+
+def with_collectives(bench: Bench, cfg: Config, tokens, row: dict) -> dict:
+    """Under --tp, the row plus the collectives' share of a decode step (bench/collectives.py)."""
+    o = bench.opts
+    if o.tp > 1:
+        shares, error = bench.attempt(functools.partial(collective_share, bench.model, cfg, tokens,
+                                                        min(o.decode_steps, 16), o.prefill_chunk))
+        row.update(shares or {"tp_collective_error": error})
+    return row
 
 
 def e2e_row(bench: Bench, mode: str, cfg: Config, batch: int, context: int, samples: list[dict]) -> dict:

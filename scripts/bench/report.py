@@ -132,6 +132,9 @@ def print_header(o, model, device: torch.device, bandwidth: Optional[float], met
     print(f"# read bandwidth {fmt(bandwidth)} GB/s | compile {o.compile} | repeats {o.repeats} (interleaved, "
           f"median) | decode steps {o.decode_steps} (+{o.warmup_steps} warm-up) | peak memory: {meter_kind} | "
           f"prompt {o.prompt_file or 'random ids'}", flush=True)
+    if o.tp > 1:
+        print(f"# tensor parallel: {o.tp} processes, {o.tp_head} output head; the model line, weights, bandwidth "
+              f"and KV bytes are rank 0's shard; tp_collective_share per row (bench/collectives.py)", flush=True)
 
 
 def print_e2e_header(reference: Optional[str], both: bool) -> None:

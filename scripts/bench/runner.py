@@ -53,7 +53,8 @@ class Bench:
                 "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "torch_version": torch.__version__, "compile": cfg.compile, "compile_mode": compile_mode,
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "num_threads": torch.get_num_threads(),
-                "cpu": device_name(self.device), "prompt": str(o.prompt_file) if o.prompt_file else "random"}
+                "cpu": device_name(self.device), "prompt": str(o.prompt_file) if o.prompt_file else "random",
+                "tp": o.tp, "tp_head": o.tp_head if o.tp > 1 else None}
 
     def fail_row(self, row: dict, status: str, reason: str, keys: Sequence[str]) -> dict:
         """`row` marked "skipped" or "error" with its reason and null `keys` (the mode's measurements)."""
