@@ -28,11 +28,15 @@ model: $(PY)
 run: install model
 	$(PY) engine.py --checkpoint $(CHECKPOINT) --chat --prompt "$(PROMPT)" --max-new-tokens 64
 
+# Two pytest workers (one torch thread each, see tests/conftest.py); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25
+
 test: install-test model
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 test-fast: install-test model
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 clean-venv:
 	rm -rf $(VENV)
