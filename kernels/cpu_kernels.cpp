@@ -200,6 +200,8 @@ torch::Tensor dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   TORCH_CHECK(n >= 1 && n <= k.size(2), "kvc::dense_attention: 1 <= n <= S");
   if (k.dtype() == torch::kFloat) return attend_lists<float>(q, k, v, nullptr, nullptr, k.size(1), n, scale);
   return attend_lists<uint16_t>(q, k, v, nullptr, nullptr, k.size(1), n, scale);
+}
+
 // dense decode attention: every query head of a GQA group over slots [0, S) of its KV head, the slots
 // split into chunks (flash-decoding) so that both threads work even with few KV heads; each chunk is
 // attend_rows over its rows in place, the chunks' partials merged by log-sum-exp
