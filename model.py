@@ -424,11 +424,13 @@ class Transformer(nn.Module):
         # the full cache's decode attention (see DenseCache.decode_kernel); a loader may plug in a kernel
         self.decode_kernel = None
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int, policy=None):
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, policy=None, beyond_context: bool = False):
         """Allocate the KV storage (DenseCache unless a policy object is given) and RoPE tables.
 
-        max_seq_length bounds the absolute positions (prompt + generated tokens)."""
-        if max_seq_length > self.args.max_position_embeddings:
+        max_seq_length bounds the absolute positions (prompt + generated tokens).  beyond_context=True
+        lets them run past the model's context length (RoPE extrapolates; text quality degrades
+        there): long runs of bounded-memory policies use it."""
+        if max_seq_length > self.args.max_position_embeddings and not beyond_context:
             raise ValueError(f"max_seq_length {max_seq_length} exceeds the model's context "
                              f"length {self.args.max_position_embeddings}")
         weight = self.norm.weight          # the compute dtype (linear layers may be swapped for quantized ones)
