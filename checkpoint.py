@@ -13,6 +13,7 @@ scales are the file's fp16 values; nothing is rounded again).  `build_model` swa
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
@@ -25,7 +26,7 @@ import torch
 
 from kernels.cpu import cpu_kernels_available, decode_attention, fuse_norms
 from kernels.qlinear import QuantizedEmbedding, QuantizedLinear, QWeight, check_qweight, dequantize
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, rope_inv_freq
 from tokenizer import Tokenizer
 
 WEIGHTS = ("auto", "float")   # load quantized weights as they are stored, or dequantize them
@@ -197,6 +198,157 @@ _GGUF_NAMES = {
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.")
 
 
+# --------------------------------------------------------------------------- GGUF layout, checked first
+
+# The gguf reader trusts every count, length and offset in a file: an absurd array length makes it loop
+# (and allocate) without end, a tensor offset past the end gives a short view.  check_gguf_layout walks
+# the same header first, checking each against the bytes that are really there.
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> size
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
+GGUF_MAX_ITEMS = 1 << 21    # metadata array items per file (a 256k vocabulary's tokens + scores + types: 0.8M)
+GGUF_MAX_DIMS = 4
+
+
+class _Cursor:
+    """Little-endian reads from a buffer that never go past its end (CheckpointError naming the field)."""
+
+    def __init__(self, buf, path):
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise CheckpointError(f"{self.path}: truncated or corrupt GGUF file: {what} at byte {self.pos} needs "
+                                  f"{n} bytes, the file has {self.size - self.pos} left")
+
+    def take(self, n: int, what: str) -> int:
+        self.need(n, what)
+        start, self.pos = self.pos, self.pos + n
+        return start
+
+    def uint(self, n: int, what: str) -> int:
+        start = self.take(n, what)
+        return int.from_bytes(self.buf[start:start + n], "little")
+
+    def text(self, what: str) -> str:
+        n = self.uint(8, f"length of {what}")
+        start = self.take(n, what)
+        try:
+            return bytes(self.buf[start:start + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{self.path}: corrupt GGUF file: {what} at byte {start} is not UTF-8") from None
+
+    def skip_string(self, what: str) -> None:
+        self.take(self.uint(8, f"length of {what}"), what)
+
+
+def _gguf_value(c: _Cursor, kind: int, key: str, items: list) -> Optional[int]:
+    """Skip one metadata value of type `kind` (counting array items in items[0]); the value if a UINT32."""
+    if kind in _GGUF_SCALAR_BYTES:
+        value = c.uint(_GGUF_SCALAR_BYTES[kind], key)
+        return value if kind == _GGUF_UINT32 else None
+    if kind == _GGUF_STRING:
+        c.skip_string(key)
+        return None
+    if kind != _GGUF_ARRAY:
+        raise CheckpointError(f"{c.path}: corrupt GGUF file: metadata {key} has unknown value type {kind}")
+    item, n = c.uint(4, f"item type of {key}"), c.uint(8, f"length of {key}")
+    items[0] += n
+    if items[0] > GGUF_MAX_ITEMS:
+        raise CheckpointError(f"{c.path}: corrupt GGUF file: metadata {key} has {n} items (more than the "
+                              f"{GGUF_MAX_ITEMS} array items in all this engine reads)")
+    if item in _GGUF_SCALAR_BYTES:
+        c.take(n * _GGUF_SCALAR_BYTES[item], f"{n} items of {key}")
+    elif item == _GGUF_STRING:
+        c.need(n * 8, f"{n} strings of {key}")
+        for i in range(n):
+            c.skip_string(f"{key}[{i}]")
+    else:
+        raise CheckpointError(f"{c.path}: corrupt GGUF file: metadata {key} is an array of unsupported type {item}")
+    return None
+
+
+def _gguf_metadata_layout(c: _Cursor, n_kv: int) -> int:
+    """Walk the n_kv metadata entries -> the alignment (general.alignment or 32)."""
+    alignment, keys, items = 32, set(), [0]
+    for i in range(n_kv):
+        key = c.text(f"metadata key {i}")
+        if key in keys:
+            raise CheckpointError(f"{c.path}: corrupt GGUF file: duplicate metadata key {key}")
+        keys.add(key)
+        kind = c.uint(4, f"value type of {key}")
+        value = _gguf_value(c, kind, key, items)
+        if key == "general.alignment":
+            if kind != _GGUF_UINT32 or not value or value & (value - 1):
+                raise CheckpointError(f"{c.path}: corrupt GGUF file: general.alignment must be a power of two "
+                                      f"(UINT32), got {value if kind == _GGUF_UINT32 else f'a value of type {kind}'}")
+            alignment = value
+    return alignment
+
+
+def _gguf_tensor_info(c: _Cursor, i: int) -> tuple[str, int, int]:
+    """One tensor-info entry -> (name, data offset, data bytes), its dims and type checked."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    name = c.text(f"name of tensor {i}")
+    n_dims = c.uint(4, f"dimension count of {name}")
+    if not 1 <= n_dims <= GGUF_MAX_DIMS:
+        raise CheckpointError(f"{c.path}: corrupt GGUF file: tensor {name} has {n_dims} dimensions (1 to {GGUF_MAX_DIMS})")
+    dims = [c.uint(8, f"dimension {d} of {name}") for d in range(n_dims)]
+    kind = c.uint(4, f"type of {name}")
+    offset = c.uint(8, f"data offset of {name}")
+    try:
+        block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    except (ValueError, KeyError):
+        raise CheckpointError(f"{c.path}: corrupt GGUF file: tensor {name} has unknown type {kind}") from None
+    count = math.prod(dims)
+    if 0 in dims or count > c.size * block or dims[0] % block:
+        raise CheckpointError(f"{c.path}: corrupt GGUF file: tensor {name} has impossible dimensions {dims} "
+                              f"for type {GGMLQuantizationType(kind).name} in a file of {c.size} bytes")
+    return name, offset, count // block * type_bytes
+
+
+def check_gguf_layout(path: Path) -> None:
+    """CheckpointError unless the header of the GGUF file at `path` (magic, version, counts, metadata,
+    tensor infos, alignment, tensor data extents) is consistent with the file's size.  Reads the
+    header only; allocates nothing that a count in the file decides."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise CheckpointError(f"{path}: not a GGUF file ({size} bytes: truncated or empty)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            c = _Cursor(buf, path)
+            if buf[:4] != b"GGUF":
+                raise CheckpointError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
+            c.take(4, "magic")
+            version = c.uint(4, "version")
+            if version not in (2, 3):
+                kind = "a big-endian GGUF file (not supported)" if not version & 0xFFFF else f"GGUF version {version}"
+                raise CheckpointError(f"{path}: {kind}; this engine reads little-endian GGUF versions 2 and 3")
+            n_tensors, n_kv = c.uint(8, "tensor count"), c.uint(8, "metadata count")
+            if n_kv > (size - c.pos) // 13 or n_tensors > (size - c.pos) // 32:
+                raise CheckpointError(f"{path}: corrupt GGUF file: {n_kv} metadata entries and {n_tensors} tensors "
+                                      f"cannot fit in {size} bytes")
+            alignment = _gguf_metadata_layout(c, n_kv)
+            infos = [_gguf_tensor_info(c, i) for i in range(n_tensors)]
+    _check_gguf_extents(path, infos, -(-c.pos // alignment) * alignment, size, alignment)
+
+
+def _check_gguf_extents(path, infos: list, data_start: int, size: int, alignment: int) -> None:
+    """Tensor names unique, data offsets aligned, every tensor's bytes inside the file."""
+    names = set()
+    for name, offset, nbytes in infos:
+        if name in names:
+            raise CheckpointError(f"{path}: corrupt GGUF file: duplicate tensor {name}")
+        names.add(name)
+        if offset % alignment:
+            raise CheckpointError(f"{path}: corrupt GGUF file: tensor {name} starts at data offset {offset}, "
+                                  f"not a multiple of the alignment {alignment}")
+        if data_start + offset + nbytes > size:
+            raise CheckpointError(f"{path}: truncated or corrupt GGUF file: tensor {name} (bytes "
+                                  f"{data_start + offset}..{data_start + offset + nbytes}) ends past the end of "
+                                  f"the file ({size} bytes)")
+
+
 def gguf_metadata(reader) -> dict:
     """All GGUF key/value fields as Python values (large token arrays included)."""
     meta = {}
@@ -207,39 +359,48 @@ def gguf_metadata(reader) -> dict:
     return meta
 
 
-def args_from_gguf(meta: dict, tensor_names: set[str]) -> ModelArgs:
+def _gguf_number(meta: dict, key: str, where, kind=int, default=None):
+    """The numeric GGUF field `key` as `kind` (its default when absent; CheckpointError if it is required and
+    absent, or not a number of that kind)."""
+    if key not in meta:
+        if default is None:
+            raise CheckpointError(f"{where}: GGUF metadata is missing required field {key}")
+        return default
+    value = meta[key]
+    exact = isinstance(value, int) or (isinstance(value, float) and (kind is float or value.is_integer()))
+    if isinstance(value, bool) or not exact:
+        raise CheckpointError(f"{where}: GGUF field {key} = {str(value)[:40]} is not {'an integer' if kind is int else 'a number'}")
+    return kind(value)
+
+
+def args_from_gguf(meta: dict, tensor_names: set[str], where="GGUF file") -> ModelArgs:
+    """ModelArgs from a GGUF file's metadata (CheckpointError naming `where` and the field)."""
     arch = meta.get("general.architecture")
     if arch not in ("llama", "mistral"):
-        raise CheckpointError(f"unsupported GGUF architecture {arch!r}; supported: llama, mistral")
+        raise CheckpointError(f"{where}: unsupported GGUF architecture {str(arch)[:40]!r}; supported: llama, mistral")
 
-    def get(key, default=None, required=True):
-        full = f"{arch}.{key}"
-        if full not in meta:
-            if required:
-                raise CheckpointError(f"GGUF metadata is missing required field {full}")
-            return default
-        return meta[full]
+    def get(key, default=None, kind=int):
+        return _gguf_number(meta, f"{arch}.{key}", where, kind, default)
 
-    n_heads = int(get("attention.head_count"))
-    dim = int(get("embedding_length"))
-    vocab = get("vocab_size", None, required=False)
-    if vocab is None:
+    n_heads, dim = get("attention.head_count"), get("embedding_length")
+    vocab = get("vocab_size", -1)
+    if vocab == -1:
         vocab = len(meta.get("tokenizer.ggml.tokens") or [])
-    head_dim = get("attention.key_length", None, required=False) or get("rope.dimension_count", dim // n_heads, required=False)
+    head_dim = get("attention.key_length", 0) or get("rope.dimension_count", dim // max(n_heads, 1))
     scaling = None
-    if get("rope.scaling.type", "none", required=False) == "linear":
-        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    return ModelArgs(
-        vocab_size=int(vocab), dim=dim, n_layers=int(get("block_count")), n_heads=n_heads,
-        n_kv_heads=int(get("attention.head_count_kv", n_heads, required=False)),
-        intermediate_size=int(get("feed_forward_length")), head_dim=int(head_dim),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0, required=False)), rope_scaling=scaling,
-        max_position_embeddings=int(get("context_length", 4096, required=False)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        sliding_window=get("attention.sliding_window", None, required=False),
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-    )
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor", kind=float)}
+    window = get("attention.sliding_window", 0)
+    try:
+        return ModelArgs(
+            vocab_size=vocab, dim=dim, n_layers=get("block_count"), n_heads=n_heads,
+            n_kv_heads=get("attention.head_count_kv", n_heads), intermediate_size=get("feed_forward_length"),
+            head_dim=head_dim, norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
+            rope_theta=get("rope.freq_base", 10000.0, float), rope_scaling=scaling,
+            max_position_embeddings=get("context_length", 4096), tie_word_embeddings="output.weight" not in tensor_names,
+            sliding_window=window or None, attention_bias="blk.0.attn_q.bias" in tensor_names)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: GGUF metadata describes no valid model: {e}") from None
 
 
 def _unpermute_gguf(w, n_heads: int):
@@ -276,7 +437,7 @@ def gguf_qweight(t) -> QWeight:
     return QWeight(pack_int4(codes), d, mins, 4, 32)
 
 
-def dequantize_gguf_tensor(t) -> np.ndarray:
+def dequantize_gguf_tensor(t, where="GGUF file") -> np.ndarray:
     """A GGUF tensor as float32 numpy in (rows, cols) order; clear error for unknown types."""
     import gguf
 
@@ -284,45 +445,66 @@ def dequantize_gguf_tensor(t) -> np.ndarray:
     try:
         return gguf.quants.dequantize(t.data, kind).astype(np.float32, copy=False)
     except (NotImplementedError, KeyError) as e:
-        raise CheckpointError(f"tensor {t.name}: GGUF type {kind.name} cannot be dequantized "
+        raise CheckpointError(f"{where}: tensor {t.name}: GGUF type {kind.name} cannot be dequantized "
                               f"by this engine") from e
+
+
+def _gguf_hf_name(name: str, where) -> tuple[str, str]:
+    """GGUF tensor name -> (its _GGUF_NAMES key, the HF name); CheckpointError for a name no llama has."""
+    m = _GGUF_LAYER.match(name)
+    key = name.replace(m.group(0), "blk.{i}.", 1) if m else name
+    if key not in _GGUF_NAMES:
+        raise CheckpointError(f"{where}: unexpected tensor {name[:80]} for a llama model")
+    return key, _GGUF_NAMES[key].format(i=m.group(1) if m else "")
+
+
+def _rope_factors(t, args: ModelArgs, where) -> list[float]:
+    """rope_freqs.weight (Llama 3.1 GGUFs carry the rope scaling as a tensor): positive finite divisors."""
+    want = (args.head_dim // 2,)
+    if t.tensor_type.name not in ("F32", "F16") or tuple(t.shape.tolist()) != want:
+        raise CheckpointError(f"{where}: rope_freqs.weight must be F32/F16 {list(want)}, got "
+                              f"{t.tensor_type.name} {t.shape.tolist()}")
+    factors = np.asarray(t.data, np.float32)
+    if not (np.isfinite(factors).all() and (factors > 0).all()):
+        raise CheckpointError(f"{where}: rope_freqs.weight holds factors that are not positive finite numbers")
+    return factors.tolist()
+
+
+def _gguf_tensor(t, key: str, args: ModelArgs, native: bool, where):
+    """One GGUF tensor (shape already checked against the config) as a float tensor or, for native
+    Q8_0/Q4_0/Q4_1 linear weights, a QWeight; q/k rows back in rotate-half order."""
+    linear = key.endswith(".weight") and "norm" not in key and (key != "token_embd.weight" or args.tie_word_embeddings)
+    if native and linear and t.tensor_type.name in _GGUF_NATIVE:
+        w = gguf_qweight(t)
+    else:
+        w = dequantize_gguf_tensor(t, where)
+    if key.startswith("blk.{i}.attn_q."):
+        w = _unpermute_gguf(w, args.n_heads)
+    elif key.startswith("blk.{i}.attn_k."):
+        w = _unpermute_gguf(w, args.n_kv_heads)
+    return w if isinstance(w, QWeight) else torch.from_numpy(np.require(w, requirements=["C", "W"]))
 
 
 def read_gguf(path: Path, native: bool = False):
     """(ModelArgs, HF-named float32 tensors, open GGUFReader) of a .gguf file; native=True keeps the
-    Q8_0/Q4_0/Q4_1 linear weights (and a tied embedding) as QWeights (`gguf_qweight`)."""
+    Q8_0/Q4_0/Q4_1 linear weights (and a tied embedding) as QWeights (`gguf_qweight`).  The layout is
+    checked before the reader runs, the shapes against the metadata before any tensor is converted."""
     import gguf
 
+    check_gguf_layout(path)
     try:
         reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises assorted errors on truncated/corrupt files
+        meta = gguf_metadata(reader)
+    except Exception as e:  # the layout is sound: what is left is corrupt contents (text that is not UTF-8, ...)
         raise CheckpointError(f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from e
-    meta = gguf_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    args = args_from_gguf(meta, names)
-    if "rope_freqs.weight" in names:  # Llama 3.1 GGUFs carry the rope scaling as a tensor
-        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        args.rope_scaling = {"rope_type": "freq_factors", "factors": np.asarray(factors.data, np.float32).tolist()}
-    tensors = {}
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            continue
-        m = _GGUF_LAYER.match(t.name)
-        key = t.name.replace(m.group(0), "blk.{i}.") if m else t.name
-        if key not in _GGUF_NAMES:
-            raise CheckpointError(f"{path}: unexpected tensor {t.name} for a llama model")
-        linear = key.endswith(".weight") and "norm" not in key and (key != "token_embd.weight" or args.tie_word_embeddings)
-        args.gguf_quantized = getattr(args, "gguf_quantized", False) or t.tensor_type.name in _GGUF_NATIVE
-        if native and linear and t.tensor_type.name in _GGUF_NATIVE:
-            w = gguf_qweight(t)
-        else:
-            w = dequantize_gguf_tensor(t)
-        if key.startswith("blk.{i}.attn_q."):
-            w = _unpermute_gguf(w, args.n_heads)
-        elif key.startswith("blk.{i}.attn_k."):
-            w = _unpermute_gguf(w, args.n_kv_heads)
-        hf_name = _GGUF_NAMES[key].format(i=m.group(1) if m else "")
-        tensors[hf_name] = w if isinstance(w, QWeight) else torch.from_numpy(np.require(w, requirements=["C", "W"]))
+    by_name = {t.name: t for t in reader.tensors}
+    args = args_from_gguf(meta, set(by_name), path)
+    if "rope_freqs.weight" in by_name:
+        args.rope_scaling = {"rope_type": "freq_factors", "factors": _rope_factors(by_name.pop("rope_freqs.weight"), args, path)}
+    names = {name: _gguf_hf_name(name, path) for name in by_name}
+    check_config(args, {hf: tuple(reversed(by_name[name].shape.tolist())) for name, (_, hf) in names.items()}, path)
+    args.gguf_quantized = any(t.tensor_type.name in _GGUF_NATIVE for t in by_name.values())
+    tensors = {hf: _gguf_tensor(by_name[name], key, args, native, path) for name, (key, hf) in names.items()}
     return args, tensors, reader
 
 
@@ -340,6 +522,66 @@ def cat_rows(parts: list):
         return torch.cat([dequantize(p) if isinstance(p, QWeight) else p.float() for p in parts])
     cat = lambda attr: None if first.mins is None and attr == "mins" else torch.cat([getattr(p, attr) for p in parts])
     return QWeight(cat("qweight"), cat("scales"), cat("mins"), first.bits, first.group)
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple]:
+    """HF name -> shape of every tensor a model with these args has (the head only when untied)."""
+    D, F, V = args.dim, args.intermediate_size, args.vocab_size
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not args.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, D), p + "self_attn.k_proj.weight": (kv, D),
+                       p + "self_attn.v_proj.weight": (kv, D), p + "self_attn.o_proj.weight": (D, q),
+                       p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                       p + "mlp.down_proj.weight": (D, F), p + "input_layernorm.weight": (D,),
+                       p + "post_attention_layernorm.weight": (D,)})
+        if args.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+def _ignored_tensor(name: str, args: ModelArgs) -> bool:
+    """Tensors some checkpoints carry that the model does not use (RoPE buffers, a tied head's copy)."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings)
+
+
+def check_config(args: ModelArgs, shapes: dict, where) -> None:
+    """CheckpointError unless the checkpoint's tensors (HF name -> shape) are exactly the ones the config
+    describes, and its RoPE settings give finite frequencies.  Runs before any model is built, so a
+    corrupt layer count or dimension never allocates."""
+    if args.n_layers * 9 > len(shapes):
+        raise CheckpointError(f"{where}: the config describes {args.n_layers} layers, the checkpoint holds only "
+                              f"{len(shapes)} tensors")
+    want = expected_shapes(args)
+    missing = [name for name in want if name not in shapes]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{where}: checkpoint is missing tensor {missing[0]}{more}")
+    for name, shape in want.items():
+        if tuple(shapes[name]) != shape:
+            raise CheckpointError(f"{where}: tensor {name} has shape {list(shapes[name])}, the config needs {list(shape)}")
+    extra = sorted(name for name in shapes if name not in want and not _ignored_tensor(name, args))
+    if extra:
+        raise CheckpointError(f"{where}: unexpected tensor(s) {', '.join(extra[:3])} (not part of the "
+                              f"{args.n_layers}-layer model the config describes)")
+    _check_rope(args, where)
+
+
+def _check_rope(args: ModelArgs, where) -> None:
+    """CheckpointError unless the RoPE settings give finite frequencies (a bad scaling dict fails here,
+    not when the first request sets up its cache)."""
+    try:
+        inv_freq = rope_inv_freq(args)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, RuntimeError) as e:
+        raise CheckpointError(f"{where}: invalid RoPE scaling {str(args.rope_scaling)[:80]} ({type(e).__name__}: "
+                              f"{e})") from None
+    if not torch.isfinite(inv_freq).all():
+        raise CheckpointError(f"{where}: RoPE theta {args.rope_theta} with scaling {str(args.rope_scaling)[:80]} "
+                              f"gives non-finite frequencies")
 
 
 def engine_state_dict(args: ModelArgs, hf: dict, consume: bool = False) -> dict:

@@ -50,8 +50,23 @@ class ModelArgs:
                                            # for per-checkpoint calibration files beside it
 
     def __post_init__(self):
+        """ValueError for a field no model can have (a size that is not a positive integer, ...)."""
+        def number(name: str, kind: tuple) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kind) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive {'integer' if kind == (int,) else 'number'}, got {value!r}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size",
+                     "max_position_embeddings"):
+            number(name, (int,))
         if not self.head_dim:
             self.head_dim = self.dim // self.n_heads
+        number("head_dim", (int,))
+        number("norm_eps", (int, float))
+        number("rope_theta", (int, float))
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if self.sliding_window is not None:
+            number("sliding_window", (int,))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
