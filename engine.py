@@ -418,9 +418,11 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
 
 def kv_policy(policy, args):
     """The policy with --kv-bits/--kv-dtype/--kv-group-size/--kv-residual applied (UsageError for bad values
-    or a policy without that storage)."""
+    or a policy without that storage).  A storage dtype equal to the compute dtype (--dtype on --device)
+    is the policy as it is, so --kv-bits 32 on a float32 model changes nothing."""
+    compute = resolve_dtype(args.dtype, resolve_device(args.device))
     try:
-        return kv_storage(policy, args.kv_bits, args.kv_group_size, args.kv_residual, getattr(args, "kv_dtype", None))
+        return kv_storage(policy, args.kv_bits, args.kv_group_size, args.kv_residual, args.kv_dtype, compute)
     except ValueError as e:
         raise UsageError(str(e)) from None
 

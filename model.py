@@ -332,7 +332,7 @@ class DenseCache:
         return {"allocated": per_slot * self.capacity, "live": live, "read_per_step": live}
 
     def describe(self) -> dict:
-        return {"policy": self.name, "capacity": self.capacity}
+        return {"policy": self.name, "capacity": self.capacity if hasattr(self, "pos") else None}   # None: not set up
 
 
 # --------------------------------------------------------------------------- layers

@@ -243,6 +243,7 @@ class EvictionPolicy:
     decode_attention = False       # decode needs the step's attention probabilities
     kv_bits, kv_group = 16, 0      # compute-dtype slots (cache/quantized.py: KIVI-packed)
     head_agg = "mean"              # how the query heads of a KV head score a token (HEAD_AGG_PARAM)
+    head_aggs = HEAD_AGG           # the values head_agg may take
     defer_compression = False      # budgets need every layer's statistics (see module doc)
     appending = False              # default layer mode: append decode tokens instead of evicting
     prompt_length = 0              # set per request (before_prefill); 0 before setup
@@ -267,8 +268,8 @@ class EvictionPolicy:
         self.validate()
 
     def validate(self) -> None:
-        if self.head_agg not in HEAD_AGG:
-            raise ValueError(f"head_agg must be one of {', '.join(HEAD_AGG)}, got {self.head_agg!r}")
+        if self.head_agg not in self.head_aggs:
+            raise ValueError(f"head_agg must be one of {', '.join(self.head_aggs)}, got {self.head_agg!r}")
         if self.budget < 1:
             raise ValueError(f"budget must be positive, got {self.budget}")
 

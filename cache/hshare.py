@@ -132,6 +132,7 @@ class HSharePolicy(LabelReader):
               "sharing": (str, "greedy", "greedy (Algorithm 1 on critical-set similarity) or random (ablation)"),
               "seed": (int, 0, "seed of sharing=random"),
               "sim_queries": (int, 16, "last prompt queries whose critical sets define the similarities")}
+    head_aggs = ("mean", "max")     # sharing is per KV head list: no per-query-head lists (head_agg=query)
 
     def __init__(self, inner=None, **kwargs):
         if kwargs.get("ratios") and any(k in kwargs for k in ("layer_ratio", "head_ratio", "query_ratio")):

@@ -4,8 +4,9 @@ Per layer and KV head the slots are cut into pages of `page_size` (16) consecuti
 keeps the element-wise min and max of its keys (post-RoPE; empty slots ignored), built from the inner
 storage after prefill and recomputed for the page of every slot a decode token is written to (so the
 bounds are exact even when an eviction policy overwrites slots).  At each decode attention, the
-page score is Quest's upper bound of q . k over the page, sum_d max(q_d min_d, q_d max_d), summed over
-the G query heads of the KV head (one selection per KV head, like the other readers).
+page score is Quest's upper bound of q . k over the page, sum_d max(q_d min_d, q_d max_d), combined
+over the G query heads of the KV head by `head_agg` (mean: the group's bound sums; max; or query:
+every query head its own pages, as Quest does on MHA models).
 
 Selection convention (the same token budget and sink/recent rule as ds and hshare, so the three are
 comparable at equal N_c): x sinks + y recent tokens (the current one included) are always read, and
@@ -86,13 +87,17 @@ class QuestPolicy(SparseReader):
         kmin, kmax = kmin[:, :, :n_pages], kmax[:, :, :n_pages]
         B, H, P, D = kmin.shape
         qg = q.reshape(B, H, -1, D)
-        q_pos = qg.clamp(min=0).sum(2).to(kmax.dtype)            # max(q_d min_d, q_d max_d) = q+ max + q- min
-        q_neg = qg.clamp(max=0).sum(2).to(kmin.dtype)
-        ub = (torch.matmul(kmax, q_pos[..., None]) + torch.matmul(kmin, q_neg[..., None])).float()   # [B, H, P, 1]
-        return ub.expand(B, H, P, ps).reshape(B, H, P * ps)[:, :, :S]
+        q_pos, q_neg = qg.clamp(min=0), qg.clamp(max=0)        # max(q_d min_d, q_d max_d) = q+ max + q- min
+        if self.head_agg == "mean":                            # the group's bounds summed: one matmul per page
+            q_pos, q_neg = q_pos.sum(2, keepdim=True), q_neg.sum(2, keepdim=True)
+        q_pos, q_neg = q_pos.to(kmax.dtype), q_neg.to(kmin.dtype)
+        ub = (torch.matmul(q_pos, kmax.transpose(-1, -2)) + torch.matmul(q_neg, kmin.transpose(-1, -2))).float()
+        ub = ub[..., None].expand(*ub.shape, ps).reshape(B, -1, P * ps)[:, :, :S]       # [B, H or H_q, S]
+        return ub if self.head_agg == "mean" else self.reduce_query_scores(ub)
 
     def select(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
-        return select_slots(self.scores(layer, q), self.bias(layer), self.n_critical, self.backend)
+        s = self.scores(layer, q)
+        return select_slots(s, self.select_bias(layer, s.shape[1]), self.n_critical, self.backend)
 
     def index_bytes(self, live: bool) -> int:
         if not self.built:

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cache.base import EvictionPolicy
+from cache.base import HEAD_AGG, HEAD_AGG_PARAM, EvictionPolicy
 from cache.calibration import channel_importance, channels_path, ensure_channels, rank_channels, read_channels_file
 from kernels import (approx_scores, dequantize_labels_4bit, quantize_labels_4bit, resolve_backend,
                      sparse_decode_attention)
@@ -331,7 +331,9 @@ class SparseReader:
         "n_recent": (int, -1, "y, most recent tokens always read, the current one included (-1 = from preset)"),
         "backend": (str, "auto", "kernels: auto (Triton on CUDA, C++ on CPU when built, else torch), torch, "
                                  "triton or cpp"),
+        **HEAD_AGG_PARAM,
     }
+    head_aggs = HEAD_AGG            # the head aggregations a reader supports
     renamed: dict = {}
     is_sparse_reader = True
     decode_attention = False
@@ -377,6 +379,8 @@ class SparseReader:
         if self.n_sink < 0 or self.n_critical < self.n_sink + self.n_recent:
             raise ValueError(f"n_critical ({self.n_critical}) must hold n_sink ({self.n_sink}) + n_recent "
                              f"({self.n_recent})")
+        if self.head_agg not in self.head_aggs:
+            raise ValueError(f"{self.name}: head_agg must be one of {', '.join(self.head_aggs)}, got {self.head_agg!r}")
         if self.backend not in ("auto", "torch", "triton", "cpp"):
             raise ValueError(f"backend must be auto, torch, triton or cpp, got {self.backend!r}")
 
@@ -482,6 +486,23 @@ class SparseReader:
         """N_c as the selection's shape (HShare reads it from a tensor's shape, see there)."""
         return self.n_critical
 
+    def reduce_query_scores(self, s: Tensor) -> Tensor:
+        """Per-query-head scores [B, H_q, S] -> what selects: [B, H_kv, S] (head_agg mean or max over the
+        group) or [B, H_q, S] (head_agg=query: every query head its own list, N_c indices per query head)."""
+        if self.head_agg == "query":
+            return s
+        B, Hq, S = s.shape
+        s = s.view(B, Hq // self.group, self.group, S)
+        return s.mean(2) if self.head_agg == "mean" else s.amax(2)
+
+    def select_bias(self, layer: int, heads: int) -> Tensor:
+        """The selection bias for `heads` selecting heads (H_q under head_agg=query: each query head takes
+        its KV head's bias)."""
+        bias = self.bias(layer)
+        if bias.shape[1] not in (1, heads):
+            bias = bias.repeat_interleave(heads // bias.shape[1], 1)
+        return bias
+
     def max_reads(self) -> int:
         """Most tokens one decode attention reads per (row, KV head)."""
         return self.n_critical
@@ -502,6 +523,8 @@ class SparseReader:
         per batch row and KV head, sorted lists."""
         idx, valid = self.last_read[layer]
         pos = self.storage_.full_positions(layer)
+        if pos.shape[1] not in (1, idx.shape[1]):                   # per-query-head lists (head_agg=query)
+            pos = pos.repeat_interleave(idx.shape[1] // pos.shape[1], 1)
         pos = pos.expand(-1, idx.shape[1], -1)
         got = pos.gather(2, idx.clamp(0, pos.shape[2] - 1))
         out = []
@@ -653,11 +676,18 @@ class LabelReader(SparseReader):
             channels = channels[:heads]
             q = q[:, :heads * self.group]
         lab, sc, mn = self.labels.view(layer, self.readable_length(layer), heads if sliced else None)
-        s = approx_scores(self.query_labels(layer, q, channels), lab, sc, mn, group="kv", backend=self.backend)
-        return s if heads is None or sliced else s[:, :heads]
+        q_label = self.query_labels(layer, q, channels)
+        if self.head_agg == "mean":     # the group's summed query against each label: the same ranking
+            s = approx_scores(q_label, lab, sc, mn, group="kv", backend=self.backend)
+        else:
+            s = self.reduce_query_scores(approx_scores(q_label, lab, sc, mn, group="query", backend=self.backend))
+        if heads is None or sliced:
+            return s
+        return s[:, :heads * (self.group if self.head_agg == "query" else 1)]
 
     def select(self, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
-        return select_slots(self.scores(layer, q), self.bias(layer), self.n_slots(), self.backend)
+        s = self.scores(layer, q)
+        return select_slots(s, self.select_bias(layer, s.shape[1]), self.n_slots(), self.backend)
 
     def index_bytes(self, live: bool) -> int:
         if not self.built:

@@ -109,3 +109,16 @@ def test_bad_input_clear_message(capsys, tmp_path, default_dir, default_gguf, ar
     assert code == 2
     assert re.search(message, err), err
     assert "Traceback" not in err
+
+
+def test_kv_bits_32_on_a_float32_model_is_the_policy_as_it_is():
+    """--kv-bits 32 names float32 storage: on a float32 model every policy keeps its own storage (it is
+    not turned into a float32 copy of `full`); --kv-dtype bfloat16 is for `full` only."""
+    from cache import make_policy
+    args = engine.build_parser().parse_args(["--checkpoint", "x", "--kv-bits", "32", "--device", "cpu"])
+    policy = make_policy("hshare")
+    assert engine.kv_policy(policy, args) is policy
+    args = engine.build_parser().parse_args(["--checkpoint", "x", "--kv-dtype", "bfloat16", "--device", "cpu"])
+    assert engine.kv_policy(make_policy("full"), args).describe()["kv_dtype"] == "bfloat16"
+    with pytest.raises(engine.UsageError, match="only `full`"):
+        engine.kv_policy(make_policy("snapkv"), args)

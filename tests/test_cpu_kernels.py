@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import needs_cpp
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -17,7 +19,11 @@ from kernels.cpu import cpu_kernels_available, select_top_cpu, sparse_decode_att
 from model import grouped_attention  # noqa: E402
 
 INF = float("inf")
-pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="C++ CPU kernels not built (see warning)")
+pytestmark = needs_cpp
+
+
+def test_the_kernels_build_here():
+    assert cpu_kernels_available(), "the C++ CPU kernels failed to build (see the warning)"
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,S,N,D", [(1, 9, 3, 300, 37, 64), (3, 8, 2, 513, 130, 128), (2, 4, 4, 70, 70, 64),

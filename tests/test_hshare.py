@@ -83,6 +83,36 @@ def test_ds_selects_sinks_recent_and_top_middle_by_heavy_channel_scores(label_bi
             torch.testing.assert_close(out[0, h * G + g, 0], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("agg", ["max", "query"])
+def test_ds_head_aggregation_max_and_per_query_head_lists(agg):
+    """max: a KV head reads the middle tokens with the largest score of any of its query heads; query:
+    every query head reads its own N_c tokens (Hidx = H_q) and attends exactly over them."""
+    torch.manual_seed(3)
+    Hq, H, D, T, C, x, y, nc = 4, 2, 8, 40, 2, 2, 3, 10
+    q, k, v = torch.randn(1, Hq, T, D), torch.randn(1, H, T, D), torch.randn(1, H, T, D)
+    policy = prefilled("ds", f"n_critical={nc},n_sink={x},n_recent={y},heavy_channels={C},label_bits=16,"
+                             f"channels=prompt,head_agg={agg}", q, k, v)
+    q1, k1, v1 = torch.randn(1, Hq, 1, D), torch.randn(1, H, 1, D), torch.randn(1, H, 1, D)
+    out = decode_once(policy, q1, k1, v1, T)
+    keys, values = torch.cat([k, k1], 2)[0], torch.cat([v, v1], 2)[0]
+    G = Hq // H
+    reads = policy.read_positions(0)[0]
+    assert len(reads) == (Hq if agg == "query" else H)
+    forced = [s for s in range(T + 1) if s < x or s > T - y]
+    for r, head_reads in enumerate(reads):
+        h = r // G if agg == "query" else r
+        labels = keys[h][:, policy.channel_ids[0, h]]
+        per_query = [[float(q1[0, h * G + g, 0, policy.channel_ids[0, h]] @ labels[s]) for s in range(T + 1)]
+                     for g in range(G)]
+        score = per_query[r % G] if agg == "query" else [max(col) for col in zip(*per_query)]
+        middle = sorted((s for s in range(T + 1) if s not in forced), key=lambda s: -score[s])[:nc - x - y]
+        expected = sorted(forced + middle)
+        assert head_reads == expected
+        for g in ([r % G] if agg == "query" else range(G)):
+            ref = naive_attention(q1[0, h * G + g, 0], keys[h][expected], values[h][expected])
+            torch.testing.assert_close(out[0, h * G + g, 0], ref, atol=1e-5, rtol=1e-5)
+
+
 def test_quest_reads_sinks_recent_and_the_pages_of_highest_upper_bound():
     torch.manual_seed(1)
     Hq, H, D, T, ps = 4, 2, 8, 39, 4          # 40 tokens after the decode step = 10 pages of 4

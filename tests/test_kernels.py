@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import needs_cpp
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -25,7 +27,6 @@ from kernels import (approx_scores, approx_scores_torch, dequantize_labels_4bit,
                      mask_sink_recent, pack_4bit, quantize_labels_4bit, resolve_backend,
                      select_critical, sparse_decode_attention, sparse_decode_attention_torch,
                      unpack_4bit)
-from kernels.cpu import cpu_kernels_available  # noqa: E402
 from model import grouped_attention  # noqa: E402
 
 # (atol, rtol) of a low-precision result against an fp32 reference / of two backends
@@ -90,7 +91,7 @@ def test_sparse_twin_equals_masked_dense(dtype, D, shared):
     torch.testing.assert_close(out.float(), dense_oracle(q, k, v, idx, valid), atol=atol, rtol=rtol)
 
 
-CPP = pytest.param("cpp", marks=pytest.mark.skipif(not cpu_kernels_available(), reason="C++ CPU kernels not built"))
+CPP = pytest.param("cpp", marks=needs_cpp)
 
 
 @pytest.mark.parametrize("backend", ["torch", CPP])

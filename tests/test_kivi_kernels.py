@@ -12,17 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import needs_cpp
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from cache.quantized import KIVIDenseCache, SlotStore  # noqa: E402
-from kernels.cpu import (cpu_kernels_available, dense_attention_cpu, kivi_attention_cpu,  # noqa: E402
+from kernels.cpu import (dense_attention_cpu, kivi_attention_cpu,  # noqa: E402
                          kivi_write_cpu, kivi_write_range_cpu)
 from kernels.kivi_attention import kivi_attention, kivi_attention_torch, ring_flags  # noqa: E402
 from model import ModelArgs, grouped_attention  # noqa: E402
 
-cpp = pytest.mark.skipif(not cpu_kernels_available(), reason="C++ CPU kernels not built (see warning)")
+cpp = needs_cpp
 
 
 def random_store(B, H, D, n, bits, G, R, seed, evict=False, extra=0):

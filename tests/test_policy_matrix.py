@@ -25,7 +25,6 @@ import torch
 
 import engine
 from cache import POLICIES, PolicyError, make_policy
-from cache.base import HEAD_AGG
 from cache.quantized import with_kv_bits
 from model import DenseCache, ModelArgs, Transformer
 from tests.helpers import left_padded
@@ -55,7 +54,7 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("cell", cells, ids=[f"{n}-{s}-{b}" for n, s, b in cells])
     elif "variant" in metafunc.fixturenames:     # head aggregations other than the default
         cells = [(n, s, f"head_agg={agg}") for n in names if "head_agg" in POLICIES[n].params
-                 for agg in HEAD_AGG if agg != POLICIES[n].params["head_agg"][1] for s in ("kv16", "kv4")]
+                 for agg in POLICIES[n].head_aggs if agg != POLICIES[n].params["head_agg"][1] for s in ("kv16", "kv4")]
         metafunc.parametrize("variant", cells, ids=[f"{n}-{s}-{a}" for n, s, a in cells])
     elif "policy_name" in metafunc.fixturenames:
         metafunc.parametrize("policy_name", names)
@@ -192,9 +191,16 @@ def test_head_aggregation_variant(model, variant):
     policy = build(name, storage, args)
     first = run(model, policy, lengths)
     assert torch.isfinite(first).all()
-    heads = ARGS.n_heads if args.endswith("query") else ARGS.n_kv_heads
-    assert policy.kept_positions(0).shape[1] == heads
-    assert kept_prompt_tokens(policy, lengths) <= ARGS.n_layers * policy.budget
+    if policy.is_sparse_reader:                  # query: a list per query head; reads within N_c per list
+        policy.record_reads = True
+        run(model, policy, lengths)
+        reads = policy.read_positions(0)
+        assert len(reads[0]) == (ARGS.n_heads if args.endswith("query") else ARGS.n_kv_heads)
+        assert max(len(h) for row in reads for h in row) <= policy.max_reads()
+    else:
+        heads = ARGS.n_heads if args.endswith("query") else ARGS.n_kv_heads
+        assert policy.kept_positions(0).shape[1] == heads
+        assert kept_prompt_tokens(policy, lengths) <= ARGS.n_layers * policy.budget
     assert torch.equal(first, run(model, build(name, storage, args), lengths))
     promise = {**POLICIES[name].full_cache_args(max(lengths) + STEPS + 1), "head_agg": args.split("=")[1]}
     if storage == "kv16":

@@ -27,13 +27,12 @@ if str(ROOT) not in sys.path:
 import engine  # noqa: E402
 import quantize  # noqa: E402
 from checkpoint import CheckpointError, read_checkpoint  # noqa: E402
-from kernels.cpu import cpu_kernels_available  # noqa: E402
 from kernels.qlinear import (MAX_GEMV_ROWS, QuantizedLinear, QWeight, dequantize,  # noqa: E402
                              qlinear_reference, qlinear_torch, quantize_activations, tile_rows, to_tiles)
 from quantize import quantize_int4, quantize_weight  # noqa: E402
-from tests.helpers import compiled_and_eager_decode, prompt_logits  # noqa: E402
+from tests.helpers import compiled_and_eager_decode, needs_cpp, prompt_logits  # noqa: E402
 
-needs_cpp = pytest.mark.skipif(not cpu_kernels_available(), reason="C++ CPU kernels not built")
+
 SCHEMES = [("int8", 0, False), ("int8", 32, False), ("int4", 32, False), ("int4", 64, False),
            ("int4", 128, False), ("int4", 32, True)]
 IDS = [f"{m}-g{g}{'-sym' if s else ''}" for m, g, s in SCHEMES]
