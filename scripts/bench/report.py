@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+import atomic_io
 import engine
 from bench.measure import device_name
 from bench.specs import config_label
@@ -46,18 +47,8 @@ class RowWriter:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write a sibling tmp file, fsync it, then os.replace it over `path`: readers never see half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    """Readers never see half a file (`atomic_io.write_text`)."""
+    atomic_io.write_text(path, text)
 
 
 def to_csv(rows: list[dict]) -> str:
@@ -230,7 +221,8 @@ def plot(rows: list[dict], path: Path, mode: str) -> None:
     kind = {"memory": _plot_memory, "soak": _plot_soak}.get(mode)
     fig = kind(plt, ok) if kind else _plot_curves(plt, ok, mode)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_io.atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     print(f"plot written to {path}", file=sys.stderr)
 
