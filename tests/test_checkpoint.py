@@ -646,9 +646,8 @@ def test_safetensors_missing_tensor(small_dir, tmp_path):
     _, tensors = read_hf_dir(small_dir)
     gone = "model.layers.1.mlp.down_proj.weight"
     save_file({k: v.contiguous() for k, v in tensors.items() if k != gone}, str(d / "model.safetensors"))
-    args, got, _ = read_checkpoint(d)
-    with pytest.raises(CheckpointError, match=rf"missing tensor {re.escape(gone)}"):
-        build_model(args, got, "cpu", torch.float32)
+    with pytest.raises(CheckpointError, match=rf"m: checkpoint is missing tensor {re.escape(gone)}"):
+        read_checkpoint(d)      # refused before any tensor is read
 
 
 # --------------------------------------------------------------------------- 5. sharded + mmap
