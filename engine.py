@@ -38,6 +38,10 @@ class UsageError(ValueError):
     """Bad input from the user: reported as a one-line message, never a traceback."""
 
 
+class CacheFull(ValueError):
+    """A decode step past the cache's max_seq_length: refused before anything is written."""
+
+
 # --------------------------------------------------------------------------- loading
 
 def resolve_device(device: Optional[str]) -> torch.device:
@@ -148,9 +152,23 @@ def run_decode(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor,
                decode=decode_step) -> torch.Tensor:
     """Decode step number `step` (0 = the first after the prompt): token, input_pos [B, 1] ->
     logits [B, V].  The cache's host hook runs first (the only place a policy may act on the
-    host during decode, e.g. trim layers after the first step or pick a step variant)."""
+    host during decode, e.g. trim layers after the first step or pick a step variant).
+
+    CacheFull when the cache already holds max_seq_length tokens: the step's position has no RoPE
+    row and an append-only policy (full, snapkv, pyramidkv, a reader over them) no free slot.  The
+    check runs here, on the host, so a compiled step is guarded too."""
+    check_room(model, step)
     model.cache.before_decode_step(step)
     return decode(model, token, input_pos, model.cache.n_filled)
+
+
+def check_room(model: Transformer, step: int) -> None:
+    """CacheFull unless the cache has room for one more token (see run_decode)."""
+    n, capacity = model.cache.n_filled, model.max_seq_length
+    if n >= capacity:
+        name = getattr(model.cache, "name", type(model.cache).__name__)
+        raise CacheFull(f"KV cache full: decode step {step} needs slot {n + 1} but the {name!r} cache was set up "
+                        f"for max_seq_length {capacity} (prompt + new tokens); refusing to overwrite it")
 
 
 _compiled: dict = {}

@@ -52,8 +52,23 @@ class ModelArgs:
                                            # share of the heads, set by the project's tp.py; None = all
 
     def __post_init__(self):
+        """ValueError for a field no model can have (a size that is not a positive integer, ...)."""
+        def number(name: str, kind: tuple) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kind) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive {'integer' if kind == (int,) else 'number'}, got {value!r}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size",
+                     "max_position_embeddings"):
+            number(name, (int,))
         if not self.head_dim:
             self.head_dim = self.dim // self.n_heads
+        number("head_dim", (int,))
+        number("norm_eps", (int, float))
+        number("rope_theta", (int, float))
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if self.sliding_window is not None:
+            number("sliding_window", (int,))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
@@ -426,11 +441,13 @@ class Transformer(nn.Module):
         # the full cache's decode attention (see DenseCache.decode_kernel); a loader may plug in a kernel
         self.decode_kernel = None
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int, policy=None):
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, policy=None, beyond_context: bool = False):
         """Allocate the KV storage (DenseCache unless a policy object is given) and RoPE tables.
 
-        max_seq_length bounds the absolute positions (prompt + generated tokens)."""
-        if max_seq_length > self.args.max_position_embeddings:
+        max_seq_length bounds the absolute positions (prompt + generated tokens).  beyond_context=True
+        lets them run past the model's context length (RoPE extrapolates; text quality degrades
+        there): long runs of bounded-memory policies use it."""
+        if max_seq_length > self.args.max_position_embeddings and not beyond_context:
             raise ValueError(f"max_seq_length {max_seq_length} exceeds the model's context "
                              f"length {self.args.max_position_embeddings}")
         weight = self.norm.weight          # the compute dtype (linear layers may be swapped for quantized ones)

@@ -290,6 +290,7 @@ def main(argv=None) -> int:
     import sys
     from pathlib import Path
 
+    from atomic_io import exit_on_sigterm
     from checkpoint import CheckpointError
     p = argparse.ArgumentParser(description="Weight-only int8/int4 quantization of a checkpoint's linear layers "
                                             "(scheme: the comment above quantize_int8 in quantize.py)")
@@ -303,11 +304,15 @@ def main(argv=None) -> int:
                    help="output head (and a tied embedding): int8 per channel (default), int4, or float")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     a = p.parse_args(argv)
+    exit_on_sigterm()
     try:
         scheme = quantize_checkpoint(a.checkpoint, a.out, a.mode, a.groupsize, a.symmetric, a.head)
-    except (CheckpointError, ValueError, FileNotFoundError) as e:
+    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: {a.out} left as it was", file=sys.stderr)
+        return 130
     print(f"wrote {a.out} ({scheme})")
     return 0
 

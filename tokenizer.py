@@ -31,6 +31,8 @@ from pathlib import Path
 
 import tiktoken
 
+import atomic_io
+
 # ---------------------------------------------------------------------------------------------
 # Pre-tokenizer regexes
 # ---------------------------------------------------------------------------------------------
@@ -106,8 +108,15 @@ def _to_byte_level(b: bytes) -> str:
     return "".join(BYTE_TO_UNICODE[x] for x in b)
 
 
+# byte-level char -> its byte; any other char below 256 -> U+FFFF, which latin-1 cannot encode
+_FROM_BYTE_LEVEL = {**{i: 0xFFFF for i in range(256)}, **{ord(c): b for c, b in UNICODE_TO_BYTE.items()}}
+
+
 def _from_byte_level(s: str) -> bytes:
-    return bytes(UNICODE_TO_BYTE[c] for c in s)  # KeyError if s is not byte-level
+    try:
+        return s.translate(_FROM_BYTE_LEVEL).encode("latin-1")
+    except UnicodeEncodeError:
+        raise KeyError(s) from None  # s is not byte-level
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,6 +290,19 @@ class Tokenizer:
 
     # -- chat template -------------------------------------------------------------------------
 
+    def check_chat_template(self) -> None:
+        """ValueError unless the chat template (if any) is a string jinja compiles."""
+        import jinja2
+
+        if self.chat_template is None or self._compiled_template is not None:
+            return
+        if not isinstance(self.chat_template, str):
+            raise ValueError(f"{self.source}: chat template is not a string ({type(self.chat_template).__name__})")
+        try:
+            self._compiled_template = _compile_chat_template(self.chat_template)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"{self.source}: chat template does not compile ({type(e).__name__}: {e})") from None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render `messages` with the checkpoint's jinja chat template, as transformers does."""
         if not self.chat_template:
@@ -379,11 +401,13 @@ class Tokenizer:
         else:
             reader = reader_or_path
             p = Path(getattr(reader.data, "filename", None) or "<GGUFReader>")
-        fields = reader.fields
+        return cls.from_gguf_metadata({name: f.contents() for name, f in reader.fields.items()}, p)
 
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict, p: Path) -> "Tokenizer":
+        """The vocab of a GGUF file from its metadata ({key: value}); `p` names the file in errors."""
         def field(name, default=None):
-            f = fields.get(name)
-            return f.contents() if f is not None else default
+            return meta.get(name, default)
 
         model = field("tokenizer.ggml.model")
         if model is None:
@@ -530,15 +554,13 @@ def _read_json(path: Path, optional: bool = False):
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(f"missing {path.name}: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot parse {path.name} ({path}): {e}") from e
+        raise FileNotFoundError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: cannot parse ({type(e).__name__}: {e})") from e
 
 
 def _write_json(path: Path, obj) -> Path:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, ensure_ascii=False, indent=2)
-    return path
+    return atomic_io.write_json(path, obj, ensure_ascii=False, indent=2)
 
 
 def _read_chat_template(d: Path, cfg: dict) -> str | None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+import atomic_io
 from cache.shard import SINGLE, Shard, shard_of
 from model import DenseCache, ModelArgs
 
@@ -73,10 +74,7 @@ def write_channels_file(path, ranking: Tensor, importance: Tensor, meta: dict) -
                       "(post-RoPE, same token)",
             **meta, "channels": ranking.tolist(),
             "importance": [[[round(float(x), 6) for x in h] for h in layer] for layer in importance]}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
-    return path
+    return atomic_io.write_json(path, data)
 
 
 def read_channels_file(path, args: ModelArgs) -> Tensor:

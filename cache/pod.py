@@ -77,6 +77,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+import atomic_io
 from cache.calibration import ensure_pod
 from cache.base import NEVER, EvictionPolicy, attention_probs, column_scores, last_rows, pool1d, select_top
 from cache.shard import shard_of
@@ -169,10 +170,7 @@ def write_calibration(path, sim: Tensor, meta: dict, deltas=(0.3, 0.5, 0.7)) -> 
         data["groupings"][str(delta)] = {
             "blocks": blocks, "blocks_per_head": [len(b) for b in blocks],
             "theoretical_kv_saving": round(key_saving(blocks, L), 6)}
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    atomic_io.write_json(path, data)
     return data
 
 

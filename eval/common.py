@@ -6,10 +6,7 @@ An eval module builds its parser with `base_parser()`, adds its own flags, and r
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +18,7 @@ if str(ROOT) not in sys.path:  # run as a file (python eval/needle.py): the engi
 
 import torch  # noqa: E402
 
+import atomic_io  # noqa: E402
 import engine  # noqa: E402
 from cache import PolicyError, make_policy, policy_names  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
@@ -168,13 +166,7 @@ def report_header(args) -> dict:
 
 def write_json(path, obj: dict) -> None:
     """Write atomically (a temporary file renamed over the target)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_io.write_json(path, obj, indent=2)
 
 
 def main_wrapper(run: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser,

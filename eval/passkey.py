@@ -26,6 +26,7 @@ import json  # noqa: E402
 import random  # noqa: E402
 from typing import Callable, Optional, Sequence  # noqa: E402
 
+import atomic_io  # noqa: E402
 from eval import common, measure, needle  # noqa: E402
 from eval.common import UsageError  # noqa: E402
 
@@ -94,7 +95,7 @@ def format_table(results: list[dict], lengths: Sequence[int], depths: Sequence[f
 
 def write_ruler(path, tokenizer, lengths, depths, samples, seed, chat) -> int:
     haystack = filler(tokenizer, max(lengths))
-    with open(path, "w", encoding="utf-8") as f:
+    with atomic_io.atomic_file(path, "w", encoding="utf-8") as f:
         for i, (n, d, s, key) in enumerate(grid(lengths, depths, samples, seed)):
             prompt = build_prompt(tokenizer, haystack, key, n, d, chat)
             f.write(json.dumps({"index": i, "input": tokenizer.decode(prompt.ids), "outputs": [key], "length": n,

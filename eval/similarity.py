@@ -31,6 +31,7 @@ from typing import Optional, Sequence  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
+import atomic_io  # noqa: E402
 import engine  # noqa: E402
 from eval import common  # noqa: E402
 from eval.common import UsageError  # noqa: E402
@@ -155,7 +156,8 @@ def plot(result: dict, path: Path) -> Optional[Path]:
             fig.colorbar(image, ax=ax, fraction=0.046)
     fig.suptitle("critical-token similarity |A n B| / max(|A|, |B|)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_io.atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return path
 

@@ -67,6 +67,7 @@ import traceback  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Callable, Optional, Sequence  # noqa: E402
 
+import atomic_io  # noqa: E402
 import engine  # noqa: E402
 from cache import PolicyError, parse_spec  # noqa: E402
 from eval import agreement, common, longbench, needle, passkey, perplexity, ruler  # noqa: E402
@@ -483,7 +484,8 @@ def plot(records: list[dict], tasks: list[str], path: Path) -> Optional[str]:
             handles.setdefault(label, h)
     fig.legend(handles.values(), handles.keys(), loc="center right", fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1 - 2.6 / (5 * cols + 3), 1))
-    fig.savefig(path, dpi=110)
+    with atomic_io.atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return None
 
@@ -499,9 +501,7 @@ def write_reports(out: Path, records: list[dict], tasks: list[str], rows: list[s
 
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_io.write_text(path, text)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -28,6 +28,10 @@ Modes (one per run):
                        default 256:8192, capped to the model's context): the cost-growth curve.
   --memory-limit L     largest batch per policy that fits L (e.g. 8GiB, or a list 4GiB,8GiB) for a
                        prompt of each --context-lengths plus --decode-steps generated tokens.
+  --soak N             long run: N decode steps per policy after a prompt of each --context-lengths,
+                       resident memory (RSS), tokens/s and NaN/inf logits per --soak-every (500)
+                       steps; bounded policies must keep RSS within 2% after the first window
+                       (details: scripts/bench/soak.py).  Positions may run past the model's context.
 
 Measurement:
   * Prefill runs in --prefill-chunk chunks, or in one pass for policies that compress the prompt
@@ -89,6 +93,11 @@ finished row, so an interrupted run (Ctrl-C: exit status 130) keeps every finish
 Attention rows (mode "attention"): policy ("dense_sdpa" = the reference), batch_size,
   context_length, kv_bits, n_layers, attention_us_per_layer, attention_ms_per_step (medians),
   kv_bytes_read_per_step, bandwidth_bound_us_per_layer, speedup_vs_dense_sdpa, device, dtype, ...
+Soak rows (mode "soak"): policy, policy_args, kv_bits, batch_size, context_length, decode_steps (N),
+  soak_every, soak_windows (per window: step, rss_bytes, tokens_per_s, nonfinite_steps),
+  rss_baseline_bytes (after the first window), rss_max_drift (fraction), tokens_per_s_first /
+  tokens_per_s_last (medians of windows 2-4 / of the last three), tokens_per_s_ratio, nonfinite_steps,
+  kv_bytes_allocated, beyond_context, soak_failures (the failed checks; non-empty: exit status 1).
 Memory rows (mode "memory"): policy, policy_args, kv_bits, context_length, decode_steps,
   memory_limit_bytes, max_batch_size, model_batch_size, predicted_bytes (of model_batch_size),
   base_bytes, state_bytes_fixed, state_bytes_per_seq, kv_bytes_allocated_per_seq,

@@ -24,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import atomic_io  # noqa: E402
 import engine  # noqa: E402
 
 ESSAYS = ROOT / "data" / "paul_graham_essays"
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     r = rows["engine eager ctx512 max_seq 8192"] / rows["engine eager ctx512 max_seq 1024"]
     print(f"max_seq 8192 / 1024 decode speed at ctx 512: {r:.2f}")
     if a.json:
-        a.json.write_text(json.dumps({"rows": rows, "bandwidth_gbs": bw, "bound_tok_s": bound,
+        atomic_io.write_text(a.json, json.dumps({"rows": rows, "bandwidth_gbs": bw, "bound_tok_s": bound,
                                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}, indent=2))
     return 0
 

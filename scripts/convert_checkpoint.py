@@ -4,7 +4,8 @@
 
 The output is a HuggingFace-format directory (config.json, model.safetensors in float32 with
 HF tensor names and rotate-half q/k layout, tokenizer.json + tokenizer_config.json), loadable by
-`engine.load_model` with memory-mapped weights and by `transformers` alike.
+`engine.load_model` with memory-mapped weights and by `transformers` alike.  It is written under a
+temporary name and renamed into place when complete: Ctrl-C or SIGTERM leaves `out` as it was.
 """
 import argparse
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from atomic_io import exit_on_sigterm  # noqa: E402
 from checkpoint import CheckpointError, read_checkpoint, write_converted_dir  # noqa: E402
 
 
@@ -25,11 +27,15 @@ def main(argv=None) -> int:
     p.add_argument("source", type=Path, help=".gguf file or HuggingFace model directory")
     p.add_argument("out", type=Path, help="output directory")
     a = p.parse_args(argv)
+    exit_on_sigterm()
     try:
         convert(a.source, a.out)
-    except (CheckpointError, FileNotFoundError) as e:
+    except (CheckpointError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: {a.out} left as it was", file=sys.stderr)
+        return 130
     print(f"wrote {a.out}")
     return 0
 

@@ -31,6 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOWNLOADS = ROOT / "data" / "downloaded"
+sys.path.insert(0, str(ROOT))
+
+import atomic_io  # noqa: E402
+
 LONGBENCH_REPO = "THUDM/LongBench"
 MODEL_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
 
@@ -90,10 +94,8 @@ def download_longbench(tasks: list[str], dest: Path) -> list[Path]:
                 missing.append(task)
                 continue
             out = dest / f"{task}.jsonl"
-            tmp = out.with_name(out.name + ".part")
-            with z.open(members[task]) as src, open(tmp, "wb") as dst:
+            with z.open(members[task]) as src, atomic_io.atomic_file(out, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-            tmp.replace(out)
             written.append(out)
     if missing:
         print(f"warning: not in {LONGBENCH_REPO}'s data.zip: {', '.join(missing)}", file=sys.stderr)

@@ -35,6 +35,8 @@ from typing import Optional, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import atomic_io  # noqa: E402
+
 PEERS_EXTRA = "pip install -e '.[peers]'  (llama-cpp-python builds llama.cpp from source: see the README)"
 DEFAULT_GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_HF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
@@ -168,7 +170,7 @@ def decode_tps(side: dict, ids: list[int], steps: int = 32, threads: int = 2, wa
     """Run one side in a subprocess -> its JSON result, or {"error": ...} if it failed or crashed."""
     with tempfile.TemporaryDirectory() as tmp:
         ids_file = Path(tmp) / "ids.json"
-        ids_file.write_text(json.dumps(ids))
+        atomic_io.write_json(ids_file, ids)
         spec = {**side, "ids_file": str(ids_file), "steps": steps, "warmup": warmup, "threads": threads}
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         try:
@@ -305,7 +307,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print_table(rows, [s for s in ("llama.cpp", "hf") if s in args.peers.split(",")] +
                 ([sides[0]["label"]] if sides else []))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        atomic_io.write_json(args.json, rows, indent=2)
     return 0
 
 

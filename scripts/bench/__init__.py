@@ -9,9 +9,10 @@
       grid.py       e2e (default) and --sweep-context
       attention.py  --op attention
       memory.py     --memory-limit
+      soak.py       --soak N (long runs: RSS, tokens/s, NaN/inf per window)
     cli.py       flags, validation (exit 2), the run, Ctrl-C (exit 130), exit status
 
-Imports go one way: cli -> modes -> (grid, attention, memory) -> runner -> (report, roofline,
+Imports go one way: cli -> modes -> (grid, attention, memory, soak) -> runner -> (report, roofline,
 measure) -> specs -> cache/engine.  The package needs the repository root and scripts/ on sys.path
 (scripts/benchmark.py puts them there).
 """

@@ -4,7 +4,7 @@ A mode declares its own flags (its selector goes in the mutually exclusive group
 before the model is loaded, says whether this run is its run, and measures: it hands every row,
 finished or not, to `bench.writer.add` (rows need `mode`, `policy`, `policy_args`, `kv_bits`,
 `context_length`, `status` and `error`; bench.base_row gives the common fields).  To add a mode
-(e.g. a soak run), write a module with a class like these and put an instance in MODES.
+(as bench/soak.py did), write a module with a class like these and put an instance in MODES.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from bench.attention import AttentionMode
 from bench.grid import E2EMode, SweepMode
 from bench.memory import MemoryMode
 from bench.runner import Bench
+from bench.soak import SoakMode
 
 
 class Mode(Protocol):
@@ -35,7 +36,7 @@ class Mode(Protocol):
 
 
 # in --help order; the first selected one runs, so the default (e2e) comes last
-MODES: list[Mode] = [AttentionMode(), SweepMode(), MemoryMode(), E2EMode()]
+MODES: list[Mode] = [AttentionMode(), SweepMode(), MemoryMode(), SoakMode(), E2EMode()]
 
 
 def selected_mode(o: argparse.Namespace) -> Mode:

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+import atomic_io
 import engine
 from bench.measure import device_name
 from bench.specs import config_label
@@ -46,18 +47,8 @@ class RowWriter:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write a sibling tmp file, fsync it, then os.replace it over `path`: readers never see half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    """Readers never see half a file (`atomic_io.write_text`)."""
+    atomic_io.write_text(path, text)
 
 
 def to_csv(rows: list[dict]) -> str:
@@ -230,9 +221,11 @@ def plot(rows: list[dict], path: Path, mode: str) -> None:
     if not ok:
         print("note: no finished rows to plot", file=sys.stderr)
         return
-    fig = _plot_memory(plt, ok) if mode == "memory" else _plot_curves(plt, ok, mode)
+    kind = {"memory": _plot_memory, "soak": _plot_soak}.get(mode)
+    fig = kind(plt, ok) if kind else _plot_curves(plt, ok, mode)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_io.atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     print(f"plot written to {path}", file=sys.stderr)
 
@@ -251,6 +244,24 @@ def _plot_memory(plt, ok: list[dict]):
     ax.set_ylabel("max batch size")
     ax.set_title("largest batch under a memory limit")
     ax.legend(fontsize=7)
+    return fig
+
+
+def _plot_soak(plt, ok: list[dict]):
+    """Resident memory and tokens/s per window against the decode step, one line per row."""
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in ok:
+        steps = [w["step"] for w in r["soak_windows"]]
+        label = f"{row_label(r)} B={r['batch_size']} ctx {r['context_length']}"
+        mem.plot(steps, [w["rss_bytes"] / 2**20 for w in r["soak_windows"]], marker=".", label=label)
+        speed.plot(steps, [w["tokens_per_s"] for w in r["soak_windows"]], marker=".", label=label)
+    for ax, ylabel in ((mem, "resident memory (MiB)"), (speed, "decode tokens/s (window)")):
+        ax.set_xlabel("decode step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    speed.set_ylim(bottom=0)
+    fig.suptitle("soak: memory and speed over a long run")
     return fig
 
 
