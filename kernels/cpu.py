@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -43,14 +44,15 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "kivi_
 
 
 def _build_tag() -> str:
-    """A short hash of the CPU's feature flags (-march=native code must not be reused on another CPU)
-    and of the sources (an edited source must not load a stale build; checkouts with different kernels
-    never share one build)."""
+    """A short hash of the CPU's feature flags (-march=native code must not be reused on another CPU),
+    of the sources (an edited source must not load a stale build; checkouts with different kernels
+    never share one build) and of the Python environment (two venvs compile against different torch
+    headers: sharing a build directory would make each rebuild the other's extension)."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    text = flags.encode() + b"".join(p.read_bytes() for p in SOURCES + [SOURCES[0].with_name("cpu_vec.h")])
+    text = flags.encode() + sys.prefix.encode() + b"".join(p.read_bytes() for p in SOURCES + [SOURCES[0].with_name("cpu_vec.h")])
     return hashlib.sha1(text).hexdigest()[:10]
 
 
