@@ -1,4 +1,5 @@
 """Shared fixtures: the default real model (fetched by `make test`) and small helpers."""
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,15 @@ MULTI_NEWS = DATA / "longbench" / "multi_news.jsonl"
 
 
 MODEL_FIXTURES = {"default_gguf", "default_dir", "engine_gguf", "engine_dir", "hf_gguf"}
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers on two cores) each worker, and every process
+    it starts, uses one thread: two workers with two threads each would fight over the cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items):
@@ -72,3 +82,53 @@ def hf_gguf(default_gguf):
     from transformers import LlamaForCausalLM
     return LlamaForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
                                             dtype=torch.float32).eval()
+
+
+# A tiny random Llama checkpoint with the default model's tokenizer, for the tests of mechanics
+# (benchmark rows, byte accounting, sweeps, interrupts, eval plumbing) that do not need the real
+# model's numbers: same format, tokenizer, chat template, vocabulary, head_dim, GQA and context
+# length as the default model, ~20x less compute and weight traffic per token.
+TINY_CONFIG = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 64, "intermediate_size": 256}
+MODEL_FIXTURES.add("tiny_dir")  # it copies the default model's tokenizer files (so needs checkpoints/)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A HuggingFace-style directory (config.json, model.safetensors, the default model's
+    tokenizer.json and tokenizer_config.json): the default model's config.json with the sizes of
+    TINY_CONFIG and random weights (seed 0).  Calibration files (heavy_channels.json,
+    pod_calibration.json) are made in it on first use, as for any checkpoint."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+def write_tiny_checkpoint(out: Path, **sizes) -> Path:
+    """Write tiny_dir's checkpoint into the new directory `out`, with config.json fields `sizes`
+    overriding TINY_CONFIG's."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    src = _require(DEFAULT_DIR / "config.json").parent
+    out.mkdir(parents=True)
+    config = {**json.loads((src / "config.json").read_text()), **TINY_CONFIG, **sizes}
+    dim, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], dim), "model.norm.weight": (dim,)}
+    for i in range(config["num_hidden_layers"]):   # HF Llama names; lm_head tied to the embedding
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in {
+            "self_attn.q_proj.weight": (q, dim), "self_attn.k_proj.weight": (kv, dim),
+            "self_attn.v_proj.weight": (kv, dim), "self_attn.o_proj.weight": (dim, q),
+            "mlp.gate_proj.weight": (inter, dim), "mlp.up_proj.weight": (inter, dim),
+            "mlp.down_proj.weight": (dim, inter),
+            "input_layernorm.weight": (dim,), "post_attention_layernorm.weight": (dim,)}.items()})
+    g = torch.Generator().manual_seed(0)
+    tensors = {name: (1 + 0.1 * torch.randn(s, generator=g)) if name.endswith("norm.weight")  # random norms
+               else 0.02 * torch.randn(s, generator=g) for name, s in shapes.items()}   # HF's initializer_range
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(_require(src / name), out / name)
+    return out

@@ -2,7 +2,10 @@
 ratios, the attention-operator, context-sweep and memory-limit modes, the policy-spec lists of
 --policies, CLI errors, and no recompilation inside compiled decode loops.
 
-Real-model runs use tiny contexts (32-64 tokens), 4 decode steps and a fixed --bandwidth-gbs."""
+Runs use tiny contexts (32-64 tokens), 4 decode steps and a fixed --bandwidth-gbs.  The tests of
+the benchmark's mechanics run on `tiny_dir` (tests/conftest.py: a random 3-layer Llama with the
+default model's tokenizer, vocabulary and head_dim); test_e2e_real_model_row and
+test_attention_operator_rows run the real default model."""
 import csv
 import json
 import math
@@ -51,8 +54,8 @@ def probe_policy(monkeypatch):
     monkeypatch.setitem(cache.POLICIES, "probe", ProbeCache)
 
 
-def run(capsys, default_dir, *argv):
-    rc = benchmark.main(["--checkpoint", str(default_dir), *FAST, *argv])
+def run(capsys, checkpoint, *argv):
+    rc = benchmark.main(["--checkpoint", str(checkpoint), *FAST, *argv])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -61,11 +64,15 @@ def per_slot_bytes(args) -> int:
     return 2 * args.n_layers * args.n_kv_heads * args.head_dim * 4  # K and V, float32, per token, per sequence
 
 
+def dir_args(checkpoint) -> ModelArgs:
+    return ModelArgs.from_hf_config(json.loads((checkpoint / "config.json").read_text()))
+
+
 # --------------------------------------------------------------------------- end to end
 
-def test_e2e_rows_schema_csv_ratios_and_skipped_kv_bits(capsys, default_dir, probe_policy, tmp_path):
+def test_e2e_rows_schema_csv_ratios_and_skipped_kv_bits(capsys, tiny_dir, probe_policy, tmp_path):
     out_json, out_csv, out_png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
-    rc, out, err = run(capsys, default_dir, "--policies", "probe:window=16", "--policies", "full",  # repeated flag
+    rc, out, err = run(capsys, tiny_dir, "--policies", "probe:window=16", "--policies", "full",  # repeated flag
                        "--batch-sizes", "1,2", "--context-lengths", "32,48", "--kv-bits", "16,4",
                        "--kv-residual", "32",     # the default R 128 ring alone outweighs a 48-token fp32 cache
                        "--speedup-vs", "full", "--json", str(out_json), "--csv", str(out_csv), "--plot", str(out_png))
@@ -77,8 +84,8 @@ def test_e2e_rows_schema_csv_ratios_and_skipped_kv_bits(capsys, default_dir, pro
     assert len(ok) == 12 and len(skipped) == 4 and len(rows) == 16      # probe has no KIVI storage
     assert all(r["kv_bits"] == 4 and r["policy"] == "probe" and "no KIVI storage" in r["error"] for r in skipped)
     assert all(r["decode_tokens_per_s"] is None for r in skipped)
-    args = json.loads((default_dir / "config.json").read_text())
-    slot = 2 * args["num_hidden_layers"] * args["num_key_value_heads"] * (args["hidden_size"] // args["num_attention_heads"]) * 4
+    args = json.loads((tiny_dir / "config.json").read_text())
+    slot = 2 * args["num_hidden_layers"] * args["num_key_value_heads"] * args["head_dim"] * 4
     for r in ok:
         for key, kind in SCHEMA.items():
             assert isinstance(r[key], kind), (key, r[key])
@@ -119,7 +126,35 @@ def test_e2e_rows_schema_csv_ratios_and_skipped_kv_bits(capsys, default_dir, pro
     assert out_png.stat().st_size > 0
 
 
-def test_keyboard_interrupt_keeps_finished_rows(capsys, default_dir, tmp_path, monkeypatch):
+def test_e2e_real_model_row(capsys, default_dir, tmp_path):
+    """The end-to-end path on the real default model (the mechanics are tested on tiny_dir above):
+    one full-cache row per storage, its header, byte accounting and roofline from the real shapes."""
+    out_json = tmp_path / "b.json"
+    rc, out, err = run(capsys, default_dir, "--policies", "full", "--batch-sizes", "2", "--context-lengths", "32",
+                       "--kv-bits", "16,4", "--kv-residual", "32", "--json", str(out_json))
+    assert rc == 0, err
+    assert "# model SmolLM2-135M-Instruct: 30 layers, 9 q / 3 kv heads, head_dim 64, context 8192" in out
+    rows = json.loads(out_json.read_text())
+    assert [(r["status"], r["kv_bits"]) for r in rows] == [("ok", 16), ("ok", 4)]
+    a = ModelArgs(49152, 576, 30, 9, 3, 1536)
+    params = a.vocab_size * a.dim + a.dim + a.n_layers * (2 * a.dim * a.n_heads * a.head_dim   # tied output
+                                                          + 2 * a.dim * a.n_kv_heads * a.head_dim
+                                                          + 3 * a.dim * a.intermediate_size + 2 * a.dim)
+    slot = per_slot_bytes(a)
+    for r in rows:
+        for key, kind in SCHEMA.items():
+            assert isinstance(r[key], kind), (key, r[key])
+        assert r["mode"] == "e2e" and r["batch_size"] == 2 and r["context_length"] == 32 and r["decode_recompiles"] == 0
+        assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+        assert r["weight_bytes"] == 4 * params and r["peak_memory_bytes"] > r["weight_bytes"]
+        assert math.isclose(r["bandwidth_bound_tokens_per_s"], 2 * 40e9 / (r["weight_bytes"] + r["kv_bytes_read_per_step"]))
+    full16, full4 = rows
+    assert full16["kv_bytes_allocated"] == 2 * slot * (32 + 1 + 4 + specs.CAPACITY_MARGIN)
+    assert full16["kv_bytes_live"] == 2 * slot * (32 + 1 + 4)
+    assert 0 < full4["kv_bytes_allocated"] < full16["kv_bytes_allocated"] and full4["policy_config"]["kv_bits"] == 4
+
+
+def test_keyboard_interrupt_keeps_finished_rows(capsys, tiny_dir, tmp_path, monkeypatch):
     out_json, out_csv = tmp_path / "b.json", tmp_path / "b.csv"
     real, calls = grid.e2e_row, []
 
@@ -130,7 +165,7 @@ def test_keyboard_interrupt_keeps_finished_rows(capsys, default_dir, tmp_path, m
         return real(*a, **k)
 
     monkeypatch.setattr(grid, "e2e_row", second_row_interrupted)
-    rc, out, err = run(capsys, default_dir, "--policies", "full", "--context-lengths", "32,40,48",
+    rc, out, err = run(capsys, tiny_dir, "--policies", "full", "--context-lengths", "32,40,48",
                        "--json", str(out_json), "--csv", str(out_csv))
     assert rc == 130
     assert "interrupted: kept 1 finished row(s)" in err
@@ -147,11 +182,11 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_sigint_subprocess_keeps_rows(default_dir, tmp_path):
+def test_sigint_subprocess_keeps_rows(tiny_dir, tmp_path):
     """A real Ctrl-C (SIGINT) mid-run: exit status 130 and a valid JSON of the finished rows."""
     out_json = tmp_path / "b.json"
     p = subprocess.Popen([sys.executable, str(benchmark.ROOT / "scripts" / "benchmark.py"), "--checkpoint",
-                          str(default_dir), *FAST, "--policies", "full", "--context-lengths",
+                          str(tiny_dir), *FAST, "--policies", "full", "--context-lengths",
                           ",".join(str(32 + i) for i in range(400)), "--json", str(out_json)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
@@ -211,9 +246,9 @@ def test_attention_operator_rows(capsys, default_dir, tmp_path):
     assert "us/layer" in out and "dense_sdpa" in out
 
 
-def test_sweep_context_rows_and_plot(capsys, default_dir, probe_policy, tmp_path):
+def test_sweep_context_rows_and_plot(capsys, tiny_dir, probe_policy, tmp_path):
     out_json, out_png = tmp_path / "s.json", tmp_path / "s.png"
-    rc, out, err = run(capsys, default_dir, "--sweep-context", "32:64", "--policies", "all",
+    rc, out, err = run(capsys, tiny_dir, "--sweep-context", "32:64", "--policies", "all",
                        "--json", str(out_json), "--plot", str(out_png))
     assert rc == 0, err
     rows = json.loads(out_json.read_text())
@@ -227,9 +262,20 @@ def test_sweep_context_rows_and_plot(capsys, default_dir, probe_policy, tmp_path
     assert out_png.stat().st_size > 0
 
 
-def test_memory_limit_search_monotonic_and_verified(capsys, default_dir, tmp_path):
+@pytest.fixture(scope="module")
+def kv_tiny_dir(tmp_path_factory):
+    """tiny_dir's model with the default model's KV bytes per token (30 layers x 3 KV heads x 64):
+    the memory search needs several MB per sequence to stand out of the noise of the resident base
+    it re-measures, and the layers are narrow, so it still runs ~10x fewer FLOPs per token."""
+    from tests.conftest import write_tiny_checkpoint
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("kv_tiny") / "kv-tiny-llama", num_hidden_layers=30,
+                                 num_attention_heads=3, num_key_value_heads=3)
+
+
+@pytest.mark.model  # kv_tiny_dir copies the default model's tokenizer
+def test_memory_limit_search_monotonic_and_verified(capsys, kv_tiny_dir, tmp_path):
     out_json = tmp_path / "m.json"
-    rc, out, err = run(capsys, default_dir, "--memory-limit", "1GiB,1.5GiB,2GiB,4GiB,16GiB", "--policies", "full",
+    rc, out, err = run(capsys, kv_tiny_dir, "--memory-limit", "1GiB,1.5GiB,2GiB,4GiB,16GiB", "--policies", "full",
                        "--context-lengths", "64", "--verify-seconds", "0", "--json", str(out_json))
     assert rc == 0, err
     rows = json.loads(out_json.read_text())
@@ -237,7 +283,7 @@ def test_memory_limit_search_monotonic_and_verified(capsys, default_dir, tmp_pat
     batches = [r["max_batch_size"] for r in rows]
     assert batches == sorted(batches) and batches[-1] > batches[0]
     r = rows[-1]
-    assert r["kv_bytes_allocated_per_seq"] == per_slot_bytes(ModelArgs(49152, 576, 30, 9, 3, 1536)) * (64 + 4 + 16)
+    assert r["kv_bytes_allocated_per_seq"] == per_slot_bytes(dir_args(kv_tiny_dir)) * (64 + 4 + 16)
     assert r["state_bytes_per_seq"] >= r["kv_bytes_allocated_per_seq"]
     per = r["state_bytes_per_seq"] + r["workspace_bytes_per_seq"]
     fixed = r["base_bytes"] + r["state_bytes_fixed"] + r["workspace_bytes_fixed"]
@@ -250,7 +296,7 @@ def test_memory_limit_search_monotonic_and_verified(capsys, default_dir, tmp_pat
 
     # a limit that fits exactly 3 sequences: run them and compare the real peak with the model
     limit = math.ceil((fixed + 3.5 * per) / 0.95)
-    rc, out, err = run(capsys, default_dir, "--memory-limit", str(limit), "--policies", "full",
+    rc, out, err = run(capsys, kv_tiny_dir, "--memory-limit", str(limit), "--policies", "full",
                        "--context-lengths", "64", "--verify-seconds", "60", "--json", str(out_json))
     assert rc == 0, err
     (row,) = json.loads(out_json.read_text())
@@ -269,7 +315,7 @@ def test_memory_limit_search_monotonic_and_verified(capsys, default_dir, tmp_pat
 @pytest.mark.parametrize("argv, message", [
     (["--policies", "full;nope"], f"unknown policy 'nope'; available: {', '.join(cache.policy_names())}"),
     (["--policies", "full", "--policies", "nope"], "unknown policy 'nope'"),
-    (["--policies", "full,nope"], "'full,nope' is not one spec: separate specs with ';' or repeat --policies"),
+    (["--policies", "full,nope"], "'full,nope' is not one spec: separate specs with ';' or repeat the flag"),
     (["--policies", "hshare@a,hshare@b"], "is not one spec: separate specs with ';'"),
     (["--policies", "hshare@a:ratios=1-1-1,hshare@b:ratios=1-1-1"], "is not one spec: separate specs with ';'"),
     (["--policies", " ; "], "--policies is empty"),
@@ -302,9 +348,9 @@ def test_bad_sweep_and_missing_checkpoint(capsys, default_dir, tmp_path):
     assert "--sweep-context expects START:STOP[:FACTOR]" in capsys.readouterr().err
 
 
-def test_context_beyond_the_model_is_an_error_row_not_a_crash(capsys, default_dir, tmp_path):
+def test_context_beyond_the_model_is_an_error_row_not_a_crash(capsys, tiny_dir, tmp_path):
     out_json = tmp_path / "b.json"
-    rc, out, err = run(capsys, default_dir, "--policies", "full", "--context-lengths", "32,8190",
+    rc, out, err = run(capsys, tiny_dir, "--policies", "full", "--context-lengths", "32,8190",
                        "--json", str(out_json))
     rows = json.loads(out_json.read_text())
     assert rc == 1 and [r["status"] for r in rows] == ["ok", "error"]

@@ -20,6 +20,15 @@ def loaded(engine_dir):
 
 
 @pytest.fixture(scope="module")
+def tiny_loaded(tiny_dir):
+    """The tiny random model of tests/conftest.py (the default model's tokenizer), for tests of the
+    eval plumbing that do not depend on what the real model answers."""
+    import engine
+    model, tokenizer = engine.load_model(tiny_dir)
+    return common.Loaded(model, tokenizer, model.output.weight.device)
+
+
+@pytest.fixture(scope="module")
 def essays() -> str:
     return common.read_text_folder(ESSAYS)
 

@@ -1,5 +1,6 @@
 """eval/: LongBench, RULER, passkey, agreement and the suite, on the real default model at tiny
-sizes (short prompts, one row), plus the suite's resume/interrupt behaviour and its report."""
+sizes (short prompts, one row), plus the suite's resume/interrupt behaviour and its report (on the
+tiny random model of tests/conftest.py: those tests check the suite's bookkeeping, not scores)."""
 import csv
 import json
 
@@ -11,7 +12,8 @@ from eval import agreement, common, longbench, measure, passkey, prompts, ruler,
 from tests.conftest import MULTI_NEWS
 from tests import test_eval
 
-loaded, essays, run_main = test_eval.loaded, test_eval.essays, test_eval.run_main   # shared fixtures and helper
+loaded, tiny_loaded, essays, run_main = test_eval.loaded, test_eval.tiny_loaded, test_eval.essays, test_eval.run_main
+# (shared fixtures and helper)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +213,7 @@ def test_report_ratios_and_table():
     assert "| `nope` | skipped |  |" in md and "- `nope` (needle): skipped: unknown policy 'nope'" in md
 
 
-# --------------------------------------------------------------------------- suite: end to end on the model
+# --------------------------------------------------------------------------- suite: end to end (tiny model)
 
 TINY = ["--lengths", "200", "--depths", "0.5", "--context-length", "64", "--eval-tokens", "4", "--new-tokens", "6",
         "--samples", "1", "--limit", "1", "--max-context", "160", "--max-new-tokens", "6", "--proximal", "24",
@@ -219,9 +221,9 @@ TINY = ["--lengths", "200", "--depths", "0.5", "--context-length", "64", "--eval
 
 
 @pytest.fixture
-def suite_env(loaded, monkeypatch, essays, multi_news):
-    """suite.run uses the already loaded model, and counts (and can interrupt) run_task calls."""
-    monkeypatch.setattr(suite.common, "load", lambda args: loaded)
+def suite_env(tiny_loaded, monkeypatch, essays, multi_news):
+    """suite.run uses the already loaded tiny model, and counts (and can interrupt) run_task calls."""
+    monkeypatch.setattr(suite.common, "load", lambda args: tiny_loaded)
     calls, real = [], suite.run_task
     state = {"interrupt_at": None}
 
