@@ -30,6 +30,7 @@ import hashlib
 import math
 import os
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -88,22 +89,37 @@ def _clear_stale_lock(name: str) -> None:
     from torch.utils.cpp_extension import get_default_build_root
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     for lock in root.glob(f"*/{name}/lock"):
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+        try:
+            stale = time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS
+        except FileNotFoundError:                                       # released meanwhile
+            continue
+        if stale:
             warnings.warn(f"removing the stale build lock {lock} (left by an interrupted build)", RuntimeWarning)
             lock.unlink(missing_ok=True)
 
 
+def _watch_lock(name: str, done: threading.Event) -> None:
+    while not done.wait(30):
+        _clear_stale_lock(name)
+
+
 def _build() -> bool:
+    """Build (or load the cached build of) the C++ ops; while torch waits on another process's build
+    lock, a watchdog clears the lock once it is stale (its owner was killed)."""
     name = f"kvc_cpu_kernels_{_build_tag()}"
+    done = threading.Event()
     try:
         from torch.utils.cpp_extension import load
         _clear_stale_lock(name)
+        threading.Thread(target=_watch_lock, args=(name, done), daemon=True).start()
         load(name=name, sources=[str(p) for p in SOURCES],
              extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:                                              # no compiler, no headers, ...
         warnings.warn(f"the C++ CPU kernels could not be built ({type(e).__name__}: {str(e)[:200]}); "
                       f"using the torch twins (slower on CPU)", RuntimeWarning, stacklevel=2)
         return False
+    finally:
+        done.set()
     _register_fakes()
     return True
 
