@@ -1,5 +1,6 @@
 """Helpers shared by test modules."""
 import shutil
+import signal
 
 import pytest
 import torch
@@ -109,3 +110,10 @@ needs_cpp = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: the CP
 if HAS_COMPILER:      # build (or load) them at collection, so tests may call torch.ops.kvc.* directly
     from kernels.cpu import cpu_kernels_available
     cpu_kernels_available()
+
+
+def default_sigint() -> None:
+    """preexec_fn for a child the test will Ctrl-C: SIGINT back to its default action.  A test run
+    started in the background (`nohup make test &`) or a pytest-xdist worker ignores SIGINT, and an
+    ignored signal stays ignored across exec, so the child would never see the signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -15,6 +15,7 @@ import atomic_io
 from checkpoint import expected_shapes, read_checkpoint, validate_checkpoint, write_converted_dir
 from model import ModelArgs
 from tests.conftest import ROOT
+from tests.helpers import default_sigint
 from tokenizer import Tokenizer
 
 TINY = ModelArgs(vocab_size=49152, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
@@ -34,7 +35,8 @@ def tiny_dir(tmp_path_factory, default_dir):
 def interrupt(cmd: list, point: str, sig: int, cwd: Path) -> subprocess.CompletedProcess:
     """Run cmd until it announces the pause `point`, send `sig`, return the finished process."""
     env = {**os.environ, atomic_io.PAUSE_ENV: point, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=default_sigint)
     lines = []
     for line in p.stderr:                              # blocks until the pause (or the end)
         lines.append(line)

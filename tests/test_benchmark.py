@@ -23,6 +23,7 @@ import cache
 import engine
 from cache import PolicySpec
 from model import DenseCache, ModelArgs, Transformer
+from tests.helpers import default_sigint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import benchmark  # noqa: E402
@@ -173,13 +174,6 @@ def test_keyboard_interrupt_keeps_finished_rows(capsys, tiny_dir, tmp_path, monk
     assert len(rows) == 1 and rows[0]["context_length"] == 32 and rows[0]["status"] == "ok"
     assert len(list(csv.DictReader(open(out_csv)))) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.csv", "b.json"]  # no tmp file left behind
-
-
-def default_sigint() -> None:
-    """In the child before exec: SIGINT back to its default action.  A test run started in the
-    background (`nohup make test &`) ignores SIGINT, and an ignored signal stays ignored across
-    exec, so the benchmark would never see the Ctrl-C this test sends."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_sigint_subprocess_keeps_rows(tiny_dir, tmp_path):
