@@ -13,7 +13,6 @@ same policy with other arguments (the benchmark and the eval suite report it; a 
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass, field
 
 

@@ -99,6 +99,8 @@ def _clear_stale_lock(name: str) -> None:
 
 
 def _watch_lock(name: str, done: threading.Event) -> None:
+    """Clear a stale lock now, then every 30 s until the load is done."""
+    _clear_stale_lock(name)
     while not done.wait(30):
         _clear_stale_lock(name)
 
@@ -110,7 +112,6 @@ def _build() -> bool:
     done = threading.Event()
     try:
         from torch.utils.cpp_extension import load
-        _clear_stale_lock(name)
         threading.Thread(target=_watch_lock, args=(name, done), daemon=True).start()
         load(name=name, sources=[str(p) for p in SOURCES],
              extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
