@@ -391,13 +391,19 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache, decoding: bool) -> Tensor:
         B, T, _ = x.shape
-        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x).view(B, T, Hq + 2 * Hkv, D).transpose(1, 2)
-        qk = apply_rope(qkv[:, :Hq + Hkv], cos, sin)        # q and k rotated together
-        q, k, v = qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv:]
+        q, k, v = self.split_heads(self.wqkv(x), cos, sin)
         hook = cache.decode if decoding else cache.prefill
         out = hook(self.layer_idx, q, k, v)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def split_heads(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """qkv [B, T, (H_q + 2 H_kv) D], cos/sin [B, 1, T, D] -> q [B, H_q, T, D] and k, v [B, H_kv, T, D],
+        q and k rotated."""
+        B, T, _ = qkv.shape
+        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = qkv.view(B, T, Hq + 2 * Hkv, D).transpose(1, 2)
+        qk = apply_rope(qkv[:, :Hq + Hkv], cos, sin)        # q and k rotated together
+        return qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv:]
 
 
 class FeedForward(nn.Module):
@@ -409,8 +415,12 @@ class FeedForward(nn.Module):
         self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.gate(self.w13(x)))
+
+    def gate(self, gate_up: Tensor) -> Tensor:
+        """[..., 2 F] (gate, up) -> silu(gate) * up [..., F]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class TransformerBlock(nn.Module):

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from model import RMSNorm
+from model import Attention, FeedForward, RMSNorm
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "kivi_kernels.cpp", "cpu_qlinear.cpp")]
 
@@ -160,6 +160,16 @@ def _register_fakes() -> None:
     def _(x, weight, eps):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("kvc::rope_split")
+    def _(qkv, cos, sin, Hq, Hkv):
+        B, T, HD = qkv.shape
+        D = HD // (Hq + 2 * Hkv)
+        return qkv.new_empty((B, Hq, T, D)), qkv.new_empty((B, Hkv, T, D)), qkv.new_empty((B, Hkv, T, D))
+
+    @torch.library.register_fake("kvc::silu_mul")
+    def _(gu):
+        return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
+
     @torch.library.register_fake("kvc::qlinear")
     def _(x, w, scales, mins, bits, group, portable):
         return x.new_empty((x.shape[0], w.shape[0] * 16))
@@ -260,21 +270,51 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor])
     return grouped_attention(q, k, v, mask)
 
 
+def _eager_fp32_cpu(*tensors: Tensor) -> bool:
+    """Whether the fused eager ops below take these tensors (eager, contiguous fp32 on CPU, kernels built)."""
+    return (not torch.compiler.is_compiling() and all(t.device.type == "cpu" and t.dtype == torch.float32
+                                                       and t.is_contiguous() for t in tensors)
+            and cpu_kernels_available())
+
+
 class FusedRMSNorm(RMSNorm):
     """model.RMSNorm with the eager fp32 CPU step as one C++ op (kvc::rms_norm) instead of F.rms_norm's
     half dozen; under torch.compile (Inductor fuses it anyway) and elsewhere model.RMSNorm's own."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
-                and self.weight.dtype == torch.float32 and x.is_contiguous() and cpu_kernels_available()):
+        if _eager_fp32_cpu(x, self.weight):
             return torch.ops.kvc.rms_norm(x, self.weight, self.eps)
         return super().forward(x)
 
 
-def fuse_norms(model: torch.nn.Module) -> None:
-    """Swap FusedRMSNorm in for every model.RMSNorm of `model` (same weight Parameter)."""
-    for name, mod in list(model.named_modules()):
-        if type(mod) is RMSNorm:
-            fused = FusedRMSNorm(mod.weight.shape[0], mod.eps)
-            fused.weight = mod.weight
-            model.set_submodule(name, fused)
+class FusedAttention(Attention):
+    """model.Attention with split_heads (view, slices and RoPE's seven ops) as one C++ op in eager fp32
+    CPU steps (kvc::rope_split)."""
+
+    def split_heads(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, T, _ = qkv.shape
+        if _eager_fp32_cpu(qkv) and cos.shape[1] == 1:
+            D = cos.shape[-1]
+            return torch.ops.kvc.rope_split(qkv, cos.reshape(B, T, D).contiguous(), sin.reshape(B, T, D).contiguous(),
+                                            self.n_heads, self.n_kv_heads)
+        return super().split_heads(qkv, cos, sin)
+
+
+class FusedFeedForward(FeedForward):
+    """model.FeedForward with SwiGLU's chunk, silu and product as one C++ op in eager fp32 CPU steps."""
+
+    def gate(self, gate_up: Tensor) -> Tensor:
+        if _eager_fp32_cpu(gate_up):
+            return torch.ops.kvc.silu_mul(gate_up)
+        return super().gate(gate_up)
+
+
+FUSED = {RMSNorm: FusedRMSNorm, Attention: FusedAttention, FeedForward: FusedFeedForward}
+
+
+def fuse_modules(model: torch.nn.Module) -> None:
+    """Give every model.RMSNorm, Attention and FeedForward of `model` its fused eager class (the same
+    module, parameters and submodules; only the forward's glue changes)."""
+    for mod in model.modules():
+        if type(mod) in FUSED:
+            mod.__class__ = FUSED[type(mod)]

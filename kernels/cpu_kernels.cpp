@@ -13,6 +13,9 @@
 //       dense decode attention over every slot [0, S) (masked ones skipped), split into chunks of the
 //       slots so that all threads work when B * Hkv is small; the chunks merge by log-sum-exp.
 //   kvc::rms_norm(x [..., D], weight [D], eps) -> x * rsqrt(mean(x^2) + eps) * weight (one op for the eager step)
+//   kvc::rope_split(qkv [B, T, (Hq + 2 Hkv) D], cos, sin [B, T, D], Hq, Hkv) -> q [B, Hq, T, D], k, v [B, Hkv, T, D]
+//       the fused projection's heads split out, q and k rotated (model.apply_rope), all contiguous
+//   kvc::silu_mul(gu [..., 2 F]) -> silu(gu[..., :F]) * gu[..., F:] (SwiGLU's gate times up)
 //   kvc::select_top(scores [B, h, S], bias [B, 1 or h, S + n], n) -> (idx, valid) [B, h, n]
 //       the n largest of scores + bias per row (torch.topk's set; ties go to the lower slot), in
 //       ascending slot order; where fewer than n entries exceed -inf, the rest are marked invalid
@@ -288,6 +291,59 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+// model.Attention.split_heads in one op: head h of token t is the D floats at qkv[b, t, h * D]; q and k
+// heads get x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2])
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(torch::Tensor qkv, torch::Tensor cos,
+                                                                   torch::Tensor sin, int64_t Hq, int64_t Hkv) {
+  TORCH_CHECK(qkv.dtype() == torch::kFloat && cos.dtype() == torch::kFloat && sin.dtype() == torch::kFloat &&
+              qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && qkv.dim() == 3,
+              "kvc::rope_split: contiguous fp32 qkv [B, T, (Hq + 2 Hkv) D], cos, sin [B, T, D]");
+  const int64_t B = qkv.size(0), T = qkv.size(1), H = Hq + 2 * Hkv, D = qkv.size(2) / H, half = D / 2;
+  TORCH_CHECK(D * H == qkv.size(2) && D % 2 == 0 && cos.numel() == B * T * D && sin.numel() == B * T * D,
+              "kvc::rope_split: qkv's last dim must be (Hq + 2 Hkv) * D with cos, sin [B, T, D]");
+  auto q = torch::empty({B, Hq, T, D}, qkv.options());
+  auto k = torch::empty({B, Hkv, T, D}, qkv.options()), v = torch::empty({B, Hkv, T, D}, qkv.options());
+  const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  at::parallel_for(0, B * T * H, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t bt = i / H, h = i % H, b = bt / T, t = bt % T;
+      const float* src = x + i * D;
+      if (h >= Hq + Hkv) {
+        std::memcpy(vp + ((b * Hkv + h - Hq - Hkv) * T + t) * D, src, D * sizeof(float));
+        continue;
+      }
+      float* dst = h < Hq ? qp + ((b * Hq + h) * T + t) * D : kp + ((b * Hkv + h - Hq) * T + t) * D;
+      const float *c = cp + bt * D, *s = sp + bt * D;
+      for (int64_t d = 0; d < half; ++d) {
+        dst[d] = src[d] * c[d] - src[d + half] * s[d];
+        dst[d + half] = src[d + half] * c[d + half] + src[d] * s[d + half];
+      }
+    }
+  });
+  return {q, k, v};
+}
+
+// silu(gate) * up over gu = (gate, up) on the last dim, fp32
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dtype() == torch::kFloat && gu.is_contiguous() && gu.dim() >= 1 && gu.size(-1) % 2 == 0,
+              "kvc::silu_mul: contiguous fp32 [..., 2 F]");
+  const int64_t F = gu.size(-1) / 2, rows = F ? gu.numel() / (2 * F) : 0;
+  auto sizes = gu.sizes().vec();
+  sizes.back() = F;
+  auto out = torch::empty(sizes, gu.options());
+  const float* g = gu.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t f = 0; f < F; ++f) {
+        const float a = g[r * 2 * F + f];
+        o[r * F + f] = a / (1.f + std::exp(-a)) * g[r * 2 * F + F + f];
+      }
+  });
+  return out;
+}
+
 std::tuple<torch::Tensor, torch::Tensor> select_top(torch::Tensor scores, torch::Tensor bias, int64_t n) {
   TORCH_CHECK(scores.dtype() == torch::kFloat && bias.dtype() == torch::kFloat, "kvc::select_top: fp32 only");
   TORCH_CHECK(scores.dim() == 3 && bias.dim() == 3 && scores.stride(2) == 1 && bias.stride(2) == 1,
@@ -359,6 +415,8 @@ TORCH_LIBRARY(kvc, m) {
   m.def("dense_attention(Tensor q, Tensor k, Tensor v, SymInt n, float scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor visible, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int Hq, int Hkv) -> (Tensor, Tensor, Tensor)");
+  m.def("silu_mul(Tensor gu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvc, CPU, m) {
@@ -367,4 +425,6 @@ TORCH_LIBRARY_IMPL(kvc, CPU, m) {
   m.impl("dense_attention", &dense_attention);
   m.impl("decode_attention", &decode_attention);
   m.impl("rms_norm", &rms_norm);
+  m.impl("rope_split", &rope_split);
+  m.impl("silu_mul", &silu_mul);
 }

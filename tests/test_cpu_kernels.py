@@ -159,6 +159,43 @@ def test_fused_rms_norm_equals_model_rmsnorm():
     torch.testing.assert_close(fused(x[:, :1]), ref(x[:, :1]), atol=1e-5, rtol=1e-5)
 
 
+def _attention_module(Hq=9, Hkv=3, D=64):
+    from model import ModelArgs, Attention
+    args = ModelArgs(dim=Hq * D, n_layers=1, n_heads=Hq, n_kv_heads=Hkv, intermediate_size=64, vocab_size=32)
+    return Attention(args, 0)
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 3)])
+def test_fused_split_heads_equals_model_attention(B, T):
+    """kvc::rope_split against model.Attention.split_heads: the heads, RoPE on q and k, v untouched."""
+    from kernels.cpu import FusedAttention
+    from model import ModelArgs, rope_tables
+    ref = _attention_module()
+    fused = _attention_module()
+    fused.__class__ = FusedAttention
+    cos, sin = rope_tables(ModelArgs(dim=576, n_layers=1, n_heads=9, n_kv_heads=3, intermediate_size=64,
+                                     vocab_size=32), 64)
+    pos = torch.randint(0, 64, (B, T))
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    qkv = torch.randn(B, T, (9 + 6) * 64)
+    for got, want in zip(fused.split_heads(qkv, c, s), ref.split_heads(qkv, c, s)):
+        assert got.shape == want.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    for got, want in zip(fused.split_heads(qkv.bfloat16(), c, s), ref.split_heads(qkv.bfloat16(), c, s)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)          # not fp32: the model's own path
+
+
+def test_fused_gate_equals_model_feedforward():
+    from kernels.cpu import FusedFeedForward
+    from model import FeedForward, ModelArgs
+    args = ModelArgs(dim=64, n_layers=1, n_heads=1, n_kv_heads=1, intermediate_size=96, vocab_size=32)
+    ref, fused = FeedForward(args), FeedForward(args)
+    fused.__class__ = FusedFeedForward
+    gu = torch.randn(2, 3, 192) * 6
+    torch.testing.assert_close(fused.gate(gu), ref.gate(gu), atol=1e-6, rtol=1e-6)
+    assert fused.gate(gu).shape == (2, 3, 96)
+
+
 def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path, monkeypatch):
     """A build killed midway leaves torch's lock behind, and every later load would wait on it forever."""
     import os
