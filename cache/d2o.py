@@ -16,7 +16,7 @@ kept token (cosine similarity of keys) when that similarity reaches the EMA thre
     tau_t = ema_beta * max_sim_t + (1 - ema_beta) * tau_{t-1} (the paper's beta),  tau_0 = mean max similarity at prefill,
 with weights from exp(similarity) (the kept token's own weight is e = exp(1), its self-similarity):
     k_j <- (e k_j + sum_i exp(u_ij) k_i) / (e + sum_i exp(u_ij)),  values with the same weights.
-This happens at prefill compression and at every decode eviction.
+This happens at prefill compression and at every decode eviction (`merge=false` skips it: an ablation).
 """
 import math
 
@@ -39,7 +39,9 @@ class D2OPolicy(EvictionPolicy):
               "dense_factor": (float, 2.0, "the paper's alpha: budget factor of the dense layers (paper: 2 to 4)"),
               "ema_beta": (float, 0.7, "the paper's beta: EMA smoothing of the merge threshold (paper: 0.5 to 0.9)"),
               "recent_share": (float, 0.25, "share of the non-sink budget for the recent window (N:M = 3:1)"),
-              "conserve_total": (bool, True, "budgets sum to n_layers * budget (else S = budget)")}
+              "conserve_total": (bool, True, "budgets sum to n_layers * budget (else S = budget)"),
+              "merge": (bool, True, "merge evicted tokens into their most similar kept token (false: the layer "
+                                    "budgets with H2O's token eviction, an ablation)")}
     renamed = {"alpha": "dense_factor", "beta": "ema_beta"}
     decode_attention = True
     defer_compression = True
@@ -101,6 +103,8 @@ class D2OPolicy(EvictionPolicy):
     def on_compress(self, layer: int, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor, stats: dict,
                     kc: Tensor, vc: Tensor) -> None:
         """Merge the prompt tokens left out into their most similar kept token (kc, vc, in place)."""
+        if not self.merge:
+            return
         B, H, T, D = k.shape
         n = idx.shape[-1]
         sim = cosine(k, kc)                                                        # [B, H, T, n]
@@ -127,6 +131,8 @@ class D2OPolicy(EvictionPolicy):
     def on_evict(self, layer: int, slot: Tensor) -> None:
         """Merge the token leaving `slot` [B, H] into its most similar remaining slot (through the
         storage's slot reads/writes, so a packed target is requantized correctly)."""
+        if not self.merge:
+            return
         pc = self.pos[layer]
         k_out, v_out = self.read_slots(layer, slot)                               # [B, H, 1, D]
         real = pc.gather(2, slot[:, :, None])[..., 0] >= 0                         # evicting a token?

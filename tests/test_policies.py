@@ -320,6 +320,27 @@ def test_d2o_prefill_merges_evicted_tokens_with_weighted_average():
     assert any(t for t in target.tolist())  # the case merges something
 
 
+def test_d2o_merge_false_keeps_the_same_tokens_unmerged():
+    """The ablation: the same kept slots as with merging, holding their own K/V, and no decode merge."""
+    torch.manual_seed(3)
+    T = 16
+    q, k, v = torch.randn(1, 2, T, 4), torch.randn(1, 1, T, 4), torch.randn(1, 1, T, 4)
+    kept = {}
+    for merge in ("true", "false"):
+        policy = bare_policy("d2o", f"budget=6,n_sink=1,recent_share=0.2,merge={merge}", n_heads=2, n_kv_heads=1,
+                             head_dim=4, T=T)
+        policy.prefill(0, q, k, v)
+        policy.end_prefill()
+        kept[merge] = policy.pos[0][0, 0].tolist()
+    assert kept["true"] == kept["false"]
+    n = len(kept["false"])
+    torch.testing.assert_close(policy.k[0][0, 0, :n], k[0, 0, kept["false"]])
+    torch.testing.assert_close(policy.v[0][0, 0, :n], v[0, 0, kept["false"]])
+    before = policy.k[0].clone()
+    policy.on_evict(0, torch.tensor([[3]]))
+    torch.testing.assert_close(policy.k[0], before)
+
+
 def test_d2o_layer_budgets_split_by_variance_and_sum_to_total(tmp_path):
     _, model = tiny_hf_model("llama31", tmp_path)
     tokens, pos = left_padded([40])
