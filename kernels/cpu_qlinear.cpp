@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstring>
 #include <cmath>
+#include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define KVC_VNNI 1
@@ -211,13 +212,16 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, to
   check(w, scales, mins, bits, group, K);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
-  auto xq = torch::empty({M, K}, x.options().dtype(torch::kShort));
-  auto xd = torch::empty({M, K / BLOCK}, x.options()), xs = torch::empty({M, K / BLOCK}, x.options());
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int16_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+  // the quantized activations: per-thread scratch reused across calls (no allocator round trip per layer)
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> xd, xs;
+  xq.resize(M * K);
+  xd.resize(M * K / BLOCK);
+  xs.resize(M * K / BLOCK);
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
   Problem p{reinterpret_cast<const uint8_t*>(w.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
             bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr,
-            xq.data_ptr<int16_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), out.data_ptr<float>(),
-            M, N, K, group, static_cast<int>(bits)};
+            xq.data(), xd.data(), xs.data(), out.data_ptr<float>(), M, N, K, group, static_cast<int>(bits)};
   run(p, portable);
   return out;
 }

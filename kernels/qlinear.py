@@ -274,8 +274,10 @@ class QuantizedLinear(nn.Module):
     def _cpp(self, x: Tensor) -> Tensor:
         """x [M, K] -> [M, N]: the GEMV kernel for decode-sized M, else dequantize + dense matmul."""
         if x.shape[0] <= MAX_GEMV_ROWS:
-            out = torch.ops.kvc.qlinear(x.float().contiguous(), self.weight, self.scales, self.mins, self.bits,
-                                        self.group, False).to(x.dtype)
+            fp32 = x.dtype == torch.float32 and x.is_contiguous()
+            out = torch.ops.kvc.qlinear(x if fp32 else x.float().contiguous(), self.weight, self.scales, self.mins,
+                                        self.bits, self.group, False)
+            out = out if x.dtype == torch.float32 else out.to(x.dtype)
         else:
             w = torch.ops.kvc.qdequant(self.weight, self.scales, self.mins, self.bits, self.group, self.in_features)
             out = F.linear(x, w.to(x.dtype))
