@@ -267,7 +267,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor])
 
 def linear_small_m(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """kvc::linear_small_m: F.linear(x, weight, bias) for fp32 CPU x [..., K] with at most 16 rows and a
-    contiguous weight [N, K] (model.Linear's decode kernel: W streamed once, ~1.7x oneDNN's rate)."""
+    contiguous weight [N, K] (model.Linear's decode kernel: W streamed once; see kernels/cpu_linear.cpp)."""
     y = torch.ops.kvc.linear_small_m(x.reshape(-1, x.shape[-1]), weight,
                                      _NO_BIAS if bias is None else bias)
     return y.view(*x.shape[:-1], weight.shape[0])

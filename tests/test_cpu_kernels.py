@@ -192,7 +192,7 @@ def test_linear_dispatch_takes_the_kernel_for_decode_rows_only():
     calls = []
     layer.small_m_kernel = lambda *a: calls.append(1) or linear_small_m(*a)
     x = torch.randn(8, 5, 576)
-    for inp, used in [(x[:, -1:], 1), (x[:2, :3], 1), (x, 0), (x[0], 1), (x[:4], 0)]:
+    for inp, used in [(x[:, -1:], 1), (x[:2, :3], 1), (x, 0), (x[0], 1), (x[:4], 0), (x[:3, :4], 1), (x[:, :2], 0)]:
         calls.clear()
         torch.testing.assert_close(layer(inp), plain(inp), atol=1e-5, rtol=1e-5)
         assert len(calls) == used
