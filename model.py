@@ -351,10 +351,15 @@ class Linear(nn.Linear):
     - Under torch.compile on CPU for one-token steps of at most 16 rows (decode):
       `(x * W).sum(-1)`, which Inductor turns into one vectorized reduction streaming W at
       memory bandwidth.  (Testing T == 1 first keeps prefill graphs free of row-count guards.)
+    - Eager fp32 on CPU with at most 12 rows (decode), if a loader plugged one in: `small_m_kernel`
+      (kernels.cpu.linear_small_m: 1.3-1.6x oneDNN's rate at 1 row, 1.1-1.3x at 8, even at 12-16,
+      where oneDNN stays).
     - Anything else (CUDA, no oneDNN): F.linear.
     """
 
     use_onednn = _onednn_linear_available()
+    # small_m_kernel(x [..., K] fp32 with <= 12 rows, weight, bias) -> F.linear's result; None: oneDNN
+    small_m_kernel = None
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type == "cpu":
@@ -362,8 +367,11 @@ class Linear(nn.Linear):
                 if x.shape[-2] == 1 and x.numel() <= 16 * x.shape[-1]:
                     out = (x.unsqueeze(-2) * self.weight).sum(-1)
                     return out if self.bias is None else out + self.bias
-            elif self.use_onednn and x.dtype == self.weight.dtype == torch.float32:
-                return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            elif x.dtype == self.weight.dtype == torch.float32:
+                if self.small_m_kernel is not None and x.numel() <= 12 * x.shape[-1]:
+                    return self.small_m_kernel(x, self.weight, self.bias)
+                if self.use_onednn:
+                    return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -39,9 +39,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from model import Attention, FeedForward, RMSNorm
+from model import Attention, FeedForward, Linear, RMSNorm
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "kivi_kernels.cpp", "cpu_qlinear.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_kernels.cpp", "kivi_kernels.cpp", "cpu_qlinear.cpp", "cpu_linear.cpp")]
 
 
 def _build_tag() -> str:
@@ -174,6 +175,10 @@ def _register_fakes() -> None:
     def _(x, w, scales, mins, bits, group, portable):
         return x.new_empty((x.shape[0], w.shape[0] * 16))
 
+    @torch.library.register_fake("kvc::linear_small_m")
+    def _(x, w, bias):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
     @torch.library.register_fake("kvc::qdequant")
     def _(w, scales, mins, bits, group, K):
         return scales.new_empty((w.shape[0] * 16, K), dtype=torch.float32)
@@ -268,6 +273,26 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor])
     from model import grouped_attention
     mask = None if visible is None else visible[..., None, :S].expand(B, visible.shape[1], (Hq // k.shape[1]) * T, S)
     return grouped_attention(q, k, v, mask)
+
+
+def linear_small_m(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """kvc::linear_small_m: F.linear(x, weight, bias) for fp32 CPU x [..., K] with at most 16 rows and a
+    contiguous weight [N, K] (model.Linear's decode kernel: W streamed once; see kernels/cpu_linear.cpp)."""
+    y = torch.ops.kvc.linear_small_m(x.reshape(-1, x.shape[-1]), weight,
+                                     _NO_BIAS if bias is None else bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+_NO_BIAS = torch.empty(0)
+
+
+def use_linear_kernel(model: torch.nn.Module) -> None:
+    """Plug linear_small_m into every model.Linear of `model` (its decode-sized fp32 CPU steps) when the
+    kernels are built."""
+    if cpu_kernels_available():
+        for mod in model.modules():
+            if isinstance(mod, Linear):
+                mod.small_m_kernel = linear_small_m
 
 
 def _eager_fp32_cpu(*tensors: Tensor) -> bool:

@@ -196,6 +196,83 @@ def test_fused_gate_equals_model_feedforward():
     assert fused.gate(gu).shape == (2, 3, 96)
 
 
+@pytest.mark.parametrize("N,K", [(1, 16), (37, 576), (961, 64), (131, 1536), (29, 67), (7, 5), (300, 15)])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_small_m_equals_f_linear(N, K, bias, threads):
+    """Every M in 1..16 (each its own code path), N odd / not a multiple of the 16-row tile, K a multiple
+    of 16 and not (the masked tail), against F.linear in float64."""
+    from kernels.cpu import linear_small_m
+    g = torch.Generator().manual_seed(N * 1000 + K)
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for M in range(1, 17):
+            x = torch.randn(M, K, generator=g)
+            ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+            torch.testing.assert_close(linear_small_m(x, w, b).double(), ref, atol=1e-5 * ref.abs().max().item(),
+                                       rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_linear_dispatch_takes_the_kernel_for_decode_rows_only():
+    """model.Linear with the kernel plugged in: decode-sized fp32 inputs (any leading shape, strided
+    rows) through kvc::linear_small_m, prefill and bf16 through their old paths, same results."""
+    from kernels.cpu import linear_small_m
+    from model import Linear
+    layer = Linear(576, 960, bias=True)
+    plain = Linear(576, 960, bias=True)
+    plain.load_state_dict(layer.state_dict())
+    calls = []
+    layer.small_m_kernel = lambda *a: calls.append(1) or linear_small_m(*a)
+    x = torch.randn(8, 5, 576)
+    for inp, used in [(x[:, -1:], 1), (x[:2, :3], 1), (x, 0), (x[0], 1), (x[:4], 0), (x[:3, :4], 1), (x[:, :2], 0)]:
+        calls.clear()
+        torch.testing.assert_close(layer(inp), plain(inp), atol=1e-5, rtol=1e-5)
+        assert len(calls) == used
+    layer, plain, calls = layer.bfloat16(), plain.bfloat16(), []
+    torch.testing.assert_close(layer(x[:, -1:].bfloat16()), plain(x[:, -1:].bfloat16()), atol=0, rtol=0)
+    assert not calls
+
+
+@pytest.mark.model
+def test_model_logits_with_the_linear_kernel_equal_onednn(engine_dir):
+    """The default model's prefill + decode logits (B 1 and 8) with the loader's kvc::linear_small_m
+    against the same model on oneDNN's inner product."""
+    from model import Linear
+    model, _ = engine_dir
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert layers and all(m.small_m_kernel is not None for m in layers)
+
+    def run(B):
+        g = torch.Generator().manual_seed(B)
+        tokens = torch.randint(0, model.args.vocab_size, (B, 12), generator=g)
+        model.setup_caches(B, 16)
+        with torch.no_grad():
+            out = [model(tokens[:, :8], torch.arange(8))]
+            out += [model(tokens[:, t:t + 1], torch.tensor([t])) for t in range(8, 12)]
+        return torch.cat(out, dim=1)
+
+    kernel = layers[0].small_m_kernel
+    try:
+        for B in (1, 8):
+            new = run(B)
+            for m in layers:
+                m.small_m_kernel = None
+            old = run(B)
+            for m in layers:
+                m.small_m_kernel = kernel
+            scale = old.abs().max().item()          # float rounding differs over 30 layers: 1e-4 of the logits' size
+            assert (new - old).abs().max().item() <= 1e-4 * scale, ((new - old).abs().max().item(), scale)
+            assert torch.equal(new.argmax(-1), old.argmax(-1))
+    finally:
+        for m in layers:
+            m.small_m_kernel = kernel
+
+
 def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path, monkeypatch):
     """A build killed midway leaves torch's lock behind, and every later load would wait on it forever."""
     import os
