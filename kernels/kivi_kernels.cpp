@@ -128,7 +128,7 @@ static float dot(const float* a, const float* b, int D) {
 // an L1 buffer, then each word row of the chunk is swept once per PB bit-planes with GB x PB
 // accumulators in registers, added into per-channel vector sums (acc, L1) at the chunk's end.
 
-constexpr int64_t CH = 256;            // value chunk: slots whose weights stay in L1
+constexpr int64_t CH = 512;            // value chunk: slots whose weights stay in L1
 
 // qs = q * s_k (channel order) and z = q . m_k of one key group, for GB query rows.  Two cached:
 // the 32 slots of a score block span at most two groups
@@ -267,7 +267,7 @@ static void chunk_weights(const Row& r, const float* s, int64_t npad, const floa
 template <int BITS, int GB, int D>
 static void chunk_values(const Row& r, int64_t t0, int64_t len, const float* pv, v16* acc) {
   constexpr int P = 32 / BITS, W = D / P;
-  constexpr int PB = std::min(P, GB <= 2 ? 8 : 4);            // bit-planes per register block
+  constexpr int PB = std::min(P, GB <= 3 ? 8 : 4);            // bit-planes per register block
   for (int w = 0; w < W; ++w) {
     const int32_t* vw = r.vp + w * r.vp_w + t0;
     for (int jb = 0; jb < P; jb += PB) {
