@@ -15,13 +15,17 @@
 //     value: from ring row p % R while p > now - R (the FIFO of the newest R), else packed.
 //   Words, scales and minimums: token-contiguous (stride 1 over slots), as SlotStore allocates them.
 //
-// Dense path, per (batch row, KV head) and register block of query rows: keys are quantized per
-// channel over groups of G slots, so per group the key scale folds into the query (qs = q * s_k) and
-// the minimum into one dot product (z = q . m_k): score_t = z + sum_d qs_d code_{t,d}, with codes
-// unpacked in registers 16 slots at a time (slot lanes; one shift, mask and convert per bit-plane).
-// Values are quantized per token, so their scale and minimum go into the softmax weights:
-// out_d = sum_t (p_t s_{t,c(d)}) code_{t,d} + sum_t p_t m_{t,c(d)}.  Ring slots are found from `pos`
-// in the same pass and handled from their full-precision rows.  Needs G % 16 == 0.
+// Dense path, per (batch row, KV head) and register block of query rows, two passes.  Keys are
+// quantized per channel over groups of G slots, so per group the key scale folds into the query
+// (qs = q * s_k) and the minimum into one dot product (z = q . m_k): score_t = z + sum_d qs_d
+// code_{t,d}.  Scores go 32 slots at a time through all the slots' words, the codes unpacked in
+// registers (slot lanes: one shift and a table lookup per bit-plane), accumulators in registers;
+// masking, ring keys and the running maximum are applied on the block while it is in L1.  Values are
+// quantized per token, so their scale and minimum go into the softmax weights: out_d = sum_t (p_t
+// s_{t,c(d)}) code_{t,d} + sum_t p_t m_{t,c(d)}; the weights p_t s_t of CH slots at a time are kept
+// in L1 and each word row of the chunk is swept with bit-plane x query-row accumulators in registers.
+// Ring slots are found from `pos` in the score pass and handled from their full-precision rows.
+// Needs G % 16 == 0.
 // Sparse path: each selected slot's key and value are dequantized in registers (its own group's
 // scale and minimum), no gathered copy.  D 64 or 128, bits 2, 4 or 8, D / G <= 16.
 #include <torch/extension.h>
@@ -116,148 +120,212 @@ static float dot(const float* a, const float* b, int D) {
 }
 
 // ------------------------------------------------------------------------------------ dense path
-// scores of GB query rows over the chunks of 16 slots in [0, n): s[g * npad + t]; ring slots go to
-// `hits` (their key scores taken from the ring), invisible ones get -inf.  Memory order: the key
-// scales/minimums once (folded into qs / z per group), then each word row as one sequential sweep
-// (one stream at a time; the scores stay in L1/L2), then the slot table.
-template <int BITS, int GB>
-static void dense_scores(const float* q, const Row& r, int64_t n, int64_t npad, float* s, float* qs,
-                         std::vector<RingHit>& hits) {
-  constexpr int P = 32 / BITS;
-  const int D = r.D, W = D / P;
-  const int64_t ng = npad / r.G + (npad % r.G != 0);
-  for (int64_t grp = 0; grp < ng; ++grp) {                    // fold each group's scale and minimum
-    const float* ksg = r.ks + grp * r.k_g;
-    const float* kmg = r.km + grp * r.k_g;
-    for (int g = 0; g < GB; ++g) {
-      v16 zv = {};
-      for (int c = 0; c < D; c += L) {
-        const v16 qv = load16(q + g * D + c);
-        store16(qs + (grp * GB + g) * D + c, qv * load16(ksg + c));
-        zv += qv * load16(kmg + c);
-      }
-      const v16 z = bcast(hsum(zv));
-      for (int64_t t = grp * r.G; t < std::min<int64_t>((grp + 1) * r.G, npad); t += L) store16(s + g * npad + t, z);
-    }
-  }
-  for (int w = 0; w < W; ++w)
-    for (int64_t t0 = 0; t0 < npad; t0 += L) {
-      __builtin_prefetch(r.kp + w * r.kp_w + t0 + AHEAD_SLOTS);
-      const v16i words = load16i(r.kp + w * r.kp_w + t0);
-      const float* qg = qs + (t0 / r.G) * GB * D;
-      v16 acc[GB];
-      for (int g = 0; g < GB; ++g) acc[g] = load16(s + g * npad + t0);
-#pragma GCC unroll 16
-      for (int j = 0; j < P; ++j) {
-        const v16 c = codes<BITS>(words, BITS * j);
-        const int d = j * W + w;
-        for (int g = 0; g < GB; ++g) acc[g] += qg[g * D + d] * c;
-      }
-      for (int g = 0; g < GB; ++g) store16(s + g * npad + t0, acc[g]);
-    }
-  for (int64_t t = 0; t < npad; ++t) {                        // visibility and the ring, per slot
-    if (t >= n || (r.vis && !r.vis[t])) {
-      for (int g = 0; g < GB; ++g) s[g * npad + t] = -INFINITY;
-    } else if (r.ring_v(r.pos[t])) {
-      const int64_t p = r.pos[t];
-      hits.push_back({t, p % r.R, r.ring_k(p)});
-    }
-  }
-  for (const RingHit& h : hits)
-    if (h.key)
-      for (int g = 0; g < GB; ++g) s[g * npad + h.t] = dot(q + g * D, r.kr + h.row * r.r_row, D);
-}
+// Two passes per (batch row, KV head) and block of GB query rows, D a template parameter (channel
+// offsets j * W become immediates).  Scores: 32 slots at a time, all W word rows of those slots,
+// the GB x 2 accumulators in registers; a key group's scale and minimum are folded into qs / z when
+// the sweep enters it; masking, ring keys and the running max on the block while it is in L1.
+// Values: chunks of CH slots; the chunk's weights e = exp(s - m) times the value scales (pv) go to
+// an L1 buffer, then each word row of the chunk is swept once per PB bit-planes with GB x PB
+// accumulators in registers, added into per-channel vector sums (acc, L1) at the chunk's end.
 
-// softmax numerators in place; returns 1 / sum per row in inv (0 for a row with nothing visible)
-template <int GB>
-static void softmax_rows(float* s, int64_t npad, float* inv) {
+constexpr int64_t CH = 512;            // value chunk: slots whose weights stay in L1
+
+// qs = q * s_k (channel order) and z = q . m_k of one key group, for GB query rows.  Two cached:
+// the 32 slots of a score block span at most two groups
+struct Folded {
+  int64_t grp[2] = {-1, -1};
+  float qs[2][4 * 128];
+  float z[2][4];
+};
+
+template <int GB, int D>
+static int fold_group(const float* q, const Row& r, int64_t grp, Folded& f) {
+  const int i = (int)(grp & 1);
+  if (f.grp[i] == grp) return i;
+  f.grp[i] = grp;
+  const float* ks = r.ks + grp * r.k_g;
+  const float* km = r.km + grp * r.k_g;
   for (int g = 0; g < GB; ++g) {
-    float* sg = s + g * npad;
-    v16 mv = bcast(-INFINITY);
-    for (int64_t t = 0; t < npad; t += L) { const v16 x = load16(sg + t); mv = x > mv ? x : mv; }
-    float m = -INFINITY;
-    for (int l = 0; l < L; ++l) m = std::max(m, mv[l]);
-    const float mg = std::isinf(m) ? 0.f : m;
-    v16 lv = {};
-    for (int64_t t = 0; t < npad; t += L) {
-      const v16 e = vexp(load16(sg + t) - mg);
-      store16(sg + t, e);
-      lv += e;
+    v16 zv = {};
+    for (int c = 0; c < D; c += L) {
+      const v16 qv = load16(q + g * D + c);
+      store16(f.qs[i] + g * D + c, qv * load16(ks + c));
+      zv += qv * load16(km + c);
     }
-    const float l = hsum(lv);
-    inv[g] = l > 0.f ? 1.f / l : 0.f;
+    f.z[i][g] = hsum(zv);
+  }
+  return i;
+}
+
+// slots [t, t + 16) after their packed scores (s[g * npad + t]): -inf past n or invisible; ring
+// slots go to hits, those in the key residual get their scores from the exact ring keys
+template <int GB, int D>
+static void mask_ring(const float* q, const Row& r, int64_t n, int64_t t, float* s, int64_t npad,
+                      std::vector<RingHit>& hits) {
+  const int64_t lo = std::max<int64_t>(r.now - r.R, -1);     // ring_v(p) <=> p > lo
+  bool slow = t + L > n;
+  if (!slow) {
+    int any = 0;
+    for (int l = 0; l < L; ++l) any |= r.pos[t + l] > lo;
+    if (r.vis)
+      for (int l = 0; l < L; ++l) any |= !r.vis[t + l];
+    slow = any;
+  }
+  if (!slow) return;
+  for (int64_t u = t; u < t + L; ++u) {
+    if (u >= n || (r.vis && !r.vis[u])) {
+      for (int g = 0; g < GB; ++g) s[g * npad + u] = -INFINITY;
+    } else if (r.ring_v(r.pos[u])) {
+      const int64_t p = r.pos[u];
+      hits.push_back({u, p % r.R, r.ring_k(p)});
+      if (r.ring_k(p))
+        for (int g = 0; g < GB; ++g) s[g * npad + u] = dot(q + g * D, r.kr + (p % r.R) * r.r_row, D);
+    }
   }
 }
 
-// out[g * D + d] = sum over the packed slots of p_t v_{t,d} (unnormalized), ring slots' weights
-// moved to their full-precision rows
-template <int BITS, int GB>
-static void dense_values(const Row& r, int64_t npad, float* s, const std::vector<RingHit>& hits,
-                         float* pv, float* out) {
-  constexpr int P = 32 / BITS;
-  constexpr int PB = std::min(P, GB == 1 ? 16 : GB <= 3 ? 8 : 4);    // bit-planes per register block
-  const int D = r.D, W = D / P, NCG = D / r.G;
-  std::vector<float> ring_p(hits.size() * GB);
-  for (size_t i = 0; i < hits.size(); ++i)
-    for (int g = 0; g < GB; ++g) {
-      ring_p[i * GB + g] = s[g * npad + hits[i].t];
-      s[g * npad + hits[i].t] = 0.f;                          // not from the packed words
+// scores of NV vectors of 16 slots from t0 into s, masked, their maximum folded into mv
+template <int BITS, int GB, int D, int NV>
+static void score_block(const float* q, const Row& r, int64_t n, int64_t t0, Folded& f, float* s, int64_t npad,
+                        v16* mv, std::vector<RingHit>& hits) {
+  constexpr int P = 32 / BITS, W = D / P;
+  const float* qs[NV];
+  v16 acc[NV][GB];
+  for (int v = 0; v < NV; ++v) {
+    const int i = fold_group<GB, D>(q, r, (t0 + v * L) / r.G, f);
+    qs[v] = f.qs[i];
+    for (int g = 0; g < GB; ++g) acc[v][g] = bcast(f.z[i][g]);
+  }
+  for (int w = 0; w < W; ++w) {
+    const int32_t* kw = r.kp + w * r.kp_w + t0;
+    v16i words[NV];
+    for (int v = 0; v < NV; ++v) {
+      __builtin_prefetch(kw + v * L + AHEAD_SLOTS);
+      words[v] = load16i(kw + v * L);
     }
-  float zc[GB * 16];
-  for (int g = 0; g < GB; ++g)                                // pv = p * s_v per channel group; zc = sum p m_v
-    for (int c = 0; c < NCG; ++c) {
-      v16 zv = {};
-      for (int64_t t = 0; t < npad; t += L) {
-        if (g == 0) {
-          __builtin_prefetch(r.vs + c * r.v_c + t + AHEAD_SLOTS);
-          __builtin_prefetch(r.vm + c * r.v_c + t + AHEAD_SLOTS);
-        }
-        const v16 p = load16(s + g * npad + t);
-        store16(pv + (g * NCG + c) * npad + t, p * load16(r.vs + c * r.v_c + t));
-        zv += p * load16(r.vm + c * r.v_c + t);
+#pragma GCC unroll 16
+    for (int j = 0; j < P; ++j)
+      for (int v = 0; v < NV; ++v) {
+        const v16 c = codes<BITS>(words[v], BITS * j);
+        for (int g = 0; g < GB; ++g) acc[v][g] += qs[v][g * D + j * W + w] * c;
       }
-      zc[g * NCG + c] = hsum(zv);
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t t = t0 + v * L;
+    for (int g = 0; g < GB; ++g) store16(s + g * npad + t, acc[v][g]);
+    mask_ring<GB, D>(q, r, n, t, s, npad, hits);
+    for (int g = 0; g < GB; ++g) {
+      const v16 x = load16(s + g * npad + t);
+      mv[g] = x > mv[g] ? x : mv[g];
     }
-  for (int w = 0; w < W; ++w)
+  }
+}
+
+// all scores s[g * npad + t] for t < npad and each row's maximum m[g] (0 when nothing is visible)
+template <int BITS, int GB, int D>
+static void dense_scores(const float* q, const Row& r, int64_t n, int64_t npad, float* s, float* m,
+                         std::vector<RingHit>& hits) {
+  Folded f;
+  v16 mv[GB];
+  for (int g = 0; g < GB; ++g) mv[g] = bcast(-INFINITY);
+  int64_t t = 0;
+  for (; t + 2 * L <= npad; t += 2 * L) score_block<BITS, GB, D, 2>(q, r, n, t, f, s, npad, mv, hits);
+  if (t < npad) score_block<BITS, GB, D, 1>(q, r, n, t, f, s, npad, mv, hits);
+  for (int g = 0; g < GB; ++g) {
+    float mg = -INFINITY;
+    for (int l = 0; l < L; ++l) mg = std::max(mg, mv[g][l]);
+    m[g] = std::isinf(mg) ? 0.f : mg;
+  }
+}
+
+// weights of the chunk [t0, t0 + len): e = exp(s - m) summed into lsum, pv[(c * GB + g) * CH + t] =
+// e * s_v (value channel group c), zc[g * NCG + c] += e * m_v
+template <int GB>
+static void chunk_weights(const Row& r, const float* s, int64_t npad, const float* m, int64_t t0, int64_t len,
+                          int NCG, float* pv, v16* lsum, v16* zc) {
+  for (int64_t t = 0; t < len; t += L) {
+    v16 e[GB];
+    for (int g = 0; g < GB; ++g) {
+      e[g] = vexp(load16(s + g * npad + t0 + t) - m[g]);
+      lsum[g] += e[g];
+    }
+    for (int c = 0; c < NCG; ++c) {
+      const float* vs = r.vs + c * r.v_c + t0 + t;
+      const float* vm = r.vm + c * r.v_c + t0 + t;
+      __builtin_prefetch(vs + AHEAD_SLOTS);
+      __builtin_prefetch(vm + AHEAD_SLOTS);
+      const v16 sc = load16(vs), mn = load16(vm);
+      for (int g = 0; g < GB; ++g) {
+        store16(pv + (c * GB + g) * CH + t, e[g] * sc);
+        zc[g * NCG + c] += e[g] * mn;
+      }
+    }
+  }
+}
+
+// acc[g * D + d] += sum over the chunk [t0, t0 + len) of pv * code_{t,d}, word row by word row
+template <int BITS, int GB, int D>
+static void chunk_values(const Row& r, int64_t t0, int64_t len, const float* pv, v16* acc) {
+  constexpr int P = 32 / BITS, W = D / P;
+  constexpr int PB = std::min(P, GB <= 3 ? 8 : 4);            // bit-planes per register block
+  for (int w = 0; w < W; ++w) {
+    const int32_t* vw = r.vp + w * r.vp_w + t0;
     for (int jb = 0; jb < P; jb += PB) {
-      v16 acc[GB][PB] = {};
-      for (int64_t t = 0; t < npad; t += L) {
-        if (jb == 0) __builtin_prefetch(r.vp + w * r.vp_w + t + AHEAD_SLOTS);
-        const v16i words = load16i(r.vp + w * r.vp_w + t);
+      const float* pc[PB];                                    // the planes' channel groups' weights
+      for (int jj = 0; jj < PB; ++jj) pc[jj] = pv + ((jb + jj) * W + w) / r.G * GB * CH;
+      v16 a[GB][PB] = {};
+      for (int64_t t = 0; t < len; t += L) {
+        if (jb == 0) __builtin_prefetch(vw + t + AHEAD_SLOTS);
+        const v16i words = load16i(vw + t);
 #pragma GCC unroll 16
         for (int jj = 0; jj < PB; ++jj) {
           const v16 c = codes<BITS>(words, BITS * (jb + jj));
-          const int cg = ((jb + jj) * W + w) / r.G;
-          for (int g = 0; g < GB; ++g) acc[g][jj] += load16(pv + (g * NCG + cg) * npad + t) * c;
+          for (int g = 0; g < GB; ++g) a[g][jj] += load16(pc[jj] + g * CH + t) * c;
         }
       }
       for (int g = 0; g < GB; ++g)
-        for (int jj = 0; jj < PB; ++jj) {
-          const int d = (jb + jj) * W + w;
-          out[g * D + d] = hsum(acc[g][jj]) + zc[g * NCG + d / r.G];
-        }
+        for (int jj = 0; jj < PB; ++jj) acc[g * D + (jb + jj) * W + w] += a[g][jj];
     }
-  for (size_t i = 0; i < hits.size(); ++i)
-    for (int g = 0; g < GB; ++g)
-      for (int c = 0; c < D; c += L)
-        store16(out + g * D + c, load16(out + g * D + c) + ring_p[i * GB + g] * load16(r.vr + hits[i].row * r.r_row + c));
+  }
 }
 
-template <int BITS, int GB>
+template <int BITS, int GB, int D>
 static void dense_rows(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
   const int64_t npad = (n + L - 1) / L * L;
-  const int D = r.D, NCG = D / r.G;
-  work.resize(GB * npad * (1 + NCG) + (npad / r.G + 1) * GB * D);
+  const int NCG = D / r.G;
+  work.resize(GB * npad + NCG * GB * CH + (GB * D + GB * NCG) * L);
   float* s = work.data();
   float* pv = s + GB * npad;
-  float* qs = pv + GB * NCG * npad;
+  v16* acc = reinterpret_cast<v16*>(pv + NCG * GB * CH);
+  v16* zc = acc + GB * D;
+  std::fill(acc, zc + GB * NCG, v16{});
   std::vector<RingHit> hits;
-  dense_scores<BITS, GB>(q, r, n, npad, s, qs, hits);
-  float inv[GB];
-  softmax_rows<GB>(s, npad, inv);
-  dense_values<BITS, GB>(r, npad, s, hits, pv, out);
-  for (int g = 0; g < GB; ++g)
-    for (int d = 0; d < D; ++d) out[g * D + d] *= inv[g];
+  float m[GB];
+  dense_scores<BITS, GB, D>(q, r, n, npad, s, m, hits);
+  std::vector<float> ring_p(hits.size() * GB);                // ring slots: weights moved to their rows
+  float lring[GB] = {};
+  for (size_t i = 0; i < hits.size(); ++i)
+    for (int g = 0; g < GB; ++g) {
+      float& x = s[g * npad + hits[i].t];
+      ring_p[i * GB + g] = std::exp(x - m[g]);
+      lring[g] += ring_p[i * GB + g];
+      x = -INFINITY;
+    }
+  v16 lsum[GB] = {};
+  for (int64_t t0 = 0; t0 < npad; t0 += CH) {
+    const int64_t len = std::min(CH, npad - t0);
+    chunk_weights<GB>(r, s, npad, m, t0, len, NCG, pv, lsum, zc);
+    chunk_values<BITS, GB, D>(r, t0, len, pv, acc);
+  }
+  for (int g = 0; g < GB; ++g) {
+    const float l = hsum(lsum[g]) + lring[g], inv = l > 0.f ? 1.f / l : 0.f;
+    float* og = out + g * D;
+    for (int d = 0; d < D; ++d) og[d] = hsum(acc[g * D + d]) + hsum(zc[g * NCG + d / r.G]);
+    for (size_t i = 0; i < hits.size(); ++i)
+      for (int c = 0; c < D; c += L)
+        store16(og + c, load16(og + c) + ring_p[i * GB + g] * load16(r.vr + hits[i].row * r.r_row + c));
+    for (int d = 0; d < D; ++d) og[d] *= inv;
+  }
 }
 
 // ------------------------------------------------------------------------------------ sparse path
@@ -361,7 +429,8 @@ static void run_block(const float* q, int gb, const Row& r, int64_t n, const int
 #define KVC_CASE(GB)                                                                   \
     case GB:                                                                           \
       if (il) sparse_rows<BITS, GB>(q, r, il, vl, N, work, out);                       \
-      else dense_rows<BITS, GB>(q, r, n, work, out);                                   \
+      else if (r.D == 64) dense_rows<BITS, GB, 64>(q, r, n, work, out);                \
+      else dense_rows<BITS, GB, 128>(q, r, n, work, out);                              \
       break;
     KVC_CASE(1) KVC_CASE(2) KVC_CASE(3) KVC_CASE(4)
 #undef KVC_CASE

@@ -83,6 +83,19 @@ def test_cpp_attention_every_residual_size():
 
 
 @cpp
+@pytest.mark.parametrize("bits,D,G", [(4, 64, 32), (2, 128, 16), (8, 64, 64)])
+def test_cpp_attention_value_chunk_boundaries(bits, D, G):
+    """Dense reads over several of the kernel's value chunks (512 slots) and score blocks (32): lengths
+    around the chunk boundaries, the last block a single vector of 16 or a partial one."""
+    for i, n in enumerate((255, 257, 511, 512, 528, 1041)):
+        store, pos, now, g = random_store(2, 3, D, n, bits, G, 64, seed=40 + i, evict=i % 2 == 1)
+        q = torch.randn(2, 9, 1, D, generator=g) * 2
+        vis = (pos >= 0) & (torch.rand(2, 3, pos.shape[2], generator=g) > 0.1)
+        ref = kivi_attention_torch(q, store.buffers, pos, vis, now, n)
+        torch.testing.assert_close(kivi_attention_cpu(q, store.buffers, pos, vis, now, n), ref, atol=1e-4, rtol=1e-4)
+
+
+@cpp
 @pytest.mark.parametrize("bits,D,G,R", [(4, 64, 32, 128), (2, 64, 16, 32), (8, 128, 32, 64), (4, 128, 8, 16)])
 def test_cpp_sparse_reads_equal_twin(bits, D, G, R):
     """Selected slots (sorted or not, lists per KV head or per query head, invalid entries holding
