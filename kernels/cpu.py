@@ -317,11 +317,8 @@ class FusedAttention(Attention):
     CPU steps (kvc::rope_split)."""
 
     def split_heads(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        B, T, _ = qkv.shape
-        if _eager_fp32_cpu(qkv) and cos.shape[1] == 1:
-            D = cos.shape[-1]
-            return torch.ops.kvc.rope_split(qkv, cos.reshape(B, T, D).contiguous(), sin.reshape(B, T, D).contiguous(),
-                                            self.n_heads, self.n_kv_heads)
+        if _eager_fp32_cpu(qkv, cos, sin) and cos.shape[1] == 1:      # cos/sin [B, 1, T, D]: [B, T, D] in memory
+            return torch.ops.kvc.rope_split(qkv, cos, sin, self.n_heads, self.n_kv_heads)
         return super().split_heads(qkv, cos, sin)
 
 

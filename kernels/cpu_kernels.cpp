@@ -13,7 +13,7 @@
 //       dense decode attention over every slot [0, S) (masked ones skipped), split into chunks of the
 //       slots so that all threads work when B * Hkv is small; the chunks merge by log-sum-exp.
 //   kvc::rms_norm(x [..., D], weight [D], eps) -> x * rsqrt(mean(x^2) + eps) * weight (one op for the eager step)
-//   kvc::rope_split(qkv [B, T, (Hq + 2 Hkv) D], cos, sin [B, T, D], Hq, Hkv) -> q [B, Hq, T, D], k, v [B, Hkv, T, D]
+//   kvc::rope_split(qkv [B, T, (Hq + 2 Hkv) D], cos, sin [B, T, D] (or [B, 1, T, D]), Hq, Hkv) -> q [B, Hq, T, D], k, v [B, Hkv, T, D]
 //       the fused projection's heads split out, q and k rotated (model.apply_rope), all contiguous
 //   kvc::silu_mul(gu [..., 2 F]) -> silu(gu[..., :F]) * gu[..., F:] (SwiGLU's gate times up)
 //   kvc::select_top(scores [B, h, S], bias [B, 1 or h, S + n], n) -> (idx, valid) [B, h, n]
