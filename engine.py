@@ -25,7 +25,7 @@ import torch
 from cache import PolicyError, make_policy, policy_names
 from cache.kv_dtype import kv_storage
 from cache.quantized import GROUP, RESIDUAL, check_format
-from checkpoint import WEIGHTS, CheckpointError, build_model, read_checkpoint
+from checkpoint import WEIGHTS, CheckpointError, build_model, read_checkpoint, release_freed_memory
 from model import Transformer
 from tokenizer import Tokenizer
 import tp as tensor_parallel
@@ -82,8 +82,12 @@ def load_model(checkpoint, device="cpu", dtype=None, weights: str = "auto", tp: 
     args.checkpoint = str(checkpoint)
     tensor_parallel.check(args, tp)        # a bad --tp or launch fails before anything is built
     if tp > 1:
-        return tensor_parallel.build(args, tensors, device, dtype, tp, tp_head), tokenizer
-    return build_model(args, tensors, device, dtype, consume=True), tokenizer
+        model = tensor_parallel.build(args, tensors, device, dtype, tp, tp_head)
+    else:
+        model = build_model(args, tensors, device, dtype, consume=True)
+    del tensors
+    release_freed_memory()
+    return model, tokenizer
 
 
 # --------------------------------------------------------------------------- sampling

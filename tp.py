@@ -55,7 +55,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from cache.shard import Shard
-from checkpoint import build_model
+from checkpoint import build_model, on_meta
 from kernels.qlinear import MIN_GROUP, QWeight
 from model import Linear, ModelArgs, Transformer
 
@@ -251,7 +251,7 @@ def vocab_parallel_head(model: Transformer, shard: Shard) -> VocabParallelHead:
     a copy of an untied head so the rest is freed)."""
     weight = model.output.weight
     rows = span(weight.shape[0], shard)
-    with torch.device("meta"):
+    with on_meta():
         head = VocabParallelHead(weight.shape[1], rows.stop - rows.start, bias=False)
     part = weight.detach()[rows]
     head.weight = torch.nn.Parameter(part if model.args.tie_word_embeddings else part.clone(), requires_grad=False)

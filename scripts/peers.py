@@ -15,7 +15,10 @@ machine hits every side alike; each run is a fresh process, which also gives its
 
 A side that crashes (e.g. llama-cpp-python built natively segfaults on batched eval on AMX Xeons) or is
 not installed is reported in its row, never fatal.  From Python: `decode_tps(side, ids, steps, threads)`
--> {"tok_s", "peak_rss", "prefill_s", "compile_s"} or {"error"}.
+-> {"tok_s", "peak_rss", "model_rss", "prefill_s", "compile_s"} or {"error"}.  peak_rss is the process's
+peak; model_rss the part of it above the RSS once the side's runtime was imported (torch and this
+engine's C++ kernels, llama_cpp, transformers): the model's own memory, weights + cache + activations
++ tokenizer, without the ~230 MB that `import torch` costs every side.
 """
 from __future__ import annotations
 
@@ -44,6 +47,15 @@ DEFAULT_HF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
 
 # --------------------------------------------------------------------------- workers (in the subprocess)
 
+_runtime_rss = 0
+
+
+def runtime_loaded() -> None:
+    """Mark the point where the side's libraries are imported and its model not yet loaded."""
+    global _runtime_rss
+    _runtime_rss = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+
+
 def timed_decode(step, first_token: int, steps: int, warmup: int) -> float:
     """tok/s of `steps` calls of step(token) -> next token, after `warmup` untimed ones."""
     tok = first_token
@@ -61,6 +73,7 @@ def run_llama_cpp(opts: dict, ids: list[int], steps: int, warmup: int, threads: 
         import llama_cpp
     except ImportError:
         raise SystemExit(json.dumps({"error": f"llama-cpp-python is not installed: {PEERS_EXTRA}"}))
+    runtime_loaded()
     llm = llama_cpp.Llama(str(opts["path"]), n_ctx=len(ids) + steps + warmup + 8, n_threads=threads,
                           n_threads_batch=threads, n_batch=512, verbose=False)
     t = time.perf_counter()
@@ -82,6 +95,7 @@ def run_hf(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) ->
         from transformers import LlamaForCausalLM
     except ImportError:
         raise SystemExit(json.dumps({"error": "transformers is not installed: pip install -e '.[test]'"}))
+    runtime_loaded()
     torch.set_num_threads(threads)
     path = Path(opts["path"])
     kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
@@ -103,6 +117,9 @@ def run_ours(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) 
     import torch
     import engine
     from cache import make_policy
+    from kernels.cpu import cpu_kernels_available
+    cpu_kernels_available()
+    runtime_loaded()
     torch.set_num_threads(threads)
     model, _ = engine.load_model(opts["path"], "cpu", opts.get("dtype"), opts.get("weights", "auto"))
 
@@ -141,6 +158,7 @@ def worker_main(spec: dict) -> int:
     ids = json.loads(Path(spec["ids_file"]).read_text())
     out = WORKERS[spec["kind"]](spec["opts"], ids, spec["steps"], spec["warmup"], spec["threads"])
     out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["model_rss"] = out["peak_rss"] - _runtime_rss
     print(json.dumps(out), flush=True)
     return 0
 
@@ -226,7 +244,7 @@ def run(args) -> list[dict]:
     for (label, c), got in samples.items():
         row = {"side": label, "context": c, "runs": len(got)}
         if got:
-            row.update({k: statistics.median(x[k] for x in got) for k in ("tok_s", "peak_rss", "prefill_s")})
+            row.update({k: statistics.median(x[k] for x in got) for k in ("tok_s", "peak_rss", "model_rss", "prefill_s")})
             compile_s = [x["compile_s"] for x in got if x.get("compile_s") is not None]
             row["compile_s"] = compile_s or None
         else:
@@ -262,7 +280,7 @@ def compare_with_rows(ours: list[dict], peers: str, threads: int, steps: int, gg
 def print_table(rows: list[dict], base_sides: Sequence[str]) -> None:
     by = {(r["side"], r["context"]): r for r in rows}
     print(f"{'side':58s} {'ctx':>5s} {'tok/s':>7s} " + " ".join(f"{'/' + b[:10]:>11s}" for b in base_sides)
-          + f" {'peak RSS':>9s}")
+          + f" {'peak RSS':>9s} {'model':>7s}")
     for r in rows:
         if "error" in r:
             print(f"{r['side']:58s} {r['context']:5d}  error: {r['error']}")
@@ -272,7 +290,7 @@ def print_table(rows: list[dict], base_sides: Sequence[str]) -> None:
             ref = by.get((b, r["context"]))
             ratios.append(f"{r['tok_s'] / ref['tok_s']:10.2f}x" if ref and "tok_s" in ref else f"{'-':>11s}")
         print(f"{r['side']:58s} {r['context']:5d} {r['tok_s']:7.1f} " + " ".join(ratios)
-              + f" {r['peak_rss'] / 2**20:7.0f}MB")
+              + f" {r['peak_rss'] / 2**20:7.0f}MB {r['model_rss'] / 2**20:5.0f}MB")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
