@@ -184,11 +184,15 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kvc::qlinear")
     def _(x, w, scales, mins, bits, group, portable):
-        return x.new_empty((x.shape[0], w.shape[0] * 16))
+        return x.new_empty((*x.shape[:-1], w.shape[0] * 16))
 
     @torch.library.register_fake("kvc::linear_small_m")
     def _(x, w, bias):
         return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("kvc::qembed")
+    def _(w, scales, mins, bits, group, K, rows):
+        return scales.new_empty((rows.shape[0], K), dtype=torch.float32)
 
     @torch.library.register_fake("kvc::qdequant")
     def _(w, scales, mins, bits, group, K):

@@ -270,6 +270,8 @@ class QuantizedLinear(nn.Module):
         self.scales = nn.Parameter(s, requires_grad=False)
         self.mins = nn.Parameter(m, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # decode-sized fp32 inputs go straight to the GEMV (no reshapes, no padded rows to cut, no bias)
+        self._gemv_direct = self.backend == "cpp" and bias is None and self.out_features % TILE == 0
 
     def _cpp(self, x: Tensor) -> Tensor:
         """x [M, K] -> [M, N]: the GEMV kernel for decode-sized M, else dequantize + dense matmul."""
@@ -297,6 +299,9 @@ class QuantizedLinear(nn.Module):
         return self.rows(torch.arange(self.out_features, device=self.weight.device))
 
     def forward(self, x: Tensor) -> Tensor:
+        if (self._gemv_direct and x.dtype == torch.float32 and x.is_contiguous()
+                and x.numel() <= MAX_GEMV_ROWS * self.in_features):
+            return torch.ops.kvc.qlinear(x, self.weight, self.scales, self.mins, self.bits, self.group, False)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.backend == "cpp":
@@ -324,5 +329,11 @@ class QuantizedEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, tokens: Tensor) -> Tensor:
-        rows = dequantize(self._table[0].rows(tokens.reshape(-1)), self.dtype)
+        table = self._table[0]
+        if table.backend == "cpp" and tokens.dtype == torch.long:      # one op instead of tile_rows' two dozen
+            rows = torch.ops.kvc.qembed(table.weight, table.scales, table.mins, table.bits, table.group,
+                                        table.in_features, tokens.reshape(-1))
+            rows = rows if self.dtype == torch.float32 else rows.to(self.dtype)
+        else:
+            rows = dequantize(table.rows(tokens.reshape(-1)), self.dtype)
         return rows.view(*tokens.shape, rows.shape[-1])
