@@ -230,6 +230,21 @@ def test_add_rms_norm_equals_twin():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_eager_ops_are_the_registered_ops():
+    """kernels/cpu_bindings.cpp: the direct bindings run the same functions as torch.ops.kvc."""
+    from kernels.cpu import eager_ops
+    ops = eager_ops()
+    x, y = torch.randn(2, 1, 1, 576)
+    w = torch.randn(576)
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), torch.ops.kvc.rms_norm(x, w, 1e-5))
+    for a, b in zip(ops.add_rms_norm(x, y, w, 1e-5), torch.ops.kvc.add_rms_norm(x, y, w, 1e-5)):
+        assert torch.equal(a, b)
+    gu = torch.randn(1, 1, 200)
+    assert torch.equal(ops.silu_mul(gu), torch.ops.kvc.silu_mul(gu))
+    for name in ("rope_split", "dense_decode", "qlinear", "qembed"):
+        assert callable(getattr(ops, name))
+
+
 def _tiny_model(**kw):
     from model import ModelArgs, Transformer
     torch.manual_seed(0)
