@@ -16,6 +16,11 @@
 //   kvc::rope_split(qkv [B, T, (Hq + 2 Hkv) D], cos, sin [B, T, D] (or [B, 1, T, D]), Hq, Hkv) -> q [B, Hq, T, D], k, v [B, Hkv, T, D]
 //       the fused projection's heads split out, q and k rotated (model.apply_rope), all contiguous
 //   kvc::silu_mul(gu [..., 2 F]) -> silu(gu[..., :F]) * gu[..., F:] (SwiGLU's gate times up)
+//   kvc::dense_decode(qkv [B, 1, (Hq + 2 Hkv) D], cos, sin [B, 1, D], k_cache, v_cache [B, Hkv, C, D], visible,
+//                     start, Hq, Hkv, scale) -> [B, 1, Hq D]
+//       a decode step's attention over a dense cache in one op: rope_split, k and v stored into slot
+//       `start`, decode_attention over slots [0, start] (visible [B, R, >= start + 1] bool, row 0, or empty)
+//   kvc::add_rms_norm(x, y [..., D], weight [D], eps) -> (x + y, rms_norm(x + y)) (a residual add and a norm)
 //   kvc::select_top(scores [B, h, S], bias [B, 1 or h, S + n], n) -> (idx, valid) [B, h, n]
 //       the n largest of scores + bias per row (torch.topk's set; ties go to the lower slot), in
 //       ascending slot order; where fewer than n entries exceed -inf, the rest are marked invalid
@@ -208,14 +213,16 @@ torch::Tensor dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 // dense decode attention: every query head of a GQA group over slots [0, S) of its KV head, the slots
 // split into chunks (flash-decoding) so that both threads work even with few KV heads; each chunk is
 // attend_rows over its rows in place, the chunks' partials merged by log-sum-exp
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor visible,
-                               double scale) {
+// (slots [0, S) of k, v, whose third dim may be larger: a dense cache's buffers)
+static torch::Tensor decode_attention_n(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        int64_t S, const torch::Tensor& visible, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat && k.dtype() == torch::kFloat && v.dtype() == torch::kFloat,
               "kvc::decode_attention: fp32 only");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.stride(3) == 1 && v.stride(3) == 1,
               "k/v must be [B, Hkv, S, D] with contiguous rows");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), S = k.size(2), G = Hq / Hkv;
+  TORCH_CHECK(S >= 1 && S <= k.size(2), "kvc::decode_attention: 1 <= slots <= the buffers' length");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
   TORCH_CHECK(D == 64 || D == 128, "kvc::decode_attention: head_dim 64 or 128");
   const bool has_vis = visible.numel() > 0;
   TORCH_CHECK(!has_vis || (visible.dim() == 3 && visible.size(0) == B && (visible.size(1) == 1 || visible.size(1) == Hkv)
@@ -270,6 +277,19 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out;
 }
 
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor visible,
+                               double scale) {
+  return decode_attention_n(q, k, v, k.size(2), visible, scale);
+}
+
+// one row of rms_norm
+static inline void rms_norm_row(const float* xr, const float* wp, int64_t D, float eps, float* out) {
+  float ss = 0.f;
+  for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
+  const float inv = 1.f / std::sqrt(ss / D + eps);
+  for (int64_t d = 0; d < D; ++d) out[d] = xr[d] * inv * wp[d];
+}
+
 // y = x * rsqrt(mean(x^2) + eps) * weight over the last dim, fp32 (one op instead of F.rms_norm's six)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.dtype() == torch::kFloat && weight.dtype() == torch::kFloat && x.is_contiguous() &&
@@ -280,15 +300,35 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * D;
-      float ss = 0.f;
-      for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
-      const float inv = 1.f / std::sqrt(ss / D + (float)eps);
-      for (int64_t d = 0; d < D; ++d) op[r * D + d] = xr[d] * inv * wp[d];
-    }
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * D, wp, D, (float)eps, op + r * D);
   });
   return out;
+}
+
+// (h, rms_norm(h)) with h = x + y: a block's residual add and the next norm in one op
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dtype() == torch::kFloat && y.dtype() == torch::kFloat && weight.dtype() == torch::kFloat &&
+              x.is_contiguous() && y.is_contiguous() && weight.is_contiguous() && x.sizes() == y.sizes() &&
+              x.size(-1) == weight.numel(), "kvc::add_rms_norm: contiguous fp32 x, y [..., D], weight [D]");
+  auto h = torch::empty_like(x), out = torch::empty_like(x);
+  const int64_t D = weight.numel(), rows = D ? x.numel() / D : 0;
+  const float *xp = x.data_ptr<float>(), *yp = y.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float *hp = h.data_ptr<float>(), *op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t d = 0; d < D; ++d) hp[r * D + d] = xp[r * D + d] + yp[r * D + d];
+      rms_norm_row(hp + r * D, wp, D, (float)eps, op + r * D);
+    }
+  });
+  return {h, out};
+}
+
+// x * cos + rotate_half(x) * sin for one head of D = 2 * half floats (model.apply_rope)
+static inline void rope_head(const float* src, const float* c, const float* s, int64_t half, float* dst) {
+  for (int64_t d = 0; d < half; ++d) {
+    dst[d] = src[d] * c[d] - src[d + half] * s[d];
+    dst[d + half] = src[d + half] * c[d + half] + src[d] * s[d + half];
+  }
 }
 
 // model.Attention.split_heads in one op: head h of token t is the D floats at qkv[b, t, h * D]; q and k
@@ -314,14 +354,47 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(torch::Tensor
         continue;
       }
       float* dst = h < Hq ? qp + ((b * Hq + h) * T + t) * D : kp + ((b * Hkv + h - Hq) * T + t) * D;
-      const float *c = cp + bt * D, *s = sp + bt * D;
-      for (int64_t d = 0; d < half; ++d) {
-        dst[d] = src[d] * c[d] - src[d + half] * s[d];
-        dst[d + half] = src[d + half] * c[d + half] + src[d] * s[d + half];
-      }
+      rope_head(src, cp + bt * D, sp + bt * D, half, dst);
     }
   });
   return {q, k, v};
+}
+
+// model.Attention's decode step over a model.DenseCache in one op: the heads of qkv [B, 1, (Hq + 2 Hkv) D]
+// split, q and k rotated (rope_split), k and v written into slot `start` of the layer's buffers k_cache,
+// v_cache [B, Hkv, C, D] (contiguous), then decode_attention of q over slots [0, start] with row 0 of
+// visible [B, R, >= start + 1] (bool, or empty: all visible) -> [B, 1, Hq D] (wo's input, heads in order)
+torch::Tensor dense_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                           torch::Tensor v_cache, torch::Tensor visible, int64_t start, int64_t Hq, int64_t Hkv,
+                           double scale) {
+  TORCH_CHECK(qkv.dtype() == torch::kFloat && cos.dtype() == torch::kFloat && sin.dtype() == torch::kFloat &&
+              qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && qkv.dim() == 3 && qkv.size(1) == 1,
+              "kvc::dense_decode: contiguous fp32 qkv [B, 1, (Hq + 2 Hkv) D], cos, sin [B, 1, D]");
+  const int64_t B = qkv.size(0), H = Hq + 2 * Hkv, D = qkv.size(2) / H, half = D / 2;
+  TORCH_CHECK(D * H == qkv.size(2) && D % 2 == 0 && cos.numel() == B * D && sin.numel() == B * D,
+              "kvc::dense_decode: qkv's last dim must be (Hq + 2 Hkv) * D with cos, sin [B, 1, D]");
+  TORCH_CHECK(k_cache.dtype() == torch::kFloat && v_cache.dtype() == torch::kFloat && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D,
+              "kvc::dense_decode: contiguous fp32 k_cache, v_cache [B, Hkv, C, D]");
+  TORCH_CHECK(start >= 0 && start < k_cache.size(2), "kvc::dense_decode: slot out of range");
+  auto q = torch::empty({B, Hq, D}, qkv.options());
+  const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const int64_t C = k_cache.size(2);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* src = x + (b * H + h) * D;
+      if (h < Hq) rope_head(src, cp + b * D, sp + b * D, half, qp + (b * Hq + h) * D);
+      else if (h < Hq + Hkv) rope_head(src, cp + b * D, sp + b * D, half, kp + ((b * Hkv + h - Hq) * C + start) * D);
+      else std::memcpy(vp + ((b * Hkv + h - Hq - Hkv) * C + start) * D, src, D * sizeof(float));
+    }
+  torch::Tensor vis = visible;
+  if (visible.numel() > 0) {
+    TORCH_CHECK(visible.dim() == 3 && visible.size(0) == B, "kvc::dense_decode: visible must be bool [B, R, >= start + 1]");
+    vis = visible.select(1, 0).unsqueeze(1);                        // [B, 1, L]: the group's rows are equal
+  }
+  return decode_attention_n(q, k_cache, v_cache, start + 1, vis, scale).view({B, 1, Hq * D});
 }
 
 // silu(gate) * up over gu = (gate, up) on the last dim, fp32
@@ -425,6 +498,9 @@ TORCH_LIBRARY(kvc, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int Hq, int Hkv) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("dense_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor visible, "
+        "int start, int Hq, int Hkv, float scale) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor y, Tensor weight, float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvc, CPU, m) {
@@ -435,4 +511,6 @@ TORCH_LIBRARY_IMPL(kvc, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_split", &rope_split);
   m.impl("silu_mul", &silu_mul);
+  m.impl("dense_decode", &dense_decode);
+  m.impl("add_rms_norm", &add_rms_norm);
 }

@@ -1,8 +1,9 @@
 // CPU kernels of the weight-quantized linear layers (built with kernels/cpu_kernels.cpp by
 // kernels/cpu.py; the Python side, layouts and twins are in kernels/qlinear.py):
 //
-//   kvc::qlinear(x [M, K] fp32, w tiles, scales fp16 [N/16, K/G, 16], mins fp16 like scales (int4) or an
-//                empty tensor (int8), bits 4|8, group G, portable bool) -> y [M, N] fp32
+//   kvc::qlinear(x [M, K] fp32 (or [..., K]: M rows), w tiles, scales fp16 [N/16, K/G, 16], mins fp16 like
+//                scales (int4) or an empty tensor (int8), bits 4|8, group G, portable bool) -> y [M, N] fp32
+//                (or [..., N])
 //       y = W~ x~: W~ the dequantized weight (int8: scale * q; int4: scale * q + min, q in [0, 16)) and
 //       x~ the activations rounded to 16-bit integers in blocks of 32 (d = max|x| / 32767,
 //       q_x = round(x / d)): a relative error of at most 2^-16 of the block's largest value, 256x below
@@ -12,6 +13,7 @@
 //       minimum multiplies the block sums of x~.  For decode-sized M; kernels/qlinear.py uses
 //       qdequant + a dense matmul for prefill.
 //   kvc::qdequant(w, scales, mins, bits, group, K) -> W~ [N, K] fp32
+//   kvc::qembed(w, scales, mins, bits, group, K, rows [L]) -> rows of W~ [L, K] fp32 (a tied head's embeddings)
 //
 // Tiles of 16 output rows (kernels/qlinear.py `to_tiles` writes them from the row-major codes), read as
 // one dword per row (lane) of a 64-byte load:
@@ -206,11 +208,13 @@ void check(const torch::Tensor& w, const torch::Tensor& scales, const torch::Ten
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits,
                       int64_t group, bool portable) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
-              "kvc::qlinear: x must be a contiguous fp32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
+              "kvc::qlinear: x must be a contiguous fp32 [..., K]");
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, N = w.size(0) * 16;
   check(w, scales, mins, bits, group, K);
-  auto out = torch::empty({M, N}, x.options());
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto out = torch::empty(sizes, x.options());
   if (M == 0) return out;
   // the quantized activations: per-thread scratch reused across calls (no allocator round trip per layer)
   thread_local std::vector<int16_t> xq;
@@ -250,12 +254,45 @@ torch::Tensor qdequant(torch::Tensor w, torch::Tensor scales, torch::Tensor mins
   return out;
 }
 
+// rows `rows` (long [L]) of W~ in fp32 [L, K]: a tied head's embedding lookups, each row dequantized from
+// its tile (qdequant's arithmetic) instead of the whole tile or a row-major copy
+torch::Tensor qembed(torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits, int64_t group,
+                     int64_t K, torch::Tensor rows) {
+  check(w, scales, mins, bits, group, K);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kLong && rows.is_contiguous(),
+              "kvc::qembed: rows must be a contiguous long [L]");
+  const int64_t NT = w.size(0), NG = K / group, L = rows.size(0);
+  auto out = torch::empty({L, K}, w.options().dtype(torch::kFloat));
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < L; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < NT * 16, "kvc::qembed: row ", rp[i], " out of range");
+  at::parallel_for(0, L, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = rp[i] / 16;
+      const int r = static_cast<int>(rp[i] % 16);
+      const uint8_t* wt = wp + t * K * 2 * bits;
+      float* row = op + i * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t so = (t * NG + k / group) * 16 + r;
+        row[k] = code(wt, bits, k, r) * half_to_float(sp[so]) + (mp ? half_to_float(mp[so]) : 0.f);
+      }
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(kvc, m) {
   m.def("qlinear(Tensor x, Tensor w, Tensor scales, Tensor mins, int bits, int group, bool portable) -> Tensor");
   m.def("qdequant(Tensor w, Tensor scales, Tensor mins, int bits, int group, int K) -> Tensor");
+  m.def("qembed(Tensor w, Tensor scales, Tensor mins, int bits, int group, int K, Tensor rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvc, CPU, m) {
   m.impl("qlinear", &qlinear);
   m.impl("qdequant", &qdequant);
+  m.impl("qembed", &qembed);
 }

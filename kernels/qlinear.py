@@ -45,6 +45,7 @@ MIN_GROUP = 32       # group sizes are multiples of this
 MAX_GEMV_ROWS = 16   # rows of x up to which the GEMV kernels run (more: dequantize + dense matmul)
 
 triton = tl = None   # imported lazily by _kernels(): importing this module never imports Triton
+_eager_ops = None    # kernels.cpu.eager_ops() once a layer takes the cpp backend (eager calls skip the dispatcher)
 
 
 @dataclass
@@ -237,9 +238,11 @@ def qlinear_triton(x: Tensor, qw: QWeight, block_n: int = 32, block_k: int = 128
 def resolve_qbackend(backend: str, device: torch.device) -> str:
     """"cpp" | "triton" | "torch" for a layer on `device` ("auto": cpp on CPU when the C++ kernels
     build, triton on CUDA, torch otherwise)."""
-    from .cpu import cpu_kernels_available
+    global _eager_ops
+    from .cpu import cpu_kernels_available, eager_ops
     if backend == "cpp" or (backend == "auto" and device.type == "cpu"):
         if cpu_kernels_available() and device.type == "cpu":
+            _eager_ops = eager_ops()
             return "cpp"
         if backend == "cpp":
             raise RuntimeError("backend='cpp' needs CPU tensors and the C++ CPU kernels (see kernels/cpu.py)")
@@ -270,6 +273,8 @@ class QuantizedLinear(nn.Module):
         self.scales = nn.Parameter(s, requires_grad=False)
         self.mins = nn.Parameter(m, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # decode-sized fp32 inputs go straight to the GEMV (no reshapes, no padded rows to cut, no bias)
+        self._gemv_direct = self.backend == "cpp" and bias is None and self.out_features % TILE == 0
 
     def _cpp(self, x: Tensor) -> Tensor:
         """x [M, K] -> [M, N]: the GEMV kernel for decode-sized M, else dequantize + dense matmul."""
@@ -297,6 +302,10 @@ class QuantizedLinear(nn.Module):
         return self.rows(torch.arange(self.out_features, device=self.weight.device))
 
     def forward(self, x: Tensor) -> Tensor:
+        if (self._gemv_direct and x.dtype == torch.float32 and x.is_contiguous()
+                and x.numel() <= MAX_GEMV_ROWS * self.in_features):
+            ops = torch.ops.kvc if _eager_ops is None or torch.compiler.is_compiling() else _eager_ops
+            return ops.qlinear(x, self.weight, self.scales, self.mins, self.bits, self.group, False)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.backend == "cpp":
@@ -324,5 +333,12 @@ class QuantizedEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, tokens: Tensor) -> Tensor:
-        rows = dequantize(self._table[0].rows(tokens.reshape(-1)), self.dtype)
+        table = self._table[0]
+        if table.backend == "cpp" and tokens.dtype == torch.long:      # one op instead of tile_rows' two dozen
+            ops = torch.ops.kvc if _eager_ops is None or torch.compiler.is_compiling() else _eager_ops
+            rows = ops.qembed(table.weight, table.scales, table.mins, table.bits, table.group, table.in_features,
+                              tokens.reshape(-1).contiguous())
+            rows = rows if self.dtype == torch.float32 else rows.to(self.dtype)
+        else:
+            rows = dequantize(table.rows(tokens.reshape(-1)), self.dtype)
         return rows.view(*tokens.shape, rows.shape[-1])

@@ -185,6 +185,127 @@ def test_fused_split_heads_equals_model_attention(B, T):
         torch.testing.assert_close(got, want, atol=0, rtol=0)          # not fp32: the model's own path
 
 
+@pytest.mark.parametrize("B,Hq,Hkv,C,start,D,vis", [(1, 9, 3, 600, 512, 64, "mask"), (2, 8, 2, 40, 17, 128, "mask"),
+                                                     (1, 4, 4, 10, 0, 64, "none"), (2, 9, 3, 1200, 1100, 64, "none")])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dense_decode_equals_twin(B, Hq, Hkv, C, start, D, vis, threads):
+    """kvc::dense_decode (heads split, RoPE, slot writes, decode attention over [0, start]) against
+    dense_decode_torch: the output, the written slot, and every other slot untouched; a visibility mask
+    with the DenseCache's [B, G, n] rows (row 0 read) hiding some slots of each row, or none."""
+    import math
+    from kernels.cpu import dense_decode_torch
+    from model import ModelArgs, rope_tables
+    g = torch.Generator().manual_seed(C + start)
+    qkv = torch.randn(B, 1, (Hq + 2 * Hkv) * D, generator=g) * 2
+    cos, sin = rope_tables(ModelArgs(dim=Hq * D, n_layers=1, n_heads=Hq, n_kv_heads=Hkv, intermediate_size=64,
+                                     vocab_size=32), 2 * C)
+    pos = torch.randint(0, 2 * C, (B, 1), generator=g)
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    k, v = torch.randn(2, B, Hkv, C, D, generator=g)
+    visible = torch.empty(0, 0, 0, dtype=torch.bool)
+    if vis == "mask":
+        row = torch.rand(B, 1, start + 1, generator=g) > 0.3
+        row[..., start] = True
+        visible = row.expand(B, Hq // Hkv, start + 1).contiguous()
+    k_ref, v_ref = k.clone(), v.clone()
+    want = dense_decode_torch(qkv, c, s, k_ref, v_ref, visible, start, Hq, Hkv)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.kvc.dense_decode(qkv, c, s, k, v, visible, start, Hq, Hkv, 1.0 / math.sqrt(D))
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (B, 1, Hq * D)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(k, k_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(v, v_ref, atol=0, rtol=0)
+
+
+def test_add_rms_norm_equals_twin():
+    from kernels.cpu import add_rms_norm_torch
+    x, y = torch.randn(2, 3, 3, 576) * 4
+    w = torch.randn(576)
+    for got, want in zip(torch.ops.kvc.add_rms_norm(x, y, w, 1e-5), add_rms_norm_torch(x, y, w, 1e-5)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_eager_ops_are_the_registered_ops():
+    """kernels/cpu_bindings.cpp: the direct bindings run the same functions as torch.ops.kvc."""
+    from kernels.cpu import eager_ops
+    ops = eager_ops()
+    x, y = torch.randn(2, 1, 1, 576)
+    w = torch.randn(576)
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), torch.ops.kvc.rms_norm(x, w, 1e-5))
+    for a, b in zip(ops.add_rms_norm(x, y, w, 1e-5), torch.ops.kvc.add_rms_norm(x, y, w, 1e-5)):
+        assert torch.equal(a, b)
+    gu = torch.randn(1, 1, 200)
+    assert torch.equal(ops.silu_mul(gu), torch.ops.kvc.silu_mul(gu))
+    for name in ("rope_split", "dense_decode", "qlinear", "qembed"):
+        assert callable(getattr(ops, name))
+
+
+def _tiny_model(**kw):
+    from model import ModelArgs, Transformer
+    torch.manual_seed(0)
+    args = ModelArgs(dim=9 * 64, n_layers=2, n_heads=9, n_kv_heads=3, intermediate_size=96, vocab_size=64, **kw)
+    m = Transformer(args)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return m.eval()
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_fused_modules_equal_the_model_over_a_dense_cache(sliding_window):
+    """fuse_modules (kvc::dense_decode, kvc::add_rms_norm, ...) against the plain model, both with the C++
+    decode attention: logits and cache contents over a prompt with left padding and decode steps (a sliding
+    window: masked slots)."""
+    from kernels.cpu import decode_attention, fuse_modules
+    from model import DenseCache
+    ref, fused = _tiny_model(sliding_window=sliding_window), _tiny_model(sliding_window=sliding_window)
+    fuse_modules(fused)
+    assert type(fused.layers[0].attention).__name__ == "FusedAttention"
+    for m in (ref, fused):
+        m.decode_kernel = decode_attention
+        m.setup_caches(2, 32)
+    tokens = torch.randint(0, 64, (2, 9))
+    pos = torch.arange(9).expand(2, 9) - torch.tensor([[0], [3]])          # row 1 left-padded by 3
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(tokens, pos), ref(tokens, pos), atol=1e-5, rtol=1e-5)
+        for i in range(4):
+            tok, p = torch.randint(0, 64, (2, 1)), pos[:, -1:] + 1 + i
+            torch.testing.assert_close(fused(tok, p), ref(tok, p), atol=1e-5, rtol=1e-5)
+    assert type(fused.cache) is DenseCache
+    for a, b in zip(fused.cache.k + fused.cache.v, ref.cache.k + ref.cache.v):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_attention_leaves_other_caches_to_their_decode():
+    """A DenseCache subclass (another policy's storage) or another decode kernel: FusedAttention calls the
+    cache's own decode hook, as model.Attention does."""
+    from kernels.cpu import decode_attention, fuse_modules
+    from model import DenseCache
+
+    class Recording(DenseCache):
+        calls = 0
+
+        def decode(self, layer, q, k, v):
+            Recording.calls += 1
+            return super().decode(layer, q, k, v)
+
+    m = _tiny_model()
+    fuse_modules(m)
+    m.decode_kernel = decode_attention
+    with torch.inference_mode():
+        for policy, kernel in ((Recording(), decode_attention), (DenseCache(), None)):
+            calls = []
+            policy.decode_kernel = kernel or (lambda *a: calls.append(1) or decode_attention(*a))
+            m.setup_caches(1, 16, policy)
+            m(torch.randint(0, 64, (1, 4)), torch.arange(4))
+            m(torch.randint(0, 64, (1, 1)), torch.tensor([4]))
+            assert Recording.calls == 2 and (kernel is not None or len(calls) == 2)
+
+
 def test_fused_gate_equals_model_feedforward():
     from kernels.cpu import FusedFeedForward
     from model import FeedForward, ModelArgs

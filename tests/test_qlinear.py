@@ -129,6 +129,10 @@ def test_cpp_kernel_equals_twin(mode, group, sym, M, portable):
     assert ((out[:, :40] - qlinear_reference(x, qw)).abs() <= 1e-6 * summed(x, qw) + 1e-7).all()
     deq = torch.ops.kvc.qdequant(w, s, m, qw.bits, qw.group, 256)
     assert torch.equal(deq[:40], dequantize(qw))
+    if not portable:                                                          # leading dims: rows in order
+        assert torch.equal(torch.ops.kvc.qlinear(x.view(1, M, 256), w, s, m, qw.bits, qw.group, False), out[None])
+        rows = torch.tensor([39, 0, 17, 17, 5], dtype=torch.long)             # the embedding lookups of a tied head
+        assert torch.equal(torch.ops.kvc.qembed(w, s, m, qw.bits, qw.group, 256, rows), dequantize(qw)[rows])
 
 
 def act_bound(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
@@ -151,6 +155,22 @@ def test_quantized_linear_rows_and_dtypes(M):
     assert out.dtype == torch.bfloat16 and out.shape == (M, 96)
     torch.testing.assert_close(out.float(), qlinear_torch(x.bfloat16().float(), qw), atol=0.02, rtol=0.01)
     assert lin(torch.randn(0, 256)).shape == (0, 96)
+    if M <= MAX_GEMV_ROWS:                                          # any leading shape, the same rows
+        assert torch.equal(lin(x.view(1, M, 1, 256)), lin(x).view(1, M, 1, 96))
+        assert torch.equal(lin(x.T.contiguous().T), lin(x))        # strided: through the reshape path
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpp", marks=needs_cpp), "torch"])
+def test_quantized_embedding_rows(backend):
+    """A tied head's embedding lookups (kvc::qembed on the cpp backend) are the dequantized rows, any shape,
+    in the model's dtype."""
+    from kernels.qlinear import QuantizedEmbedding
+    qw = quantize_int4(weight(N=40), 32)
+    emb = QuantizedEmbedding(QuantizedLinear(qw, backend=backend), torch.float32)
+    tokens = torch.tensor([[39, 0, 17], [17, 5, 16]])
+    assert torch.equal(emb(tokens), dequantize(qw)[tokens])
+    emb.dtype = torch.bfloat16
+    assert torch.equal(emb(tokens[:1, :1]), dequantize(qw)[tokens[:1, :1]].bfloat16())
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cpp", marks=needs_cpp), "torch"])
