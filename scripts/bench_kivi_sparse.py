@@ -3,9 +3,11 @@ against kvc::sparse_attention over fp32 storage, with the same index lists, in o
 
     OMP_WAIT_POLICY=ACTIVE python scripts/bench_kivi_sparse.py [--baseline REV] [--repeats 30]
 
-One decode attention as `ds` issues it, cycling over --layers caches (none stays in L3): B=8, H_q=9, H_kv=3, D=64, S=4096 cached tokens,
-lists per KV head of N_c=512 slots (16 sinks, the 64 newest, 432 others drawn at random), ascending
-as kvc::select_top returns them; KIVI storage at G=32, R=128, 4 and 2 bits.
+One decode attention as `ds` issues it: B=8, H_q=9, H_kv=3, D=64, S=4096 cached tokens, lists per KV
+head of N_c=512 slots (16 sinks, the 64 newest, 432 others drawn at random), ascending as
+kvc::select_top returns them; KIVI storage at G=32, R=128, 4 and 2 bits.  Each op cycles over
+--layers caches (8: no cache's selected lines stay in the 32 MiB L3 between its calls, as in a
+model's decode step).
   fp32           kvc::sparse_attention over k, v [B, H_kv, S, D] fp32
   kivi4 / kivi2  kvc::kivi_attention (this checkout's build) over the packed storage
   ... REV        the same op built from kernels/kivi_kernels.cpp at git revision REV (--baseline),
@@ -15,11 +17,11 @@ Rounds are interleaved (round r times every op once; a sample is the mean of --i
 """
 import argparse
 import statistics
-from itertools import cycle
 import subprocess
 import sys
 import tempfile
 import time
+from itertools import cycle
 from pathlib import Path
 
 import torch
