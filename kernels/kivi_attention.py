@@ -154,6 +154,9 @@ def kivi_attention_torch(q: Tensor, buf: KIVIBuffers, pos: Tensor, visible: Opti
     else:
         heads = idx if idx.shape[1] == H else idx.view(B, H, -1)            # per-query-head lists by KV head
         k, v = kivi_gather(buf, heads.clamp(0, pos.shape[2] - 1), pos, now)
+        if visible is not None:                                             # invisible entries are not read
+            seen = visible.expand(B, H, visible.shape[2]).gather(2, heads.clamp(0, visible.shape[2] - 1))
+            valid = seen.view(idx.shape) if valid is None else valid & seen.view(idx.shape)
         ar = torch.arange(heads.shape[2], device=idx.device).expand(heads.shape).reshape(idx.shape)
         out = sparse_decode_attention_torch(q3.float(), k, v, ar, valid, scale)
     out = out.to(q.dtype)

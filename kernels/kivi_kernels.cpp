@@ -26,12 +26,22 @@
 // in L1 and each word row of the chunk is swept with bit-plane x query-row accumulators in registers.
 // Ring slots are found from `pos` in the score pass and handled from their full-precision rows.
 // Needs G % 16 == 0.
-// Sparse path: each selected slot's key and value are dequantized in registers (its own group's
-// scale and minimum), no gathered copy.  D 64 or 128, bits 2, 4 or 8, D / G <= 16.
+// Sparse path (idx given), per (batch row, index list) and block of query rows, two passes over the
+// list in its order: scores, then weighted values.  Each entry's W words are gathered into one
+// vector and unpacked in channel lanes (a per-lane shift and the code table); the key group's scale
+// and minimum are folded into the query once per group the list enters (ascending lists enter each
+// group once), and the 16 channel-lane partial sums of 16 entries are reduced together; values are
+// dequantized in registers with their own scale and minimum and accumulated with the softmax
+// weights (vectorized exp).  Prefetches follow the list: the lines of each new 16-slot window and
+// the scales of each new key group.  D 64 or 128, bits 2, 4 or 8, G % 8 == 0, D / G <= 16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "cpu_vec.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstring>
@@ -40,7 +50,7 @@
 namespace {
 
 constexpr int L = 16;                  // slot lanes per vector (dense path)
-constexpr int64_t AHEAD = 8;           // selected slots prefetched ahead (sparse path)
+constexpr int64_t AHEAD = 8;           // list entries prefetched ahead (sparse path)
 constexpr int64_t AHEAD_SLOTS = 256;   // dense path: slots ahead (1 KiB of one word row, 16 cache lines)
 
 // one (batch row, KV head) of the storage: pointers and element strides of its eight buffers
@@ -98,11 +108,12 @@ static inline v16 load16(const float* p) { v16 x; std::memcpy(&x, p, sizeof x); 
 static inline v16i load16i(const int32_t* p) { v16i x; std::memcpy(&x, p, sizeof x); return x; }
 static inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 static inline v16 bcast(float x) { return (v16){} + x; }
-// the codes at bit offset `shift` of 16 words as floats.  2 and 4 bits: a 16-entry table lookup
-// (__builtin_shuffle takes lane indices modulo 16, one vpermps on AVX-512) replaces the mask and the
-// int->float convert: TABLE[i] = i & (2^BITS - 1) reads the low 4 bits, which start with the code
-template <int BITS>
-static inline v16 codes(v16i words, int shift) {
+// the codes at bit offset `shift` (one for all lanes, or per lane) of 16 words as floats.  2 and 4
+// bits: a 16-entry table lookup (__builtin_shuffle takes lane indices modulo 16, one vpermps on
+// AVX-512) replaces the mask and the int->float convert: TABLE[i] = i & (2^BITS - 1) reads the low 4
+// bits, which start with the code
+template <int BITS, typename Shift>
+static inline v16 codes(v16i words, Shift shift) {
   if constexpr (BITS == 8) {
     return __builtin_convertvector((words >> shift) & 255, v16);
   } else {
@@ -329,96 +340,249 @@ static void dense_rows(const float* q, const Row& r, int64_t n, std::vector<floa
 }
 
 // ------------------------------------------------------------------------------------ sparse path
-// lane tables of one slot's unpacking, channel order, 16 channels per vector c: the word holding
-// channel d (d % W, planar layout), its shift (bits * (d / W)) and its value channel group (d / G)
-struct Lanes {
-  v16i widx[8], shift[8], cg[8];
-  Lanes(int bits, int D, int G) {
-    const int W = D * bits / 32;
-    for (int d = 0; d < D; ++d) {
-      widx[d / L][d % L] = d % W;
-      shift[d / L][d % L] = bits * (d / W);
-      cg[d / L][d % L] = d / G;
+// Per (batch row, KV head) and block of GB query rows, two passes over the index list in its order
+// (the readers' lists are ascending: neighbouring entries share key groups and cache lines, which
+// the prefetches and the folded query exploit; any order is still correct).  Channel lanes: slot t's
+// W words are gathered into one vector (word l % W in lane l, repeated when W < 16; W / 16 vectors
+// when W > 16), and channel d = 16c + l of vector c comes out of lane l with one per-lane shift
+// (bits * (d / W), the planar layout) and the code table: no permute, no scalar unpacking.
+//   scores: when the list enters a new key group, its scale folds into the query (qs = q * s_k) and
+//           its minimum into a vector z = q * m_k; an entry's GB score vectors are z + qs * code
+//           (16 partial sums each), reduced 16 entries at a time (hsum16);
+//   values: weights e = exp(s - m) over the whole list (vectorized), then each value dequantized in
+//           registers (code * s_v + m_v, its own scale and minimum: one broadcast per vector when
+//           G >= 16) and added with e to GB accumulators in registers.
+// Ring entries: exact keys and values from their ring rows.  Prefetches run AHEAD entries ahead,
+// once per new 16-slot line (words, value scales) or key group (its scales and minimums).
+
+// x[j] -> lane j of the result: the sum of x[j]'s 16 lanes (x is overwritten).  Each round adds the
+// two halves of every segment of two vectors (segments of 2H lanes -> H lanes, entities in order)
+template <int H>
+static inline v16 add_halves(v16 u, v16 v) {
+  v16i lo, hi;
+  for (int l = 0; l < L; ++l) {
+    const int seg = l / H, per = 8 / H;                       // per: segments (entities) per input
+    lo[l] = (seg < per ? 0 : L) + (seg % per) * 2 * H + l % H;
+    hi[l] = lo[l] + H;
+  }
+  return __builtin_shuffle(u, v, lo) + __builtin_shuffle(u, v, hi);
+}
+
+static inline v16 hsum16(v16* x) {
+  for (int k = 0; k < 8; ++k) x[k] = add_halves<8>(x[2 * k], x[2 * k + 1]);
+  for (int k = 0; k < 4; ++k) x[k] = add_halves<4>(x[2 * k], x[2 * k + 1]);
+  for (int k = 0; k < 2; ++k) x[k] = add_halves<2>(x[2 * k], x[2 * k + 1]);
+  return add_halves<1>(x[0], x[1]);
+}
+
+// the W words of a slot, repeated over the 16 lanes when W < 16 (lane l: p[ix[l]], ix lane l the
+// offset of word l % W): AVX-512 gathers the W distinct words once (4, 8 or 16 lanes) and broadcasts
+template <int W>
+static inline v16i slot_words(const int32_t* p, v16i ix) {
+#if defined(__AVX512F__)
+  if constexpr (W == 4)
+    return (v16i)_mm512_broadcast_i32x4(_mm_i32gather_epi32(p, _mm512_castsi512_si128((__m512i)ix), 4));
+  else if constexpr (W == 8)
+    return (v16i)_mm512_broadcast_i64x4(_mm256_i32gather_epi32(p, _mm512_castsi512_si256((__m512i)ix), 4));
+  else
+    return (v16i)_mm512_i32gather_epi32((__m512i)ix, p, 4);
+#else
+  v16i x;
+  for (int l = 0; l < L; ++l) x[l] = p[ix[l]];
+  return x;
+#endif
+}
+
+static inline v16 gather16f(const float* p, v16i ix) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_i32gather_ps((__m512i)ix, p, 4);
+#else
+  v16 x;
+  for (int l = 0; l < L; ++l) x[l] = p[ix[l]];
+  return x;
+#endif
+}
+
+// lane tables of one slot's unpacking: D/16 vectors of 16 channels from NW = max(1, W/16) word vectors
+template <int BITS, int D>
+struct SlotLanes {
+  static constexpr int W = D * BITS / 32, NW = W > L ? W / L : 1, DV = D / L;
+  v16i wix[NW];                        // word vector k, lane l: offset of word (16k + l) % W
+  v16i shift[DV];                      // vector c, lane l: shift of channel 16c + l
+  v16i vix[DV];                        // vector c, lane l: offset of channel 16c + l's value scale
+  SlotLanes(const Row& r) {
+    for (int k = 0; k < NW; ++k)
+      for (int l = 0; l < L; ++l) wix[k][l] = (int)(((k * L + l) % W) * r.kp_w);
+    for (int c = 0; c < DV; ++c)
+      for (int l = 0; l < L; ++l) {
+        shift[c][l] = BITS * ((c * L + l) / W);
+        vix[c][l] = (int)((c * L + l) / r.G * r.v_c);
+      }
+  }
+  // the D codes of slot t of words p (k_packed or v_packed), channel order, as floats
+  void codes_of(const int32_t* p, int64_t t, v16* out) const {
+    v16i wv[NW];
+    for (int k = 0; k < NW; ++k) wv[k] = slot_words<std::min(W, L)>(p + t, wix[k]);
+    for (int c = 0; c < DV; ++c) out[c] = codes<BITS>(wv[c % NW], shift[c]);
+  }
+  // the value scale (row vs) or minimum (row vm) of slot t for the channels of vector c: one
+  // broadcast when they share a value group (G >= 16), else a gather
+  v16 value_param(const float* row, int64_t t, int c, int G) const {
+    return G >= L ? bcast(row[vix[c][0] + t]) : gather16f(row + t, vix[c]);
+  }
+};
+
+// whether entry i is read: valid, and visible
+static inline bool readable(const Row& r, const int64_t* il, const bool* vl, int64_t i) {
+  return (!vl || vl[i]) && (!r.vis || r.vis[il[i]]);
+}
+
+static inline void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)p + o);
+}
+
+// prefetches for the entry AHEAD on: its words (one line per word row) when it starts a new line of
+// 16 slots, and, for keys, its group's scale and minimum when it starts a new group; for values, its
+// scales and minimums (one line per value group)
+template <int BITS, int D, bool KEYS>
+static inline void prefetch_ahead(const Row& r, const SlotLanes<BITS, D>& ln, const int64_t* il,
+                                  const bool* vl, int64_t i, int64_t N) {
+  const int64_t a = i + AHEAD;
+  if (a >= N || (vl && !vl[a])) return;
+  const int64_t t = il[a], before = il[a - 1];
+  if ((t >> 4) != (before >> 4)) {
+    const int32_t* p = KEYS ? r.kp : r.vp;
+    for (int w = 0; w < ln.W; ++w) __builtin_prefetch(p + ln.wix[w / L][w % L] + t);
+    if (!KEYS)
+      for (int c = 0; c < D / r.G; ++c) {
+        __builtin_prefetch(r.vs + c * r.v_c + t);
+        __builtin_prefetch(r.vm + c * r.v_c + t);
+      }
+  }
+  if (KEYS && t / r.G != before / r.G) {
+    prefetch_lines(r.ks + t / r.G * r.k_g, D * sizeof(float));
+    prefetch_lines(r.km + t / r.G * r.k_g, D * sizeof(float));
+  }
+}
+
+// the key group's scale and minimum folded into GB query rows: qs = q * s_k, z = q * m_k (lanes)
+template <int GB, int D>
+struct KeyFold {
+  int64_t grp = -1;
+  v16 qs[GB][D / L], z[GB];
+  void enter(const float* q, const Row& r, int64_t g) {
+    if (g == grp) return;
+    grp = g;
+    const float* ks = r.ks + g * r.k_g;
+    const float* km = r.km + g * r.k_g;
+    for (int b = 0; b < GB; ++b) {
+      z[b] = v16{};
+      for (int c = 0; c < D / L; ++c) {
+        const v16 qv = load16(q + b * D + c * L);
+        qs[b][c] = qv * load16(ks + c * L);
+        z[b] += qv * load16(km + c * L);
+      }
     }
   }
 };
 
-// the D channels of slot t dequantized in registers (out[c], 16 channels each): code * scale + min
-// with per-channel scale/min rows (keys: sc, mn of the slot's group) or per channel group of the
-// slot (values: sc_t, mn_t hold its D/G scales and minimums)
-template <int BITS>
-static void unpack_slot(const int32_t* words0, int64_t stride_w, int64_t t, int D, const Lanes& ln, v16* out,
-                        const float* sc, const float* mn, const v16* sc_t, const v16* mn_t) {
-  constexpr int LVL = (1 << BITS) - 1;
-  const int W = D * BITS / 32;
-  int32_t wb[32] = {};
-  for (int w = 0; w < W; ++w) wb[w] = words0[w * stride_w + t];
-  const v16i lo = load16i(wb), hi = load16i(wb + 16);
-  for (int c = 0; c < D / L; ++c) {
-    const v16i wv = __builtin_shuffle(lo, hi, ln.widx[c]);
-    const v16 code = __builtin_convertvector((wv >> ln.shift[c]) & LVL, v16);
-    if (sc_t) out[c] = code * __builtin_shuffle(*sc_t, ln.cg[c]) + __builtin_shuffle(*mn_t, ln.cg[c]);
-    else out[c] = code * load16(sc + c * L) + load16(mn + c * L);
+// scores s[b * npad + i] of the list (-inf for entries not read and in the padding up to npad) and
+// each row's maximum m[b] (0 when nothing is read)
+template <int BITS, int GB, int D>
+static void sparse_scores(const float* q, const Row& r, const SlotLanes<BITS, D>& ln, const int64_t* il,
+                          const bool* vl, int64_t N, int64_t npad, float* s, float* m) {
+  constexpr int DV = D / L;
+  KeyFold<GB, D> f;
+  v16 mv[GB];
+  for (int b = 0; b < GB; ++b) mv[b] = bcast(-INFINITY);
+  for (int64_t i0 = 0; i0 < npad; i0 += L) {
+    v16 part[GB][L];                                          // entry j's partial products
+    v16i read = {};
+    for (int j = 0; j < L; ++j) {
+      const int64_t i = i0 + j;
+      if (i >= N || !readable(r, il, vl, i)) {
+        for (int b = 0; b < GB; ++b) part[b][j] = v16{};
+        continue;
+      }
+      read[j] = -1;
+      prefetch_ahead<BITS, D, true>(r, ln, il, vl, i, N);
+      const int64_t t = il[i], p = r.pos[t];
+      v16 k[DV];
+      if (r.ring_k(p)) {
+        for (int c = 0; c < DV; ++c) k[c] = load16(r.kr + (p % r.R) * r.r_row + c * L);
+        for (int b = 0; b < GB; ++b) {
+          part[b][j] = v16{};
+          for (int c = 0; c < DV; ++c) part[b][j] += load16(q + b * D + c * L) * k[c];
+        }
+      } else {
+        f.enter(q, r, t / r.G);
+        ln.codes_of(r.kp, t, k);
+        for (int b = 0; b < GB; ++b) {
+          part[b][j] = f.z[b];
+          for (int c = 0; c < DV; ++c) part[b][j] += f.qs[b][c] * k[c];
+        }
+      }
+    }
+    for (int b = 0; b < GB; ++b) {
+      const v16 x = read ? hsum16(part[b]) : bcast(-INFINITY);
+      mv[b] = x > mv[b] ? x : mv[b];
+      store16(s + b * npad + i0, x);
+    }
+  }
+  for (int b = 0; b < GB; ++b) {
+    float mb = -INFINITY;
+    for (int l = 0; l < L; ++l) mb = std::max(mb, mv[b][l]);
+    m[b] = std::isinf(mb) ? 0.f : mb;
   }
 }
 
-template <int BITS, int GB>
+// out[b * D + d]: the weighted values of the list, weights e[b * npad + i] (0 for entries not read)
+// summing to l[b]; each value dequantized in registers (code * s_v + m_v) and added to GB rows
+template <int BITS, int GB, int D>
+static void sparse_values(const Row& r, const SlotLanes<BITS, D>& ln, const int64_t* il, const bool* vl,
+                          int64_t N, const float* e, int64_t npad, const float* l, float* out) {
+  constexpr int DV = D / L;
+  v16 acc[GB][DV] = {};
+  for (int64_t i = 0; i < N; ++i) {
+    if (!readable(r, il, vl, i)) continue;
+    prefetch_ahead<BITS, D, false>(r, ln, il, vl, i, N);
+    const int64_t t = il[i], p = r.pos[t];
+    v16 x[DV], eb[GB];
+    for (int b = 0; b < GB; ++b) eb[b] = bcast(e[b * npad + i]);
+    if (r.ring_v(p)) {
+      for (int c = 0; c < DV; ++c) x[c] = load16(r.vr + (p % r.R) * r.r_row + c * L);
+    } else {
+      ln.codes_of(r.vp, t, x);
+      for (int c = 0; c < DV; ++c) x[c] = x[c] * ln.value_param(r.vs, t, c, r.G) + ln.value_param(r.vm, t, c, r.G);
+    }
+    for (int b = 0; b < GB; ++b)
+      for (int c = 0; c < DV; ++c) acc[b][c] += eb[b] * x[c];
+  }
+  for (int b = 0; b < GB; ++b) {
+    const float inv = l[b] > 0.f ? 1.f / l[b] : 0.f;
+    for (int c = 0; c < DV; ++c) store16(out + b * D + c * L, acc[b][c] * inv);
+  }
+}
+
+template <int BITS, int GB, int D>
 static void sparse_rows(const float* q, const Row& r, const int64_t* il, const bool* vl, int64_t N,
                         std::vector<float>& work, float* out) {
-  const int D = r.D, DV = D / L, NCG = D / r.G;
-  work.resize(GB * N);
+  const int64_t npad = (N + L - 1) / L * L;
+  work.resize(GB * npad);
   float* s = work.data();
-  const Lanes ln(r.bits, D, r.G);
-  v16 k[8], acc[GB][8] = {}, sc_t = {}, mn_t = {};
-  float m[GB];
-  for (int g = 0; g < GB; ++g) m[g] = -INFINITY;
-  for (int64_t i = 0; i < N; ++i) {
-    const bool ok = !vl || vl[i];
-    if (ok && i + AHEAD < N) {
-      const int64_t ta = il[i + AHEAD];
-      for (int w = 0; w < D * r.bits / 32; ++w) {
-        __builtin_prefetch(r.kp + w * r.kp_w + ta);
-        __builtin_prefetch(r.vp + w * r.vp_w + ta);
-      }
+  const SlotLanes<BITS, D> ln(r);
+  float m[GB], l[GB];
+  sparse_scores<BITS, GB, D>(q, r, ln, il, vl, N, npad, s, m);
+  for (int b = 0; b < GB; ++b) {                               // s -> e = exp(s - m), in place
+    v16 lv = {};
+    for (int64_t i = 0; i < npad; i += L) {
+      const v16 x = vexp(load16(s + b * npad + i) - m[b]);
+      store16(s + b * npad + i, x);
+      lv += x;
     }
-    const int64_t t = ok ? il[i] : 0, p = ok ? r.pos[t] : -1;
-    if (!ok || (r.vis && !r.vis[t])) {
-      for (int g = 0; g < GB; ++g) s[g * N + i] = -INFINITY;
-      continue;
-    }
-    if (r.ring_k(p)) {
-      for (int c = 0; c < DV; ++c) k[c] = load16(r.kr + (p % r.R) * r.r_row + c * L);
-    } else {
-      const int64_t g = t / r.G;
-      unpack_slot<BITS>(r.kp, r.kp_w, t, D, ln, k, r.ks + g * r.k_g, r.km + g * r.k_g, nullptr, nullptr);
-    }
-    for (int g = 0; g < GB; ++g) {
-      v16 a = {};
-      for (int c = 0; c < DV; ++c) a += load16(q + g * D + c * L) * k[c];
-      s[g * N + i] = hsum(a);
-      m[g] = std::max(m[g], s[g * N + i]);
-    }
+    l[b] = hsum(lv);
   }
-  float l[GB] = {};
-  for (int64_t i = 0; i < N; ++i) {
-    if (s[i] == -INFINITY) continue;                          // invisible for every row of the block
-    const int64_t t = il[i], p = r.pos[t];
-    if (r.ring_v(p)) {
-      for (int c = 0; c < DV; ++c) k[c] = load16(r.vr + (p % r.R) * r.r_row + c * L);
-    } else {
-      for (int c = 0; c < NCG; ++c) { sc_t[c] = r.vs[c * r.v_c + t]; mn_t[c] = r.vm[c * r.v_c + t]; }
-      unpack_slot<BITS>(r.vp, r.vp_w, t, D, ln, k, nullptr, nullptr, &sc_t, &mn_t);
-    }
-    for (int g = 0; g < GB; ++g) {
-      const float e = std::exp(s[g * N + i] - m[g]);
-      l[g] += e;
-      for (int c = 0; c < DV; ++c) acc[g][c] += e * k[c];
-    }
-  }
-  for (int g = 0; g < GB; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int c = 0; c < DV; ++c) store16(out + g * D + c * L, acc[g][c] * inv);
-  }
+  sparse_values<BITS, GB, D>(r, ln, il, vl, N, s, npad, l, out);
 }
 
 // ------------------------------------------------------------------------------------ dispatch
@@ -428,7 +592,8 @@ static void run_block(const float* q, int gb, const Row& r, int64_t n, const int
   switch (gb) {
 #define KVC_CASE(GB)                                                                   \
     case GB:                                                                           \
-      if (il) sparse_rows<BITS, GB>(q, r, il, vl, N, work, out);                       \
+      if (il && r.D == 64) sparse_rows<BITS, GB, 64>(q, r, il, vl, N, work, out);      \
+      else if (il) sparse_rows<BITS, GB, 128>(q, r, il, vl, N, work, out);             \
       else if (r.D == 64) dense_rows<BITS, GB, 64>(q, r, n, work, out);                \
       else dense_rows<BITS, GB, 128>(q, r, n, work, out);                              \
       break;
@@ -468,6 +633,8 @@ torch::Tensor kivi_attention(torch::Tensor q, torch::Tensor k_packed, torch::Ten
   const bool sparse = idx.numel() > 0;
   TORCH_CHECK(sparse || G % L == 0, "kvc::kivi_attention: the dense path needs group % 16 == 0");
   const int64_t Hidx = sparse ? idx.size(1) : H, N = sparse ? idx.size(2) : 0;
+  TORCH_CHECK(!sparse || D * bits / 32 * k_packed.stride(3) < INT32_MAX,
+              "kvc::kivi_attention: sparse reads address words with int32 offsets (capacity too large)");
   TORCH_CHECK(!sparse || (idx.is_contiguous() && idx.dtype() == torch::kLong && (Hidx == H || Hidx == Hq)),
               "kvc::kivi_attention: idx must be a contiguous long [B, H or Hq, N]");
   const bool has_valid = valid.numel() > 0, has_vis = visible.numel() > 0;

@@ -99,20 +99,38 @@ def test_cpp_attention_value_chunk_boundaries(bits, D, G):
 @pytest.mark.parametrize("bits,D,G,R", [(4, 64, 32, 128), (2, 64, 16, 32), (8, 128, 32, 64), (4, 128, 8, 16)])
 def test_cpp_sparse_reads_equal_twin(bits, D, G, R):
     """Selected slots (sorted or not, lists per KV head or per query head, invalid entries holding
-    garbage indices) read from packed storage: no gathered copy, same result as gather + attention."""
+    garbage indices, with or without a visibility mask; list lengths around the kernel's blocks of 16)
+    read from packed storage: no gathered copy, same result as gather + attention."""
     for i, n in enumerate((33, 150, 300)):
         store, pos, now, g = random_store(2, 3, D, n, bits, G, R, seed=10 + i, evict=True)
         q = torch.randn(2, 9, 1, D, generator=g)
-        for Hidx in (3, 9):
-            N = min(n, 70)
+        vis = (pos >= 0) & (torch.rand(2, 3, pos.shape[2], generator=g) > 0.2)
+        for Hidx, N, visible in ((3, min(n, 70), None), (9, min(n, 70), vis), (3, 16, vis), (9, 5, None)):
             idx = torch.stack([torch.randperm(n, generator=g)[:N] for _ in range(2 * Hidx)]).view(2, Hidx, N)
             if i % 2:
                 idx = idx.sort(-1).values
             valid = torch.rand(2, Hidx, N, generator=g) > 0.2
             idx = torch.where(valid, idx, n + 1000)                      # never read
-            ref = kivi_attention_torch(q, store.buffers, pos, None, now, n, idx=idx, valid=valid)
-            out = kivi_attention_cpu(q, store.buffers, pos, None, now, n, idx=idx, valid=valid)
+            ref = kivi_attention_torch(q, store.buffers, pos, visible, now, n, idx=idx, valid=valid)
+            out = kivi_attention_cpu(q, store.buffers, pos, visible, now, n, idx=idx, valid=valid)
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@cpp
+@pytest.mark.parametrize("bits,D,G", [(4, 64, 32), (2, 128, 8)])
+def test_cpp_sparse_reads_of_whole_groups(bits, D, G):
+    """Ascending lists that take whole key groups and every slot of some 16-slot lines (as the readers'
+    selections near the sinks and the newest tokens), with and without valid, over a long cache."""
+    n = 700
+    store, pos, now, g = random_store(2, 3, D, n, bits, G, 64, seed=bits)
+    q = torch.randn(2, 9, 1, D, generator=g) * 2
+    picks = torch.cat([torch.arange(0, 3 * G), torch.arange(n - 100, n),
+                       torch.randperm(n - 3 * G - 100, generator=g)[:150] + 3 * G]).sort().values
+    idx = picks.expand(2, 3, -1).contiguous()
+    for valid in (None, torch.rand(idx.shape, generator=g) > 0.1):
+        ref = kivi_attention_torch(q, store.buffers, pos, None, now, n, idx=idx, valid=valid)
+        out = kivi_attention_cpu(q, store.buffers, pos, None, now, n, idx=idx, valid=valid)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 @cpp

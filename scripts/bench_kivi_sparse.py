@@ -1,0 +1,134 @@
+"""CPU micro-benchmark of the sparse branch of kvc::kivi_attention (the sparse readers over KIVI storage)
+against kvc::sparse_attention over fp32 storage, with the same index lists, in one process.
+
+    OMP_WAIT_POLICY=ACTIVE python scripts/bench_kivi_sparse.py [--baseline REV] [--repeats 30]
+
+One decode attention as `ds` issues it: B=8, H_q=9, H_kv=3, D=64, S=4096 cached tokens, lists per KV
+head of N_c=512 slots (16 sinks, the 64 newest, 432 others drawn at random), ascending as
+kvc::select_top returns them; KIVI storage at G=32, R=128, 4 and 2 bits.  Each op cycles over
+--layers caches (8: no cache's selected lines stay in the 32 MiB L3 between its calls, as in a
+model's decode step).
+  fp32           kvc::sparse_attention over k, v [B, H_kv, S, D] fp32
+  kivi4 / kivi2  kvc::kivi_attention (this checkout's build) over the packed storage
+  ... REV        the same op built from kernels/kivi_kernels.cpp at git revision REV (--baseline),
+                 registered as kvc_old:: so that both run side by side
+Rounds are interleaved (round r times every op once; a sample is the mean of --inner calls); medians
+(and minima) in microseconds and the ratio fp32 / op (> 1: faster than fp32 storage).
+"""
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from itertools import cycle
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from cache.quantized import SlotStore  # noqa: E402
+from kernels.cpu import cpu_kernels_available, kivi_write_range_cpu  # noqa: E402
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--n-critical", type=int, default=512)
+    p.add_argument("--bits", default="4,2")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--inner", type=int, default=5, help="calls averaged per sample")
+    p.add_argument("--layers", type=int, default=8,
+                   help="distinct caches cycled through (as the model's layers: none stays in L3)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--baseline", default=None, help="git revision whose kivi_kernels.cpp to time as well")
+    return p.parse_args(argv)
+
+
+def build_baseline(rev: str) -> None:
+    """kernels/kivi_kernels.cpp at `rev`, its ops registered under kvc_old::."""
+    src = subprocess.run(["git", "show", f"{rev}:kernels/kivi_kernels.cpp"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    src = src.replace("TORCH_LIBRARY_FRAGMENT(kvc,", "TORCH_LIBRARY_FRAGMENT(kvc_old,")
+    src = src.replace("TORCH_LIBRARY_IMPL(kvc,", "TORCH_LIBRARY_IMPL(kvc_old,")
+    rev_hash = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout.strip()
+    path = Path(tempfile.gettempdir()) / f"kivi_kernels_{rev_hash}.cpp"
+    path.write_text(src)
+    from torch.utils.cpp_extension import load
+    load(name=f"kvc_kivi_old_{rev_hash}", sources=[str(path)], extra_include_paths=[str(ROOT / "kernels")],
+         extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
+
+
+def rotate(calls):
+    """A function calling the next of calls [(op, args)] in turn (the next layer's cache)."""
+    it = cycle(calls)
+
+    def call():
+        op, a = next(it)
+        return op(*a)
+    return call
+
+
+def index_lists(B, H, S, N, g):
+    """[B, H, N] ascending: 16 sinks, the 64 newest slots and N - 80 others at random."""
+    rows = []
+    for _ in range(B * H):
+        middle = torch.randperm(S - 80, generator=g)[:N - 80] + 16
+        rows.append(torch.cat([torch.arange(16), middle, torch.arange(S - 64, S)]).sort().values)
+    return torch.stack(rows).view(B, H, N)
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not cpu_kernels_available():
+        sys.exit("the C++ CPU kernels did not build")
+    if args.baseline:
+        build_baseline(args.baseline)
+    B, H, Hq, D, S, N, G, R = args.batch, 3, 9, 64, args.seq, args.n_critical, 32, 128
+    g = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g))
+              for _ in range(args.layers)]
+    q = torch.randn(B, Hq, D, generator=g)
+    idx = index_lists(B, H, S, N, g)
+    valid = torch.ones(B, H, N, dtype=torch.bool)
+    pos = torch.arange(S).expand(B, 1, S).contiguous()
+    now = torch.full((B,), S - 1)
+    scale = D ** -0.5
+    empty_b = torch.empty(0, 0, 0, dtype=torch.bool)
+    calls = {"fp32": [(torch.ops.kvc.sparse_attention, (q, k, v, idx, valid, scale)) for k, v in layers]}
+    for bits in (int(b) for b in args.bits.split(",")):
+        stores = []
+        for k, v in layers:
+            store = SlotStore(B, H, D, S + G, bits, G, R, torch.float32)
+            kivi_write_range_cpu(store.buffers, 0, k, v, pos, now)
+            stores.append((q, *store.buffers[:8], pos, empty_b, now, idx, valid, S, bits, G, scale))
+        calls[f"kivi{bits}"] = [(torch.ops.kvc.kivi_attention, c) for c in stores]
+        if args.baseline:
+            calls[f"kivi{bits} {args.baseline}"] = [(torch.ops.kvc_old.kivi_attention, c) for c in stores]
+            torch.testing.assert_close(torch.ops.kvc.kivi_attention(*stores[0]),
+                                       torch.ops.kvc_old.kivi_attention(*stores[0]), atol=1e-4, rtol=1e-4)
+    ops = {name: rotate(cl) for name, cl in calls.items()}
+    times = {name: [] for name in ops}
+    for name, op in ops.items():
+        for _ in range(args.layers):
+            op()
+    for _ in range(args.repeats):
+        for name, op in ops.items():
+            t0 = time.perf_counter()
+            for _ in range(args.inner):
+                op()
+            times[name].append((time.perf_counter() - t0) / args.inner * 1e6)
+    base = statistics.median(times["fp32"])
+    print(f"B={B} Hq={Hq} Hkv={H} D={D} S={S} N={N} G={G} R={R} threads={torch.get_num_threads()}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{name:>16}: {med:8.1f} us (min {min(ts):8.1f})   fp32/op {base / med:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
