@@ -77,8 +77,8 @@ def _kernel():
                     ok = ok & (tl.load(VALID + b * sidx_b + hi * sidx_h + ot, mask=ok, other=0) != 0)
             else:
                 slot = ot.to(tl.int64)
-                if HAS_VIS:
-                    ok = ok & (tl.load(VIS + b * svis_b + h * svis_h + slot, mask=ok, other=0) != 0)
+            if HAS_VIS:                                       # dense slots and selected ones alike
+                ok = ok & (tl.load(VIS + b * svis_b + h * svis_h + slot, mask=ok, other=0) != 0)
             p = tl.load(POS + b * spos_b + h * spos_h + slot, mask=ok, other=-1)
             v_exact = ok & (p >= 0) & (p > now - R)
             k_exact = v_exact & (p >= kfrom)
@@ -175,7 +175,7 @@ def kivi_attention_triton(q: Tensor, buf, pos: Tensor, visible: Optional[Tensor]
         vs.stride(0), vs.stride(1), vs.stride(2), vs.stride(3), kr.stride(0), kr.stride(1), kr.stride(2),
         posc.stride(0), head(posc), vis.stride(0), head(vis), idxc.stride(0), idxc.stride(1),
         D=D, W=kp.shape[-1], BITS=buf.bits, GROUP=G, NCG=NCG, BLOCK_G=BLOCK_G, SPARSE=sparse,
-        HAS_VIS=visible is not None and not sparse, HAS_VALID=valid is not None, PER_QUERY=per_query)
+        HAS_VIS=visible is not None, HAS_VALID=valid is not None, PER_QUERY=per_query)
     out = _merge(m_part[..., :rows], l_part[..., :rows], acc_part[..., :rows, :], ring_part[..., :rows, :])
     out = out.reshape(B, Hq, D).to(q.dtype)
     return out.unsqueeze(2) if q.dim() == 4 else out

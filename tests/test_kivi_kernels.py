@@ -162,8 +162,8 @@ def test_cpp_writes_equal_torch_bit_for_bit(bits, D, G, R):
 
 
 def test_triton_interpreter_equals_twin():
-    """The Triton kernel under TRITON_INTERPRET=1: dense (with and without visibility) and sparse reads
-    (lists per KV head and per query head, several splits) against the twin."""
+    """The Triton kernel under TRITON_INTERPRET=1: dense and sparse reads (lists per KV head and per query
+    head), each with and without visibility, several splits, against the twin."""
     pytest.importorskip("triton")
     code = """
 import sys, torch
@@ -184,9 +184,10 @@ for i, (bits, D, G, R, n, splits) in enumerate([(4, 64, 32, 128, 200, 2), (2, 64
     for Hidx in (3, 9):
         idx = torch.stack([torch.randperm(n, generator=g)[:37] for _ in range(2 * Hidx)]).view(2, Hidx, 37)
         valid = torch.rand(2, Hidx, 37, generator=g) > 0.2
-        ref = kivi_attention_torch(q, store.buffers, pos, None, now, n, idx=idx, valid=valid)
-        out = kivi_attention_triton(q, store.buffers, pos, None, now, n, idx=idx, valid=valid, n_splits=splits)
-        worst = max(worst, (out - ref).abs().max().item())
+        for visible in (None, vis):
+            ref = kivi_attention_torch(q, store.buffers, pos, visible, now, n, idx=idx, valid=valid)
+            out = kivi_attention_triton(q, store.buffers, pos, visible, now, n, idx=idx, valid=valid, n_splits=splits)
+            worst = max(worst, (out - ref).abs().max().item())
 print(worst)
 """
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
