@@ -5,8 +5,8 @@
         --peers llama.cpp,hf
 
 Rows: one per (side, context).  Sides: `ours:CHECKPOINT[:k=v,...]` (options: compile=1, policy=NAME,
-policy_args=k=v;k=v, kv_bits=4, weights=auto|float, dtype=bfloat16), `llama.cpp` (llama-cpp-python on
-the GGUF, --gguf), `hf` (transformers LlamaForCausalLM on the float directory, --hf).  Every side gets
+policy_args=k=v;k=v, kv_bits=4 or 2 (KIVI storage at the engine's default G 32, R 128), weights=auto|float,
+dtype=bfloat16), `llama.cpp` (llama-cpp-python on the GGUF, --gguf), `hf` (transformers LlamaForCausalLM on the float directory, --hf).  Every side gets
 the same prompt token ids (random ids of --seed, or --text FILE tokenized), the same thread count
 (torch.set_num_threads / llama.cpp n_threads and n_threads_batch, and OMP_NUM_THREADS) and the
 environment's OMP_WAIT_POLICY; decode tok/s = timed greedy single-token steps after --warmup untimed
@@ -117,6 +117,8 @@ def run_ours(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) 
     import torch
     import engine
     from cache import make_policy
+    from cache.kv_dtype import kv_storage
+    from cache.quantized import GROUP, RESIDUAL
     from kernels.cpu import cpu_kernels_available
     cpu_kernels_available()
     runtime_loaded()
@@ -125,7 +127,7 @@ def run_ours(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) 
 
     def new_policy():
         p = make_policy(opts.get("policy", "full"), opts.get("policy_args", "").replace(";", ","))
-        return engine.with_kv_bits(p, int(opts.get("kv_bits", 16)), 32, 32) if "kv_bits" in opts else p
+        return kv_storage(p, int(opts["kv_bits"]), GROUP, RESIDUAL) if "kv_bits" in opts else p
     prefill, decode, compile_s = engine.prefill_step, engine.decode_step, None
     tokens = torch.tensor([ids])
     if opts.get("compile") in ("1", "true"):

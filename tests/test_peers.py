@@ -46,8 +46,10 @@ def test_a_failing_side_is_a_row(tmp_path):
 
 
 @pytest.mark.model
-def test_ours_on_the_default_model(default_gguf):
-    res = peers.decode_tps(peers.parse_side(f"ours:{default_gguf}", default_gguf, default_gguf), list(range(100, 140)),
-                           steps=2, threads=1, warmup=1, timeout=600)
+@pytest.mark.parametrize("options", ["", ":kv_bits=4"])
+def test_ours_on_the_default_model(default_gguf, options):
+    side = peers.parse_side(f"ours:{default_gguf}{options}", default_gguf, default_gguf)
+    res = peers.decode_tps(side, list(range(100, 140)), steps=2, threads=1, warmup=1, timeout=600)
+    assert "error" not in res, res
     assert res["tok_s"] > 0 and res["peak_rss"] > 0 and res["prefill_s"] > 0
     assert 90 * 2**20 < res["model_rss"] < res["peak_rss"] - 150 * 2**20     # int4 weights; torch's own RSS is not counted
