@@ -579,9 +579,9 @@ def _gguf_tensor(t, key: str, args: ModelArgs, native: bool, where):
     return w if isinstance(w, QWeight) else torch.from_numpy(np.require(w, requirements=["C", "W"]))
 
 
-def inspect_gguf(path: Path) -> tuple[ModelArgs, dict]:
-    """(ModelArgs, metadata) of a .gguf file whose layout, metadata and tensor shapes are all checked
-    (`scan_gguf`, `args_from_gguf`, `check_config`); reads no tensor data."""
+def inspect_gguf(path: Path) -> tuple[ModelArgs, dict, list[GGUFTensorInfo]]:
+    """(ModelArgs, metadata, tensor infos) of a .gguf file whose layout, metadata and tensor shapes are all
+    checked (`scan_gguf`, `args_from_gguf`, `check_config`); reads no tensor data."""
     meta, infos = scan_gguf(path)
     by_name = {t.name: t for t in infos}
     args = args_from_gguf(meta, set(by_name), path)
@@ -591,7 +591,7 @@ def inspect_gguf(path: Path) -> tuple[ModelArgs, dict]:
                               f"{rope.kind} {list(rope.dims)}")
     shapes = {_gguf_hf_name(name, path)[1]: tuple(reversed(t.dims)) for name, t in by_name.items()}
     check_config(args, shapes, path)
-    return args, meta
+    return args, meta, infos
 
 
 class GGUFTensor(NamedTuple):
@@ -624,13 +624,12 @@ def read_gguf_tensor(f, info: GGUFTensorInfo) -> GGUFTensor:
     return GGUFTensor(info.name, kind, np.array(info.dims), data)
 
 
-def read_gguf(path: Path, native: bool = False, args: Optional[ModelArgs] = None):
-    """(ModelArgs, HF-named float32 tensors) of a .gguf file, checked first (`scan_gguf`; `inspect_gguf`
-    unless its `args` come from there); native=True keeps the Q8_0/Q4_0/Q4_1 linear weights (and a tied
+def read_gguf(path: Path, native: bool = False, inspected: Optional[tuple] = None):
+    """(ModelArgs, HF-named float32 tensors) of a .gguf file, checked first (`inspect_gguf`, unless its
+    result is given as `inspected`); native=True keeps the Q8_0/Q4_0/Q4_1 linear weights (and a tied
     embedding) as QWeights (`gguf_qweight`).  Tensors are read and converted one at a time."""
     from gguf.constants import GGMLQuantizationType
-    args = args or inspect_gguf(path)[0]
-    _, infos = scan_gguf(path)
+    args, _, infos = inspected or inspect_gguf(path)
     by_name = {t.name: t for t in infos}
     names = {name: _gguf_hf_name(name, path) for name in by_name if name != "rope_freqs.weight"}
     args.gguf_quantized = any(GGMLQuantizationType(t.kind).name in _GGUF_NATIVE for t in infos)
@@ -858,15 +857,22 @@ def validate_checkpoint(path) -> tuple[ModelArgs, Tokenizer]:
     """(args, tokenizer) of a .gguf file or a model directory after every check that needs no tensor
     data: the file layout (GGUF header, safetensors headers), the config or metadata, each tensor's
     name, dtype and shape against it, and the tokenizer.  CheckpointError naming the file otherwise."""
-    path = Path(path)
+    args, tokenizer, _ = _validate(Path(path))
+    return args, tokenizer
+
+
+def _validate(path: Path) -> tuple[ModelArgs, Tokenizer, Optional[tuple]]:
+    """validate_checkpoint's (args, tokenizer) and, for a GGUF file, inspect_gguf's result (None for a
+    directory), so that reading the tensors does not parse the header again."""
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if path.is_dir():
-        return inspect_hf_dir(path), _tokenizer(lambda: Tokenizer.from_dir(path), path)
+        return inspect_hf_dir(path), _tokenizer(lambda: Tokenizer.from_dir(path), path), None
     if path.suffix != ".gguf":
         raise CheckpointError(f"{path}: expected a model directory or a .gguf file")
-    args, meta = inspect_gguf(path)
-    return args, _tokenizer(lambda: Tokenizer.from_gguf_metadata(meta, path), path)
+    inspected = inspect_gguf(path)
+    meta = inspected[1]
+    return inspected[0], _tokenizer(lambda: Tokenizer.from_gguf_metadata(meta, path), path), inspected
 
 
 def check_finite(tensors: dict, where) -> None:
@@ -892,11 +898,11 @@ def read_checkpoint(path, weights: str = "float") -> tuple[ModelArgs, dict, Toke
     if weights not in WEIGHTS:
         raise CheckpointError(f"unknown --weights {weights!r}; use one of {', '.join(WEIGHTS)}")
     path = Path(path)
-    args, tokenizer = validate_checkpoint(path)
+    args, tokenizer, inspected = _validate(path)
     if path.is_dir():
         args, tensors = read_hf_dir(path)
     else:
-        args, tensors = read_gguf(path, native=weights == "auto", args=args)
+        args, tensors = read_gguf(path, native=weights == "auto", inspected=inspected)
     check_finite(tensors, path)
     if weights == "float":
         tensors = {k: dequantize(v) if isinstance(v, QWeight) else v for k, v in tensors.items()}
