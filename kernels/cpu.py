@@ -381,8 +381,8 @@ class FusedAttention(Attention):
                 and _eager_fp32_cpu(x, cos, sin, cache.k[self.layer_idx])):     # (then wqkv's output is too)
             visible = _NO_VISIBLE if cache.mask is None else cache.mask
             out = _eager.dense_decode(self.wqkv(x), cos, sin, cache.k[self.layer_idx], cache.v[self.layer_idx],
-                                             visible, cache.start, self.n_heads, self.n_kv_heads,
-                                             1.0 / math.sqrt(self.head_dim))
+                                      visible, cache.start, self.n_heads, self.n_kv_heads,
+                                      1.0 / math.sqrt(self.head_dim))
             return self.wo(out)
         return super().forward(x, cos, sin, cache, decoding)
 

@@ -235,6 +235,12 @@ def qlinear_triton(x: Tensor, qw: QWeight, block_n: int = 32, block_k: int = 128
 
 
 # ------------------------------------------------------------------------------ dispatch
+def _kvc():
+    """The C++ ops' direct bindings in eager code once a layer took the cpp backend, else torch.ops.kvc
+    (which torch.compile traces)."""
+    return torch.ops.kvc if _eager_ops is None or torch.compiler.is_compiling() else _eager_ops
+
+
 def resolve_qbackend(backend: str, device: torch.device) -> str:
     """"cpp" | "triton" | "torch" for a layer on `device` ("auto": cpp on CPU when the C++ kernels
     build, triton on CUDA, torch otherwise)."""
@@ -304,8 +310,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if (self._gemv_direct and x.dtype == torch.float32 and x.is_contiguous()
                 and x.numel() <= MAX_GEMV_ROWS * self.in_features):
-            ops = torch.ops.kvc if _eager_ops is None or torch.compiler.is_compiling() else _eager_ops
-            return ops.qlinear(x, self.weight, self.scales, self.mins, self.bits, self.group, False)
+            return _kvc().qlinear(x, self.weight, self.scales, self.mins, self.bits, self.group, False)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.backend == "cpp":
@@ -335,8 +340,7 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         table = self._table[0]
         if table.backend == "cpp" and tokens.dtype == torch.long:      # one op instead of tile_rows' two dozen
-            ops = torch.ops.kvc if _eager_ops is None or torch.compiler.is_compiling() else _eager_ops
-            rows = ops.qembed(table.weight, table.scales, table.mins, table.bits, table.group, table.in_features,
+            rows = _kvc().qembed(table.weight, table.scales, table.mins, table.bits, table.group, table.in_features,
                               tokens.reshape(-1).contiguous())
             rows = rows if self.dtype == torch.float32 else rows.to(self.dtype)
         else:

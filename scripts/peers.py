@@ -5,13 +5,14 @@
         --peers llama.cpp,hf
 
 Rows: one per (side, context).  Sides: `ours:CHECKPOINT[:k=v,...]` (options: compile=1, policy=NAME,
-policy_args=k=v;k=v, kv_bits=4 or 2 (KIVI storage at the engine's default G 32, R 128), weights=auto|float,
-dtype=bfloat16), `llama.cpp` (llama-cpp-python on the GGUF, --gguf), `hf` (transformers LlamaForCausalLM on the float directory, --hf).  Every side gets
-the same prompt token ids (random ids of --seed, or --text FILE tokenized), the same thread count
-(torch.set_num_threads / llama.cpp n_threads and n_threads_batch, and OMP_NUM_THREADS) and the
-environment's OMP_WAIT_POLICY; decode tok/s = timed greedy single-token steps after --warmup untimed
-ones, prefill excluded.  The sides run interleaved --repeats times (medians), so drift on a shared
-machine hits every side alike; each run is a fresh process, which also gives its peak RSS.
+policy_args=k=v;k=v, kv_bits=4 or 2 (KIVI storage at the engine's default G 32, R 128),
+weights=auto|float, dtype=bfloat16), `llama.cpp` (llama-cpp-python on the GGUF, --gguf), `hf`
+(transformers LlamaForCausalLM on the float directory, --hf).  Every side gets the same prompt token
+ids (random ids of --seed, or --text FILE tokenized), the same thread count (torch.set_num_threads /
+llama.cpp n_threads and n_threads_batch, and OMP_NUM_THREADS) and the environment's OMP_WAIT_POLICY;
+decode tok/s = timed greedy single-token steps after --warmup untimed ones, prefill excluded.  The
+sides run interleaved --repeats times (medians), so drift on a shared machine hits every side alike;
+each run is a fresh process, which also gives its peak RSS.
 
 A side that crashes (e.g. llama-cpp-python built natively segfaults on batched eval on AMX Xeons) or is
 not installed is reported in its row, never fatal.  From Python: `decode_tps(side, ids, steps, threads)`
