@@ -25,10 +25,13 @@ PAUSE_ENV = "KVPOLICY_TEST_PAUSE"   # tests: pause (and say so on stderr) at the
 
 def test_pause(point: str) -> None:
     """If $KVPOLICY_TEST_PAUSE names `point`, announce it on stderr and sleep, so a test can interrupt
-    the write exactly there."""
+    the write exactly there.  Sleeps in short naps: a signal that lands after the announcement but
+    before a long sleep starts does not interrupt that sleep (CI saw a 60 s wait); between naps Python
+    runs the pending handler."""
     if os.environ.get(PAUSE_ENV) == point:
         print(f"paused at {point}", file=sys.stderr, flush=True)
-        time.sleep(60)
+        for _ in range(600):
+            time.sleep(0.1)
 
 
 def temp_sibling(path: Path) -> Path:
