@@ -108,8 +108,8 @@ def quantize_keys(k: Tensor, bits: int = 4, group: int = 32, include: Optional[T
     scale and minimum (default k's; an fp32 k with a narrower dtype avoids rounding k first).
 
     include (bool, broadcastable to [..., T]): the tokens that set their group's min/max; the others
-    are don't-care rows (e.g. empty cache slots) coded against that range, clamped.  A group without
-    any included token gets scale 0 and minimum 0."""
+    are don't-care rows (e.g. empty cache slots), coded 0.  A group without any included token gets
+    scale 0 and minimum 0."""
     *lead, T, D = k.shape
     if T % group:
         raise ValueError(f"keys: T={T} is not a multiple of the group size {group}")
@@ -122,8 +122,10 @@ def quantize_keys(k: Tensor, bits: int = 4, group: int = 32, include: Optional[T
         lo = torch.where(inc, x, math.inf).amin(-2).masked_fill(none, 0.0)
         hi = torch.where(inc, x, -math.inf).amax(-2).masked_fill(none, 0.0)
     scale, minimum = _scale_min(lo, hi, bits, dtype or k.dtype)
-    codes = _codes(x, scale.unsqueeze(-2), minimum.unsqueeze(-2), bits).reshape(*lead, T, D)
-    return QuantizedTensor(pack(codes, bits, -1), scale, minimum, bits, group)
+    codes = _codes(x, scale.unsqueeze(-2), minimum.unsqueeze(-2), bits)
+    if include is not None:
+        codes = codes * inc
+    return QuantizedTensor(pack(codes.reshape(*lead, T, D), bits, -1), scale, minimum, bits, group)
 
 
 def quantize_values(v: Tensor, bits: int = 4, group: int = 32, dtype: Optional[torch.dtype] = None) -> QuantizedTensor:

@@ -36,7 +36,7 @@ Writes (every one requantizes exactly the key groups it touches, from the best v
 - a slot write (decode store, D2O merge target): the slot's key group [gG, gG+G) is re-coded from
   its members' values: the new key for the written slot, the ring (exact) for young members, the
   dequantized codes for old ones; the group's min/max are taken over the members holding a token
-  (empty slots are don't-care).  The value is quantized on its own (per token).  A young slot's ring
+  (empty slots are don't-care, coded 0).  The value is quantized on its own (per token).  A young slot's ring
   row is written too.  So overwriting/evicting a packed token = dequantize its group, replace the
   row, requantize (tested against exactly that reference), and appending layers, whose groups fill
   one slot per step with all earlier members still in the ring (G <= R), end each group with the codes
@@ -145,9 +145,10 @@ class SlotStore:
                            self.k_ring, self.v_ring, self.bits, self.group)
 
     def _cpp(self, k: Tensor) -> bool:
-        """Whether the C++ write ops take this store (fp32 CPU buffers, D / G <= 16)."""
+        """Whether the C++ write ops take this store (fp32 CPU buffers, D / G <= 16, 16 | D <= 128, G <= 64)."""
         return use_cpu_kernel(self.backend, self.dtype == torch.float32 and k.device.type == "cpu"
-                              and self.head_dim // self.group <= 16)
+                              and self.head_dim // self.group <= 16 and self.head_dim % 16 == 0
+                              and self.head_dim <= 128 and self.group <= 64)
 
     def in_ring(self, pos: Tensor, now: Tensor) -> Tensor:
         """bool like pos: the slot holds one of the newest R positions, whose exact K and V are ring row

@@ -697,23 +697,22 @@ static float dequant(uint32_t code, float scale, float minimum) {
   return t + minimum;
 }
 
-// re-code the key group of slots [g0, g0 + G): new keys for the slots [a, b) (kn + (t - a) * D), ring
-// rows for members among the newest R, dequantized codes for the others; min/max over the members
-// holding a token (and, with force, over the new ones whatever their position)
+// the members of key group [g0, g0 + G) at their best into x [G, D] (new keys for the slots [a, b) from
+// kn + (t - a) * D, ring rows for members among the newest R, dequantized codes for the others);
+// returns the mask of the members that count: those holding a token, and with force the new ones
+// (the others are don't-care rows, coded 0: never read, so not even fetched)
 __attribute__((optimize("fp-contract=off")))
-static void requant_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_t b, const float* kn, bool force) {
+static uint64_t gather_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_t b, const float* kn, bool force,
+                             float* x) {
   const int bits = r.bits, G = r.G, D = r.D, W = D * bits / 32, P = 32 / bits;
   const uint32_t lvl = (1u << bits) - 1;
   const int64_t g = g0 / G;
-  static thread_local std::vector<float> xbuf;
-  xbuf.resize((size_t)G * D);
-  float* x = xbuf.data();
-  float lo[128], hi[128], mn[128], safe[128];
-  for (int d = 0; d < D; ++d) { lo[d] = INFINITY; hi[d] = -INFINITY; }
-  bool any = false;
-  for (int i = 0; i < G; ++i) {                               // the group's members at their best
+  uint64_t counted = 0;
+  for (int i = 0; i < G; ++i) {
     const int64_t t = g0 + i, p = t < S ? r.pos[t] : -1;
     const bool is_new = t >= a && t < b;
+    if (p < 0 && !(force && is_new)) continue;                // a don't-care member: coded 0
+    counted |= uint64_t(1) << i;
     float* xr = x + i * D;
     if (is_new) std::memcpy(xr, kn + (t - a) * D, D * sizeof(float));
     else if (r.ring_v(p)) std::memcpy(xr, r.kr + (p % r.R) * r.r_row, D * sizeof(float));
@@ -723,31 +722,57 @@ static void requant_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_
         for (int j = 0; j < P; ++j)
           xr[j * W + w] = dequant((word >> (bits * j)) & lvl, r.ks[g * r.k_g + j * W + w], r.km[g * r.k_g + j * W + w]);
       }
-    if (p >= 0 || (force && is_new)) {                        // min/max over the members holding a token
-      any = true;
-      for (int d = 0; d < D; ++d) { lo[d] = std::min(lo[d], xr[d]); hi[d] = std::max(hi[d], xr[d]); }
+  }
+  return counted;
+}
+
+// re-code the key group of slots [g0, g0 + G) from its members at their best (gather_group); min/max
+// per channel over the counted members.  16 channels per vector (D % 16 == 0, G <= 64: the only
+// shapes check_write admits), each lane the scalar torch arithmetic (no fused multiply-add)
+__attribute__((optimize("fp-contract=off")))
+static void requant_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_t b, const float* kn, bool force) {
+  const int bits = r.bits, G = r.G, D = r.D, W = D * bits / 32, P = 32 / bits;
+  const int64_t g = g0 / G;
+  static thread_local std::vector<float> xbuf;
+  xbuf.resize((size_t)G * D);
+  float* x = xbuf.data();
+  const uint64_t counted = gather_group(r, g0, S, a, b, kn, force, x);
+  float mn[128], safe[128];
+  for (int c = 0; c < D; c += L) {                            // min/max over the counted members
+    v16 lo = bcast(INFINITY), hi = bcast(-INFINITY);
+    for (int i = 0; i < G; ++i)
+      if (counted >> i & 1) {
+        const v16 xi = load16(x + i * D + c);
+        lo = xi < lo ? xi : lo;                               // std::min(lo, xi)
+        hi = hi < xi ? xi : hi;                               // std::max(hi, xi)
+      }
+    for (int l = 0; l < L; ++l) {
+      const Quant q = counted ? scale_min(lo[l], hi[l], bits) : Quant{0.f, 0.f};
+      r.ks[g * r.k_g + c + l] = q.scale;
+      r.km[g * r.k_g + c + l] = q.minimum;
+      mn[c + l] = q.minimum;
+      safe[c + l] = q.scale > 0.f ? q.scale : 1.f;
     }
   }
-  for (int d = 0; d < D; ++d) {
-    const Quant q = any ? scale_min(lo[d], hi[d], bits) : Quant{0.f, 0.f};
-    r.ks[g * r.k_g + d] = q.scale;
-    r.km[g * r.k_g + d] = q.minimum;
-    mn[d] = q.minimum;
-    safe[d] = q.scale > 0.f ? q.scale : 1.f;
-  }
-  const float top = (float)lvl, magic = 12582912.f;          // 1.5 * 2^23: (v + magic) - magic rounds half to even
-  for (int i = 0; i < G; ++i) {
-    float c[128];
-    const float* xr = x + i * D;
-    for (int d = 0; d < D; ++d) {
-      const float v = (xr[d] - mn[d]) / safe[d];
-      c[d] = std::min(std::max((v + magic) - magic, 0.f), top);
+  const v16 top = bcast((float)((1u << bits) - 1)), zero = {}, magic = bcast(12582912.f);  // 1.5 * 2^23:
+  for (int i = 0; i < G; ++i) {                               // (v + magic) - magic rounds half to even
+    if (!(counted >> i & 1)) {
+      for (int w = 0; w < W; ++w) r.kp[(g0 + i) * r.kp_t + w * r.kp_w] = 0;
+      continue;
     }
-    for (int w = 0; w < W; ++w) {
-      uint32_t word = 0;
-      for (int j = 0; j < P; ++j) word |= (uint32_t)c[j * W + w] << (bits * j);
-      r.kp[(g0 + i) * r.kp_t + w * r.kp_w] = (int32_t)word;
+    int32_t c[128];
+    for (int d = 0; d < D; d += L) {
+      const v16 v = (load16(x + i * D + d) - load16(mn + d)) / load16(safe + d);
+      v16 q = (v + magic) - magic;
+      q = q < zero ? zero : q;                                // std::max(q, 0)
+      q = top < q ? top : q;                                  // std::min(q, top)
+      const v16i qi = __builtin_convertvector(q, v16i);
+      std::memcpy(c + d, &qi, sizeof qi);
     }
+    uint32_t words[32] = {};
+    for (int j = 0; j < P; ++j)                               // word w holds channels j * W + w
+      for (int w = 0; w < W; ++w) words[w] |= (uint32_t)c[j * W + w] << (bits * j);
+    for (int w = 0; w < W; ++w) r.kp[(g0 + i) * r.kp_t + w * r.kp_w] = (int32_t)words[w];
   }
 }
 
@@ -784,7 +809,8 @@ static void check_write(const std::vector<torch::Tensor>& bufs, const torch::Ten
   check_buffers(bufs, pos, now);
   TORCH_CHECK(k.dtype() == torch::kFloat && v.dtype() == torch::kFloat && k.is_contiguous() && v.is_contiguous() &&
               k.sizes() == v.sizes() && (bits == 2 || bits == 4 || bits == 8) && k.size(-1) % group == 0 &&
-              k.size(-1) / group <= 16, "kvc::kivi_write: unexpected inputs");
+              k.size(-1) / group <= 16 && k.size(-1) % 16 == 0 && k.size(-1) <= 128 && group <= 64,
+              "kvc::kivi_write: unexpected inputs");
 }
 
 void kivi_write(torch::Tensor k_packed, torch::Tensor k_scale, torch::Tensor k_min, torch::Tensor v_packed,
