@@ -281,3 +281,17 @@ def test_dispatch_takes_cpp_on_fp32_cpu_and_the_twin_elsewhere():
     small, pos8, now8, _ = random_store(1, 1, 64, 40, 4, 8, 32, seed=1)           # G 8: dense path is the twin's
     with pytest.raises(ValueError, match="fp32"):
         kivi_attention(q, small.buffers, pos8, None, now8, 40, backend="cpp")
+
+
+@cpp
+@pytest.mark.parametrize("n_critical", [0, 96])
+def test_bench_kivi_attention_runs(n_critical, capsys):
+    """scripts/bench_kivi_attention.py, dense and sparse, at toy sizes: one line per op, fp32 first."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_kivi_attention
+    bench_kivi_attention.main(["--batch", "1", "--seq", "256", "--n-critical", str(n_critical), "--bits", "4,2",
+                               "--repeats", "1", "--inner", "1", "--layers", "1", "--threads", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert f"N={n_critical or 'all'}" in lines[0]
+    assert [ln.split(":")[0].strip() for ln in lines[1:]] == ["fp32", "kivi4", "kivi2"]
+    assert all("G MAC/s" in ln for ln in lines[1:])

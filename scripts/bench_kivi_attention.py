@@ -1,19 +1,21 @@
-"""CPU micro-benchmark of the sparse branch of kvc::kivi_attention (the sparse readers over KIVI storage)
-against kvc::sparse_attention over fp32 storage, with the same index lists, in one process.
+"""CPU micro-benchmark of kvc::kivi_attention (decode attention over KIVI-packed storage) against the
+same attention over fp32 storage, in one process.
 
-    OMP_WAIT_POLICY=ACTIVE python scripts/bench_kivi_sparse.py [--baseline REV] [--repeats 30]
+    OMP_WAIT_POLICY=ACTIVE python scripts/bench_kivi_attention.py [--baseline REV] [--repeats 30]
+    OMP_WAIT_POLICY=ACTIVE python scripts/bench_kivi_attention.py --n-critical 0     # the dense path
 
-One decode attention as `ds` issues it: B=8, H_q=9, H_kv=3, D=64, S=4096 cached tokens, lists per KV
-head of N_c=512 slots (16 sinks, the 64 newest, 432 others drawn at random), ascending as
-kvc::select_top returns them; KIVI storage at G=32, R=128, 4 and 2 bits.  Each op cycles over
---layers caches (8: no cache's selected lines stay in the 32 MiB L3 between its calls, as in a
-model's decode step).
-  fp32           kvc::sparse_attention over k, v [B, H_kv, S, D] fp32
+Sparse (default): one decode attention as `ds` issues it: B=8, H_q=9, H_kv=3, D=64, S=4096 cached
+tokens, lists per KV head of N_c=512 slots (16 sinks, the 64 newest, 432 others drawn at random),
+ascending as kvc::select_top returns them.  Dense (--n-critical 0): every slot, as `full` reads it.
+KIVI storage at G=32, R=128, 4 and 2 bits.  Each op cycles over --layers caches (8: no cache's lines
+stay in the 32 MiB L3 between its calls, as in a model's decode step).
+  fp32           kvc::sparse_attention (dense: kvc::dense_attention) over k, v [B, H_kv, S, D] fp32
   kivi4 / kivi2  kvc::kivi_attention (this checkout's build) over the packed storage
   ... REV        the same op built from kernels/kivi_kernels.cpp at git revision REV (--baseline),
                  registered as kvc_old:: so that both run side by side
 Rounds are interleaved (round r times every op once; a sample is the mean of --inner calls); medians
-(and minima) in microseconds and the ratio fp32 / op (> 1: faster than fp32 storage).
+(and minima) in microseconds, the ratio fp32 / op (> 1: faster than fp32 storage), and the rate of
+query x key and weight x value multiply-adds (G MAC/s: 2 B H_q N D per call, N = S when dense).
 """
 import argparse
 import statistics
@@ -36,7 +38,7 @@ def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--n-critical", type=int, default=512)
+    p.add_argument("--n-critical", type=int, default=512, help="selected slots per KV head; 0: the dense path")
     p.add_argument("--bits", default="4,2")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--inner", type=int, default=5, help="calls averaged per sample")
@@ -94,13 +96,18 @@ def main(argv=None):
     layers = [(torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g))
               for _ in range(args.layers)]
     q = torch.randn(B, Hq, D, generator=g)
-    idx = index_lists(B, H, S, N, g)
+    idx = index_lists(B, H, S, N, g) if N else None
     valid = torch.ones(B, H, N, dtype=torch.bool)
     pos = torch.arange(S).expand(B, 1, S).contiguous()
     now = torch.full((B,), S - 1)
     scale = D ** -0.5
     empty_b = torch.empty(0, 0, 0, dtype=torch.bool)
-    calls = {"fp32": [(torch.ops.kvc.sparse_attention, (q, k, v, idx, valid, scale)) for k, v in layers]}
+    dense = N == 0
+    if dense:
+        idx, valid = torch.empty(0, dtype=torch.long), empty_b
+        calls = {"fp32": [(torch.ops.kvc.dense_attention, (q, k, v, S, scale)) for k, v in layers]}
+    else:
+        calls = {"fp32": [(torch.ops.kvc.sparse_attention, (q, k, v, idx, valid, scale)) for k, v in layers]}
     for bits in (int(b) for b in args.bits.split(",")):
         stores = []
         for k, v in layers:
@@ -124,10 +131,12 @@ def main(argv=None):
                 op()
             times[name].append((time.perf_counter() - t0) / args.inner * 1e6)
     base = statistics.median(times["fp32"])
-    print(f"B={B} Hq={Hq} Hkv={H} D={D} S={S} N={N} G={G} R={R} threads={torch.get_num_threads()}")
+    macs = 2 * B * Hq * (N or S) * D
+    print(f"B={B} Hq={Hq} Hkv={H} D={D} S={S} N={N or 'all'} G={G} R={R} threads={torch.get_num_threads()}")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"{name:>16}: {med:8.1f} us (min {min(ts):8.1f})   fp32/op {base / med:5.2f}")
+        print(f"{name:>16}: {med:8.1f} us (min {min(ts):8.1f})   fp32/op {base / med:5.2f}   "
+              f"{macs / med / 1e3:6.1f} G MAC/s")
 
 
 if __name__ == "__main__":
