@@ -121,10 +121,18 @@ def to_tiles(qw: QWeight, chunk: int = 2048) -> tuple[Tensor, Tensor, Tensor]:
     16, 4] int8 / uint8, scales, mins fp16 [N'/16, K/G, 16]; mins empty for int8), rows padded with
     zeros to N' = a multiple of 16.  Converted `chunk` rows at a time (small temporaries: a large
     head would otherwise raise the loader's peak memory by a few copies of itself)."""
-    if qw.shape[0] > chunk:
-        parts = [_tiles(qw.map(lambda t: t[i:i + chunk])) for i in range(0, qw.shape[0], chunk)]
-        return tuple(torch.cat(p) if p[0].numel() else p[0] for p in zip(*parts))
-    return _tiles(qw)
+    if qw.shape[0] <= chunk:
+        return _tiles(qw)
+    assert chunk % TILE == 0
+    first = _tiles(qw.map(lambda t: t[:chunk]))
+    NT = -(-qw.shape[0] // TILE)
+    out = tuple(t.new_empty((NT, *t.shape[1:])) if t.numel() else t for t in first)
+    for i in range(0, qw.shape[0], chunk):          # written in place: no list of parts to concatenate
+        part = first if i == 0 else _tiles(qw.map(lambda t: t[i:i + chunk]))
+        for o, p in zip(out, part):
+            if o.numel():
+                o[i // TILE:i // TILE + p.shape[0]] = p
+    return out
 
 
 def _tiles(qw: QWeight) -> tuple[Tensor, Tensor, Tensor]:

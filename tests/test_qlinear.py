@@ -103,6 +103,8 @@ def test_tiles_round_trip(mode, group, sym, N):
     assert (back.mins is None) == (sel.mins is None)
     if back.mins is not None:
         assert torch.equal(back.mins, sel.mins)
+    for got, want in zip(to_tiles(qw, chunk=32), (w, s, m)):          # converted 32 rows at a time, in place
+        assert torch.equal(got, want)
 
 
 # ------------------------------------------------------------------------------ kernels
