@@ -146,8 +146,11 @@ def run_prefill(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
     model.cache.before_prefill(input_pos)
     if model.cache.prefill_in_one_pass:  # compressing policies see the whole prompt
         chunk = T
+    # each chunk is passed as a tensor of its own, not a view: a compiled step guards on a view's base,
+    # so a warm-up prompt sliced from a longer one would make the real prompt recompile
+    own = lambda t: t.clone(memory_format=torch.contiguous_format)   # noqa: E731
     for s in range(0, T, chunk):
-        logits = prefill(model, tokens[:, s:s + chunk], input_pos[:, s:s + chunk], s)
+        logits = prefill(model, own(tokens[:, s:s + chunk]), own(input_pos[:, s:s + chunk]), s)
     model.cache.end_prefill()
     return logits
 
@@ -204,9 +207,11 @@ def warm_up(model: Transformer, prefill, decode, tokens: torch.Tensor, policy=No
     pos = torch.arange(T, device=tokens.device).repeat(B, 1)  # made like generate()'s inputs
     with torch.inference_mode():
         run_prefill(model, tokens, pos, prefill)
-        token, next_pos = tokens[:, -1:].clone(), pos[:, -1:] + 1  # inference tensors, as in the loop
+        # made like decode_loop's inputs: inference tensors, the token a contiguous [B] (at B 1 a clone of
+        # the slice would keep its stride T, and the real request's first step would recompile)
+        token, next_pos = tokens[:, -1].clone(memory_format=torch.contiguous_format), pos[:, -1:] + 1
         for i in range(steps):
-            run_decode(model, token, next_pos + i, i, decode)
+            run_decode(model, token[:, None], next_pos + i, i, decode)
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: Sequence, chat: bool) -> list[list[int]]:
