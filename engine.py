@@ -181,16 +181,24 @@ def check_room(model: Transformer, step: int) -> None:
 _compiled: dict = {}
 
 
-def compiled_steps(device: torch.device):
-    """(prefill, decode) compiled once per process: Inductor on CPU, CUDA graphs on GPU."""
+def compiled_steps(device: torch.device, prefill: bool = False):
+    """(prefill, decode) steps with decode compiled once per process (Inductor on CPU, CUDA graphs on
+    GPU); the prefill step too with prefill=True, else the eager one.  Prefill is compiled only on
+    request: on CPU a compiled prefill ran 1.8x slower than eager at 512 tokens and doubled the compile
+    time (docs/results.md section 10)."""
     if device.type not in _compiled:
         # no "duck sizing": two buffers that happen to share a length (a layer's capacity and
         # max_seq_length, say) must not be assumed equal, or the next request recompiles
         torch.fx.experimental._config.use_duck_shape = False
+        # the model's floats (norm eps, embedding norm_type) are constants: traced as symbolic inputs,
+        # Inductor's scalar pass specializes them and restarts the whole trace (a third of a cold compile)
+        torch._dynamo.config.specialize_float = True
         mode = "reduce-overhead" if device.type == "cuda" else None
-        _compiled[device.type] = (torch.compile(prefill_step, dynamic=True),
-                                  torch.compile(decode_step, dynamic=True, mode=mode))
-    return _compiled[device.type]
+        _compiled[device.type] = {"decode": torch.compile(decode_step, dynamic=True, mode=mode)}
+    steps = _compiled[device.type]
+    if prefill and "prefill" not in steps:
+        steps["prefill"] = torch.compile(prefill_step, dynamic=True)
+    return steps["prefill"] if prefill else prefill_step, steps["decode"]
 
 
 def warmup_length(policy=None) -> int:
@@ -308,14 +316,18 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
              temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
              seed: Optional[int] = None, policy=None, max_seq_length: Optional[int] = None,
              chat: bool = False, compile: bool = False, prefill_chunk: int = 1024,
-             stop_check_every: int = 8) -> GenerationResult:
+             stop_check_every: int = 8, compile_prefill: bool = False) -> GenerationResult:
     """Generate for a batch of prompts (str or token-id lists, any lengths).
 
     Prompts are left-padded to a common length; every sequence keeps its own positions
     (0 at its first real token) and padding is never attended.  Each sequence stops at its
     own EOS; the loop ends when all have (checked every `stop_check_every` steps, the only
     host sync of the decode loop).  `policy` is a cache policy object (DenseCache if None).
+    compile=True runs the compiled decode step (`compiled_steps`, warmed up first); compile_prefill=True
+    compiles the prefill step as well.
     """
+    if compile_prefill and not compile:
+        raise UsageError("compile_prefill needs compile (--compile-prefill needs --compile)")
     device = model.output.weight.device
     ids = encode_prompts(tokenizer, prompts, chat)
     lengths = [len(x) for x in ids]
@@ -325,7 +337,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
     if policy is not None:
         policy.prepare(model, tokenizer)        # calibration files it needs, made on first use
     if compile:
-        prefill, decode = compiled_steps(device)
+        prefill, decode = compiled_steps(device, compile_prefill)
         warm_up(model, prefill, decode, tokens.new_full((len(ids), warmup_length(policy)), pad), policy)
     else:
         prefill, decode = prefill_step, decode_step
@@ -407,7 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=WEIGHTS, default="auto",
                    help="auto: quantized checkpoints (quantize.py output; GGUF Q8_0/Q4_0/Q4_1) run from their own "
                         "int8/int4 weights; float: dequantize them to --dtype")
-    p.add_argument("--compile", action="store_true", help="torch.compile prefill and decode steps")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--compile-prefill", action="store_true",
+                   help="with --compile, the prefill step too (on CPU eager prefill is faster)")
     p.add_argument("--max-seq-length", type=int, help="cache length (prompt + new tokens); default: just enough")
     p.add_argument("--policy", default="full", help=f"KV-cache policy spec NAME[:key=value,...], e.g. snapkv:budget=128 "
                                                     f"or snapkv+hshare:preset=short; NAME one of {', '.join(policy_names())}")
@@ -495,6 +509,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run_cli(args: argparse.Namespace) -> int:
     """main() after parsing: generate, then print (rank 0 only under --tp)."""
+    if args.compile_prefill and not args.compile:
+        raise UsageError("--compile-prefill needs --compile")
     prompts = collect_prompts(args)
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
@@ -507,7 +523,8 @@ def run_cli(args: argparse.Namespace) -> int:
     if seed is None and model.args.shard is not None:             # every process must sample alike
         seed = model.args.shard.shared_seed()
     result = generate(model, tokenizer, prompts, args.max_new_tokens, args.temperature, args.top_k,
-                      args.top_p, seed, policy, args.max_seq_length, args.chat, args.compile)
+                      args.top_p, seed, policy, args.max_seq_length, args.chat, args.compile,
+                      compile_prefill=args.compile_prefill)
     if not tensor_parallel.is_leader():
         return 0
     for i, text in enumerate(result.texts):

@@ -43,7 +43,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     engine.add_kv_flags(p)
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=list(engine.DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--compile", action="store_true", help="torch.compile the prefill and decode steps")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return p
 

@@ -51,8 +51,8 @@ Measurement:
     streaming reads; --bandwidth-gbs overrides).  bandwidth_bound_tokens_per_s = B * bw / bytes.
   * Peak memory per row: CPU = peak RSS of the process during the row (VmHWM, reset per run by
     writing 5 to /proc/self/clear_refs; it includes weights and the runtime), CUDA = max allocated.
-  * --compile: prefill and decode steps from engine.compiled_steps (Inductor on CPU; on CUDA
-    mode="reduce-overhead", i.e. CUDA graphs).  `--compile both` runs eager and compiled rows side by
+  * --compile: the decode step from engine.compiled_steps (Inductor on CPU; on CUDA
+    mode="reduce-overhead", i.e. CUDA graphs); --compile-prefill compiles the prefill step too.  `--compile both` runs eager and compiled rows side by
     side and adds compile_speedup.  decode_recompiles counts graphs compiled during timed decode
     loops (torch._dynamo counters); it must be 0.  On CUDA, cuda_graphs_recorded counts CUDA
     graphs recorded inside the timed loops (cudagraph trees record a graph per new set of input

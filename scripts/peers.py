@@ -4,7 +4,7 @@
         --ours checkpoints/SmolLM2-135M-Instruct --ours checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --peers llama.cpp,hf
 
-Rows: one per (side, context).  Sides: `ours:CHECKPOINT[:k=v,...]` (options: compile=1, policy=NAME,
+Rows: one per (side, context).  Sides: `ours:CHECKPOINT[:k=v,...]` (options: compile=1 [compile_prefill=1], policy=NAME,
 policy_args=k=v;k=v, kv_bits=4 or 2 (KIVI storage at the engine's default G 32, R 128),
 weights=auto|float, dtype=bfloat16), `llama.cpp` (llama-cpp-python on the GGUF, --gguf), `hf`
 (transformers LlamaForCausalLM on the float directory, --hf).  Every side gets the same prompt token
@@ -132,7 +132,7 @@ def run_ours(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) 
     prefill, decode, compile_s = engine.prefill_step, engine.decode_step, None
     tokens = torch.tensor([ids])
     if opts.get("compile") in ("1", "true"):
-        prefill, decode = engine.compiled_steps(torch.device("cpu"))
+        prefill, decode = engine.compiled_steps(torch.device("cpu"), opts.get("compile_prefill") in ("1", "true"))
         t = time.perf_counter()
         engine.warm_up(model, prefill, decode, tokens[:, :engine.warmup_length(new_policy())], new_policy())
         compile_s = time.perf_counter() - t
@@ -168,6 +168,9 @@ def worker_main(spec: dict) -> int:
 
 # --------------------------------------------------------------------------- the parent
 
+SIDE_OPTIONS = ("compile", "compile_prefill", "policy", "policy_args", "kv_bits", "weights", "dtype")
+
+
 def parse_side(text: str, gguf: Path, hf: Path) -> dict:
     """'llama.cpp' | 'hf' | 'ours:PATH[:k=v,...]' -> {"kind", "label", "opts"}."""
     if text in ("llama.cpp", "hf"):
@@ -181,6 +184,8 @@ def parse_side(text: str, gguf: Path, hf: Path) -> dict:
         k, sep, v = item.partition("=")
         if not sep:
             raise ValueError(f"side option {item!r} is not k=v")
+        if k not in SIDE_OPTIONS:
+            raise ValueError(f"unknown side option {k!r}: use {', '.join(SIDE_OPTIONS)}")
         opts[k] = v
     label = "ours " + Path(path).name + (" " + extra if extra else "")
     return {"kind": "ours", "label": label, "opts": opts}

@@ -92,6 +92,7 @@ def test_batch_of_prompts_and_stats(capsys, default_dir):
     (["--checkpoint", "{dir}", "--prompt", "hi", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--top-p", "0"], r"--top-p must be in \(0, 1\]"),
     (["--checkpoint", "{dir}", "--prompt", "hi", "--top-k", "0"], "--top-k must be >= 1"),
+    (["--checkpoint", "{dir}", "--prompt", "hi", "--compile-prefill"], "--compile-prefill needs --compile"),
 ])
 def test_bad_input_clear_message(capsys, tmp_path, default_dir, default_gguf, argv, message):
     import re

@@ -165,7 +165,8 @@ def test_gguf_rope_freq_factors_equal_llama3_scaling():
 @pytest.mark.parametrize("policy", ["full", "streaming", "snapkv", "snapkv-kv4"])
 def test_generate_compiled_warms_up_and_never_recompiles(policy, tmp_path):
     """engine.generate(compile=True): compilation happens in the warm-up; a second request
-    with another prompt length decodes with the same graphs and the same tokens as eager."""
+    with another prompt length decodes with the same graphs and the same tokens as eager.  The
+    prefill step is compiled too (compile_prefill) except for streaming, which checks the default."""
     from torch._dynamo.utils import counters
 
     _, ours = tiny_hf_model("tied_gqa3", tmp_path)
@@ -190,16 +191,17 @@ def test_generate_compiled_warms_up_and_never_recompiles(policy, tmp_path):
         from cache.quantized import with_kv_bits
         name = policy[:-4]
         make = lambda: with_kv_bits(make_policy(name, args.get(name)), 4, 8, 16)  # noqa: E731
-    first = engine.generate(ours, Ids(), prompts, max_new_tokens=6, compile=True, policy=make())
+    both = policy != "streaming"
+    first = engine.generate(ours, Ids(), prompts, max_new_tokens=6, compile=True, policy=make(), compile_prefill=both)
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs == 2, "prefill and decode should each compile once, in the warm-up"
+    assert graphs == 1 + both, "each compiled step should compile once, in the warm-up"
     second = engine.generate(ours, Ids(), [p + [5, 6, 7] for p in prompts], max_new_tokens=10, compile=True,
-                             policy=make())
+                             policy=make(), compile_prefill=both)
     assert counters["stats"]["unique_graphs"] == graphs, "a new request recompiled"
     eager = engine.generate(ours, Ids(), [p + [5, 6, 7] for p in prompts], max_new_tokens=10, policy=make())
     assert second.tokens == eager.tokens and len(first.tokens) == len(prompts)
     if policy == "full":   # a warm-up prompt sliced from the real one (as scripts/peers.py does) reuses the graphs
-        prefill, decode = engine.compiled_steps(torch.device("cpu"))
+        prefill, decode = engine.compiled_steps(torch.device("cpu"), prefill=True)
         ids = torch.tensor([prompts[0] * 2])
         engine.warm_up(ours, prefill, decode, ids[:, :4])
         ours.setup_caches(1, ids.shape[1] + 4)

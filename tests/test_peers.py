@@ -29,6 +29,8 @@ def test_parse_side():
     assert peers.parse_side("llama.cpp", Path("g.gguf"), Path("h"))["opts"]["path"] == "g.gguf"
     with pytest.raises(ValueError, match="unknown side"):
         peers.parse_side("vllm", Path("g"), Path("h"))
+    with pytest.raises(ValueError, match="unknown side option 'compiled'"):
+        peers.parse_side("ours:ck.gguf:compiled=1", Path("g"), Path("h"))
 
 
 def test_missing_llama_cpp_names_the_install_command(tmp_path, monkeypatch):

@@ -55,8 +55,10 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"],
                    help="storage dtype of the --kv-bits 16 rows of `full` (default: the compute dtype)")
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
-                   help="torch.compile the steps (Inductor on CPU, CUDA graphs on CUDA); 'both' = eager and "
+                   help="torch.compile the decode step (Inductor on CPU, CUDA graphs on CUDA); 'both' = eager and "
                         "compiled rows side by side")
+    p.add_argument("--compile-prefill", action="store_true",
+                   help="compiled rows compile the prefill step too (default: eager prefill, faster on CPU)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median reported)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="prefill chunk length (as engine.generate)")
     p.add_argument("--prompt-file", type=Path, help="text file tokenized as the prompt (default: random ids)")
@@ -98,6 +100,8 @@ def check_options(o: argparse.Namespace) -> None:
     require_positive(o, "decode_steps", "repeats", "prefill_chunk")
     if o.warmup_steps < 0:
         raise BenchmarkError("--warmup-steps must be >= 0")
+    if o.compile_prefill and o.compile == "off":
+        raise BenchmarkError("--compile-prefill needs --compile on or both")
     o.policy_list, o.reference = with_reference(parse_policies(o.policies or ["all"]), o.speedup_vs)
     for mode in MODES:
         mode.check(o)

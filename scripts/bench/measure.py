@@ -152,7 +152,9 @@ def cuda_graphs_recorded(device: torch.device) -> Optional[int]:
 
 def steps_for(cfg: Config, device: torch.device) -> tuple[Callable, Callable]:
     """(prefill, decode) step functions: engine.compiled_steps when cfg.compile, else eager."""
-    return engine.compiled_steps(device) if cfg.compile else (engine.prefill_step, engine.decode_step)
+    if cfg.compile:
+        return engine.compiled_steps(device, cfg.compile_prefill)
+    return engine.prefill_step, engine.decode_step
 
 
 def run_prefill(model, prefill, tokens: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -156,6 +156,7 @@ class Config:
     kv_residual: int = RESIDUAL
     kv_dtype: Optional[str] = None              # storage dtype of the kv_bits 16 rows (None: the compute dtype)
     compute_dtype: Optional[torch.dtype] = None
+    compile_prefill: bool = False               # with compile: the prefill step compiled too
 
     @property
     def policy(self) -> str:
@@ -179,7 +180,8 @@ class Config:
 
 def grid(o) -> list[Config]:
     """Every configuration of the run: specs x --kv-bits x --compile, in that nesting order."""
-    return [Config(spec, bits, c, o.kv_group_size, o.kv_residual, o.kv_dtype, getattr(o, "compute_dtype", None))
+    return [Config(spec, bits, c, o.kv_group_size, o.kv_residual, o.kv_dtype, getattr(o, "compute_dtype", None),
+                   c and getattr(o, "compile_prefill", False))
             for spec in o.policy_list for bits in o.kv_bits_list for c in COMPILES[o.compile]]
 
 
