@@ -343,31 +343,54 @@ def _onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _define_onednn_linear() -> None:
+    """torch.ops.kvc.onednn_linear(x [..., K], w [N, K], bias [N] or None) -> [..., N]: oneDNN's inner
+    product as an op a compiled graph calls as it is (Inductor's own lowering of mkldnn._linear_pointwise
+    wants prepacked weights, and its `mm` calls BLAS, 1.8x slower than oneDNN at 8 rows on our EPYC)."""
+    if hasattr(torch.ops.kvc, "onednn_linear"):      # (model.py imported twice)
+        return
+    lib = torch.library.Library("kvc", "FRAGMENT")
+    lib.define("onednn_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor")
+    lib.impl("onednn_linear", lambda x, w, b: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""), "CPU")
+    torch.library.register_fake("kvc::onednn_linear", lambda x, w, b: x.new_empty((*x.shape[:-1], w.shape[0])),
+                                lib=lib)
+    _libraries.append(lib)
+
+
+_libraries: list = []          # kept alive: an op lives as long as its Library object
+
+
 class Linear(nn.Linear):
     """nn.Linear with faster CPU paths; weights stay ordinary tensors.
 
     - Eager on CPU: oneDNN's inner product (`mkldnn._linear_pointwise`, the kernel Inductor
       itself uses), about 3x the BLAS GEMV rate for decode-sized inputs on our 2-core EPYC.
-    - Under torch.compile on CPU for one-token steps of at most 16 rows (decode):
-      `(x * W).sum(-1)`, which Inductor turns into one vectorized reduction streaming W at
-      memory bandwidth.  (Testing T == 1 first keeps prefill graphs free of row-count guards.)
+    - Under torch.compile on CPU for a single row (batch-1 decode): `(x * W).sum(-1)`, which Inductor
+      turns into one vectorized reduction streaming W at memory bandwidth.  With more rows that
+      reduction reads W once per row (2.8x oneDNN's time at 8 rows), so fp32 goes to oneDNN through
+      `kvc::onednn_linear`, opaque to Inductor.
     - Eager fp32 on CPU with at most 12 rows (decode), if a loader plugged one in: `small_m_kernel`
-      (kernels.cpu.linear_small_m: 1.3-1.6x oneDNN's rate at 1 row, 1.1-1.3x at 8, even at 12-16,
-      where oneDNN stays).
+      (kernels.cpu.linear_small_m on AVX-512 CPUs: 1.3-1.6x oneDNN's rate at 1 row, 1.1-1.3x at 8,
+      even at 12-16, where oneDNN stays).
     - Anything else (CUDA, no oneDNN): F.linear.
     """
 
     use_onednn = _onednn_linear_available()
+    if use_onednn:
+        _define_onednn_linear()
     # small_m_kernel(x [..., K] fp32 with <= 12 rows, weight, bias) -> F.linear's result; None: oneDNN
     small_m_kernel = None
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type == "cpu":
+            fp32 = x.dtype == self.weight.dtype == torch.float32
             if torch.compiler.is_compiling():
-                if x.shape[-2] == 1 and x.numel() <= 16 * x.shape[-1]:
+                if x.numel() == x.shape[-1]:
                     out = (x.unsqueeze(-2) * self.weight).sum(-1)
                     return out if self.bias is None else out + self.bias
-            elif x.dtype == self.weight.dtype == torch.float32:
+                if fp32 and self.use_onednn:
+                    return torch.ops.kvc.onednn_linear(x, self.weight, self.bias)
+            elif fp32:
                 if self.small_m_kernel is not None and x.numel() <= 12 * x.shape[-1]:
                     return self.small_m_kernel(x, self.weight, self.bias)
                 if self.use_onednn:

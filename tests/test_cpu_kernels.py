@@ -359,14 +359,56 @@ def test_linear_dispatch_takes_the_kernel_for_decode_rows_only():
     assert not calls
 
 
+def test_the_linear_kernel_is_plugged_in_on_avx512_only(monkeypatch):
+    """Built for AVX2, kvc::linear_small_m spills its accumulators (1.9x oneDNN's step time at batch 8):
+    the loader plugs it in where the CPU has AVX-512 only."""
+    from kernels import cpu
+    from model import Linear
+    model = torch.nn.Sequential(Linear(16, 16))
+    for capability, plugged in [("AVX512", True), ("AVX512_BF16", True), ("AVX2", False), ("DEFAULT", False)]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        model[0].small_m_kernel = None
+        cpu.use_linear_kernel(model)
+        assert (model[0].small_m_kernel is not None) == (plugged and cpu.cpu_kernels_available()), capability
+
+
+@pytest.mark.skipif(not __import__("model").Linear.use_onednn, reason="needs oneDNN")
+def test_compiled_linear_reads_the_weight_once_per_step():
+    """Under torch.compile a single row is the (x * W).sum(-1) reduction Inductor streams W through;
+    more rows go to oneDNN (kvc::onednn_linear), since the reduction would read W once per row
+    (2.8x oneDNN's time at 8 rows); both equal F.linear."""
+    from model import Linear
+    layer = Linear(64, 96, bias=True)
+    codes = []
+
+    def backend(gm, example_inputs):
+        codes.append(gm.code)
+        return gm.forward
+
+    for shape, used, unused in [((1, 1, 64), ".sum(", "onednn_linear"), ((4, 1, 64), "onednn_linear", ".sum("),
+                                ((2, 5, 64), "onednn_linear", ".sum(")]:
+        torch._dynamo.reset()
+        codes.clear()
+        x = torch.randn(shape)
+        with torch.no_grad():
+            out = torch.compile(layer, backend=backend, dynamic=True, fullgraph=True)(x)
+            torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert len(codes) == 1 and used in codes[0] and unused not in codes[0], (shape, codes)
+    torch._dynamo.reset()
+
+
 @pytest.mark.model
 def test_model_logits_with_the_linear_kernel_equal_onednn(engine_dir):
     """The default model's prefill + decode logits (B 1 and 8) with the loader's kvc::linear_small_m
     against the same model on oneDNN's inner product."""
     from model import Linear
+    from kernels.cpu import linear_kernel_pays, linear_small_m
     model, _ = engine_dir
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    assert layers and all(m.small_m_kernel is not None for m in layers)
+    assert layers and all((m.small_m_kernel is not None) == linear_kernel_pays() for m in layers)
+    if not linear_kernel_pays():            # not plugged in on this CPU: compare the kernel all the same
+        for m in layers:
+            m.small_m_kernel = linear_small_m
 
     def run(B):
         g = torch.Generator().manual_seed(B)
@@ -391,7 +433,7 @@ def test_model_logits_with_the_linear_kernel_equal_onednn(engine_dir):
             assert torch.equal(new.argmax(-1), old.argmax(-1))
     finally:
         for m in layers:
-            m.small_m_kernel = kernel
+            m.small_m_kernel = kernel if linear_kernel_pays() else None
 
 
 def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path, monkeypatch):
