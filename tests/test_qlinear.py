@@ -2,7 +2,7 @@
 the checkpoint loader's quantized routes and `python quantize.py`).
 
 - the quantizers: every weight within its scheme's bound, edge groups (constant, zero, one outlier);
-- the C++ kernels (AVX-512 and portable) against their twin, shapes with padding, batches, bf16;
+- the C++ kernels (AVX-512 VNNI or AVX2, and portable) against their twin, shapes with padding, batches, bf16;
 - each quantized linear against the fp32 linear within the scheme's bound;
 - CPU tiles <-> row-major, exact; GGUF Q8_0/Q4_0/Q4_1 repacked code for code (== the file's values);
 - quantized checkpoints end to end (CLI, loading, logits, compile without recompiles, errors);
@@ -120,7 +120,7 @@ def summed(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
 @needs_cpp
 @pytest.mark.parametrize("mode,group,sym", SCHEMES, ids=IDS)
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 16])
-@pytest.mark.parametrize("portable", [False, True], ids=["vnni", "portable"])
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 def test_cpp_kernel_equals_twin(mode, group, sym, M, portable):
     qw = quantize_weight(weight(N=40), mode, group, sym)                     # padded rows, odd tile count
     w, s, m = to_tiles(qw)
