@@ -382,6 +382,21 @@ static inline v16 hsum16(v16* x) {
   return add_halves<1>(x[0], x[1]);
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__)
+// a 16-lane vector as its two AVX2 halves (lanes 0-7, 8-15), and two halves as one vector
+static inline void halves(v16i x, __m256i& lo, __m256i& hi) {
+  std::memcpy(&lo, &x, 32);
+  std::memcpy(&hi, (const char*)&x + 32, 32);
+}
+template <typename V, typename H>
+static inline V join(H lo, H hi) {
+  V x;
+  std::memcpy(&x, &lo, 32);
+  std::memcpy((char*)&x + 32, &hi, 32);
+  return x;
+}
+#endif
+
 // the W words of a slot, repeated over the 16 lanes when W < 16 (lane l: p[ix[l]], ix lane l the
 // offset of word l % W): AVX-512 gathers the W distinct words once (4, 8 or 16 lanes) and broadcasts;
 // AVX2 the same with its 4- and 8-lane gathers (a lane-by-lane loop ran the sparse 4-bit op 1.6x slower)
@@ -395,21 +410,15 @@ static inline v16i slot_words(const int32_t* p, v16i ix) {
   else
     return (v16i)_mm512_i32gather_epi32((__m512i)ix, p, 4);
 #elif defined(__AVX2__)
-  __m256i lo, hi;                      // the two AVX2 halves of ix (lanes 0-7, 8-15)
-  std::memcpy(&lo, &ix, 32);
-  std::memcpy(&hi, (const char*)&ix + 32, 32);
-  v16i x;
+  __m256i lo, hi;
+  halves(ix, lo, hi);
   if constexpr (W == 4) {
-    const __m128i w = _mm_i32gather_epi32(p, _mm256_castsi256_si128(lo), 4);
-    const __m256i w2 = _mm256_broadcastsi128_si256(w);
-    std::memcpy(&x, &w2, 32);
-    std::memcpy((char*)&x + 32, &w2, 32);
+    const __m256i w = _mm256_broadcastsi128_si256(_mm_i32gather_epi32(p, _mm256_castsi256_si128(lo), 4));
+    return join<v16i>(w, w);
   } else {
-    const __m256i a = _mm256_i32gather_epi32(p, lo, 4), b = W == 8 ? a : _mm256_i32gather_epi32(p, hi, 4);
-    std::memcpy(&x, &a, 32);
-    std::memcpy((char*)&x + 32, &b, 32);
+    const __m256i a = _mm256_i32gather_epi32(p, lo, 4);
+    return join<v16i>(a, W == 8 ? a : _mm256_i32gather_epi32(p, hi, 4));
   }
-  return x;
 #else
   v16i x;
   for (int l = 0; l < L; ++l) x[l] = p[ix[l]];
@@ -422,13 +431,8 @@ static inline v16 gather16f(const float* p, v16i ix) {
   return (v16)_mm512_i32gather_ps((__m512i)ix, p, 4);
 #elif defined(__AVX2__)
   __m256i lo, hi;
-  std::memcpy(&lo, &ix, 32);
-  std::memcpy(&hi, (const char*)&ix + 32, 32);
-  const __m256 a = _mm256_i32gather_ps(p, lo, 4), b = _mm256_i32gather_ps(p, hi, 4);
-  v16 x;
-  std::memcpy(&x, &a, 32);
-  std::memcpy((char*)&x + 32, &b, 32);
-  return x;
+  halves(ix, lo, hi);
+  return join<v16>(_mm256_i32gather_ps(p, lo, 4), _mm256_i32gather_ps(p, hi, 4));
 #else
   v16 x;
   for (int l = 0; l < L; ++l) x[l] = p[ix[l]];
