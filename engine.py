@@ -361,6 +361,102 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
     return GenerationResult([tokenizer.decode(g) for g in generated], generated, lengths, stats)
 
 
+class RowBatch:
+    """A running batch that requests join and leave (continuous batching; cache/contract.py, "admission").
+
+    A policy with admission "row" takes requests one at a time: each prompt is prefilled alone in a one-row
+    instance of the policy (`scratch`, in chunks for the full cache), then moved into a free row
+    (`policy.adopt`) while the other rows keep their state.  Every `step` decodes all rows together, each at
+    its own position; free rows ride along at position -1 and nothing of theirs is read or kept.  A policy
+    with admission "batch" makes decisions for the whole batch (layer budgets, sharing configurations), so
+    requests start only in an empty batch, all those admitted together prefilled as one left-padded batch
+    (as `generate` does).
+
+        batch = RowBatch(model, lambda: make_policy("snapkv"), max_batch=8, max_seq_length=4096, max_new_tokens=256)
+        for row, logits in batch.admit([ids_a, ids_b]):   # as many as fit now, each with its last logits [V]
+            ...
+        logits = batch.step({row: token})                   # [B, V]: one decode step of every active row
+        batch.release(row)                                  # the request is done: its row is free
+    """
+
+    def __init__(self, model: Transformer, make_policy, max_batch: int, max_seq_length: int, max_new_tokens: int,
+                 prefill=prefill_step, decode=decode_step, prefill_chunk: int = 1024):
+        self.model, self.make_policy, self.max_batch = model, make_policy, max_batch
+        self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
+        self.prefill, self.decode, self.prefill_chunk = prefill, decode, prefill_chunk
+        self.policy, self.scratch = make_policy(), make_policy()
+        for policy in (self.scratch, self.policy):     # storage for prompt + max_new_tokens, fixed at setup
+            policy.decode_room = max_new_tokens
+            model.setup_caches(1 if policy is self.scratch else max_batch, max_seq_length, policy)
+        self.rows = self.policy.admission == "row"     # (known once set up: e.g. ds's channel source)
+        if not self.rows:
+            self.scratch = None
+        self.next_pos = [-1] * max_batch      # each row's next position (-1: free)
+        self.batch_size = max_batch           # rows of the policy's storage (batch admission: the group's)
+        self.steps = 0                        # decode steps since the batch was last empty
+
+    @property
+    def active(self) -> list[int]:
+        return [r for r, p in enumerate(self.next_pos) if p >= 0]
+
+    def admit(self, requests: Sequence[list[int]]) -> list[tuple[int, torch.Tensor]]:
+        """Admit the first of `requests` (token-id lists) that fit now -> [(row, logits [V] of the prompt's
+        last position)]; the others must wait (no free row, or a batch-admission policy still running)."""
+        free = [r for r, p in enumerate(self.next_pos) if p < 0]
+        if self.rows:
+            return [self._admit_row(row, ids) for row, ids in zip(free, requests)]
+        if self.active or not requests:
+            return []
+        group = list(requests[:self.max_batch])
+        tokens, input_pos = left_pad(group, 0, self.model.output.weight.device)
+        self.model.setup_caches(len(group), self.max_seq_length, self.policy)
+        self.batch_size = len(group)
+        self.next_pos = [len(ids) for ids in group] + [-1] * (self.max_batch - len(group))
+        self.steps = 0
+        logits = run_prefill(self.model, tokens, input_pos, self.prefill, self.prefill_chunk)
+        return list(enumerate(logits))
+
+    def _admit_row(self, row: int, ids: list[int]) -> tuple[int, torch.Tensor]:
+        model, device = self.model, self.model.output.weight.device
+        tokens = torch.tensor([ids], device=device)
+        input_pos = torch.arange(len(ids), device=device)[None]
+        model.cache = self.scratch
+        try:
+            self.scratch.reset()
+            logits = run_prefill(model, tokens, input_pos, self.prefill, self.prefill_chunk)
+        finally:
+            model.cache = self.policy
+        self.policy.adopt(row, self.scratch)
+        if not self.active:
+            self.steps = 0
+        self.next_pos[row] = len(ids)
+        return row, logits[0]
+
+    def step(self, tokens: dict[int, int]) -> torch.Tensor:
+        """One decode step: tokens {row: the token at the row's next position} for every active row ->
+        logits [B, V] (rows not given are free: their logits mean nothing)."""
+        if sorted(tokens) != self.active:
+            raise ValueError(f"step needs one token for each active row {self.active}, got rows {sorted(tokens)}")
+        device = self.model.output.weight.device
+        token = torch.zeros(self.batch_size, 1, dtype=torch.long)
+        pos = torch.full((self.batch_size, 1), -1, dtype=torch.long)
+        for row, t in tokens.items():
+            token[row, 0], pos[row, 0] = t, self.next_pos[row]
+        logits = run_decode(self.model, token.to(device), pos.to(device), self.steps, self.decode)
+        for row in tokens:
+            self.next_pos[row] += 1
+        self.steps += 1
+        return logits
+
+    def release(self, row: int) -> None:
+        """The request in `row` is done (finished or abandoned): the row is free for the next one."""
+        if self.next_pos[row] < 0:
+            raise ValueError(f"row {row} holds no request")
+        self.next_pos[row] = -1
+        if self.rows:
+            self.policy.release(row)
+
+
 def generation_stats(cache, lengths: list[int], steps: int, prefill_s: float, decode_s: float, device) -> dict:
     B, kv = len(lengths), cache.kv_bytes()
     return {

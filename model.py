@@ -207,35 +207,17 @@ def attention_mask(q_pos: Tensor, k_pos: Tensor, group: int, sliding_window: Opt
 class DenseCache:
     """The full-cache policy: every token kept, stored in preallocated per-layer buffers.
 
-    Contract (what `Transformer` calls, and what every policy implements):
-      prepare(model, tokenizer)    host side, before the first setup: make per-checkpoint side data
-                                   that is missing (calibration files beside model.args.checkpoint;
-                                   engine.generate calls it; a policy that needs none does nothing)
-      setup(args, max_batch_size, max_seq_length, dtype, device)  allocate storage once
-      reset()                      forget all sequences (storage stays allocated)
-      before_prefill(input_pos)    host-side, once per request before the prompt's first
-                                   forward, with the whole prompt's positions [B, T]: validate
-                                   and allocate what depends on the prompt length (policies call
-                                   it from begin() themselves if the caller did not)
-      begin(input_pos [B, T])      once per forward, before the layers: claim slots
-      prefill(layer, q, k, v)      q [B, H_q, T, D], k/v [B, H_kv, T, D] -> [B, H_q, T, D]
-      decode(layer, q, k, v)       the same with T == 1, once the cache holds the prompt
-      end_prefill()                the prompt is complete (compressing policies act here)
-      before_decode_step(step)     host-side, before decode step `step` (0, 1, ...); the one
-                                   place a policy may sync or reallocate during decode
-      kept_positions(layer)        LongTensor [B, H_kv, n]: absolute positions held
-      storage(layer)               (k, v [B, H_kv, C, D], visible [B, H_kv or 1, C]): what a
-                                   decode query may read (the hook sparse readers compose with)
-      kv_bytes()                   {"allocated", "live", "read_per_step"}: bytes from the buffers;
-                                   read_per_step = K/V bytes one decode step reads (all layers)
-      describe()                   resolved hyper-parameters
-    and declares its capabilities as class attributes (prefill_in_one_pass, is_sparse_reader,
-    decode_attention, kv_bits, kv_group) and `full_cache_args(n)`: the project's cache/contract.py
-    is the annotated version of this contract.
+    It implements the cache-policy contract that `Transformer` calls (setup, reset, before_prefill, begin,
+    prefill, end_prefill, before_decode_step, decode, storage, kept_positions, kv_bytes, describe, and
+    release/adopt for requests that join and leave rows of a running batch); the project's
+    cache/contract.py is its one annotated description.
 
-    Slots fill left to right with a host-side counter `n_filled` (an int, never a tensor:
-    the live length is a shape).  A compiled decode step should pass it in and assign it,
-    so the compiler sees a dynamic int instead of a constant (see engine.py).
+    Slots fill left to right.  While every row has seen the same tokens ("aligned": a static batch, left
+    padding included) a forward's T tokens go to slots [n_filled, n_filled + T) of every row.  Once a row
+    has been released or adopted (rows at their own lengths), a decode token goes to its row's own next
+    slot (`length` [B]); attention reads slots [0, n_filled) with n_filled = the longest row, a host int
+    (never a tensor: the live length is a shape).  A compiled decode step should pass n_filled in and
+    assign it, so the compiler sees a dynamic int instead of a constant (see engine.py).
     """
 
     name = "full"
@@ -246,6 +228,8 @@ class DenseCache:
     decode_attention = False
     kv_bits, kv_group = 16, 0       # compute-dtype storage
     reader_composable = True        # a sparse reader may replace its decode attention
+    admission = "row"               # requests join and leave single rows of a running batch
+    decode_room = None              # generated tokens a row may hold (the full cache needs no bound)
     n_filled = 0                    # live length (set per forward; see below)
 
     @classmethod
@@ -265,6 +249,8 @@ class DenseCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
         self.pos = torch.full((max_batch_size, max_seq_length), -1, dtype=torch.long, device=device)
+        self.length = torch.zeros(max_batch_size, dtype=torch.long, device=device)   # slots each row holds
+        self.rows = torch.arange(max_batch_size, device=device)
         self.group = args.n_heads // args.n_kv_heads
         self.sliding_window = args.sliding_window
         self.reset()
@@ -276,38 +262,57 @@ class DenseCache:
 
     def reset(self) -> None:
         self.pos.fill_(-1)
+        self.length.zero_()
         self.n_filled = 0
-        self.start = 0
+        self.start = 0          # the slot every row writes next; -1 once rows are at their own lengths
         self.mask = None
 
     def begin(self, input_pos: Tensor) -> None:
         B, T = input_pos.shape
-        start, end = self.n_filled, self.n_filled + T
+        end = self.n_filled + T
         if end > self.capacity:
             raise ValueError(f"KV cache full: {end} tokens > capacity {self.capacity} "
                              f"(raise max_seq_length in setup_caches)")
         if B != self.pos.shape[0]:
             raise ValueError(f"batch {B} does not match the cache's batch {self.pos.shape[0]}")
-        self.pos[:, start:end] = input_pos
-        self.start, self.n_filled = start, end
+        if self.start >= 0:                               # aligned rows: slots [n_filled, end) of every row
+            self.start = self.n_filled
+            self.pos[:, self.start:end] = input_pos
+        else:                                             # one token per row, each at its own next slot
+            if T != 1:
+                raise ValueError("rows at their own lengths take one token per forward (prefill a request "
+                                 "alone, then adopt it)")
+            self.slot = self.length.clone()
+            self.pos[self.rows, self.slot] = input_pos[:, 0]
+            self.length += input_pos[:, 0] >= 0           # released rows (position -1) stay empty
+        self.n_filled = end
         # one mask per forward, shared by all layers
         self.mask = attention_mask(input_pos, self.pos[:, :end], self.group, self.sliding_window)
 
-    def _store_and_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def store(self, layer: int, k: Tensor, v: Tensor):
+        """Write this forward's k, v [B, H_kv, T, D] into their slots; returns the slot: an int (aligned
+        rows, the first of the T) or LongTensor [B] (rows at their own lengths)."""
         kc, vc = self.k[layer], self.v[layer]
-        kc[:, :, self.start:self.n_filled] = k
-        vc[:, :, self.start:self.n_filled] = v
-        return grouped_attention(q, kc[:, :, :self.n_filled], vc[:, :, :self.n_filled], self.mask)
+        if self.start >= 0:
+            kc[:, :, self.start:self.n_filled] = k
+            vc[:, :, self.start:self.n_filled] = v
+            return self.start
+        kc[self.rows, :, self.slot] = k[:, :, 0].to(kc.dtype)
+        vc[self.rows, :, self.slot] = v[:, :, 0].to(vc.dtype)
+        return self.slot
 
-    prefill = _store_and_attend
+    def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, H_q, T, D], k/v [B, H_kv, T, D] (RoPE applied) -> attention output [B, H_q, T, D]."""
+        self.store(layer, k, v)
+        n = self.n_filled
+        return grouped_attention(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.mask)
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.decode_kernel is None:
-            return self._store_and_attend(layer, q, k, v)
-        kc, vc, n = self.k[layer], self.v[layer], self.n_filled
-        kc[:, :, self.start:n] = k
-        vc[:, :, self.start:n] = v
-        return self.decode_kernel(q, kc[:, :, :n], vc[:, :, :n], self.mask[:, :1])  # rows equal over the group
+            return self.prefill(layer, q, k, v)
+        self.store(layer, k, v)
+        n = self.n_filled
+        return self.decode_kernel(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.mask[:, :1])
 
     def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """(k, v [B, H_kv, n, D], visible [B, 1, n]) over the filled slots, for sparse readers."""
@@ -323,6 +328,33 @@ class DenseCache:
     def before_decode_step(self, step: int) -> None:
         pass
 
+    # ----------------------------------------------------------------- rows that join and leave
+    def row_tensors(self, row: int, n: int) -> list[Tensor]:
+        """What row `row` holds in its first n slots (k, v of every layer, positions)."""
+        return [t[row, :, :n] for t in self.k + self.v] + [self.pos[row, :n]]
+
+    def release(self, row: int) -> None:
+        """Forget row `row`'s request (host side): its slots become empty; the other rows go on."""
+        if self.start >= 0:             # rows were aligned: each held n_filled slots
+            self.length.fill_(self.n_filled)
+            self.start = -1
+        self.pos[row] = -1
+        self.length[row] = 0
+        self.n_filled = int(self.length.max())
+
+    def adopt(self, row: int, other: "DenseCache", other_row: int = 0) -> None:
+        """Take over request `other_row` of `other` (set up like this cache but for its batch size, its
+        prompt complete) into the free row `row` (host side, between decode steps)."""
+        n = other.n_filled
+        if n > self.capacity:
+            raise ValueError(f"a request of {n} tokens does not fit the cache's {self.capacity} slots")
+        self.release(row)
+        for dst, src in zip(self.row_tensors(row, n), other.row_tensors(other_row, n)):
+            dst.copy_(src)
+        self.length[row] = n
+        self.n_filled = max(self.n_filled, n)
+
+    # ----------------------------------------------------------------- introspection
     def kept_positions(self, layer: int) -> Tensor:
         pos = self.pos[:, :self.n_filled]
         kept = pos[:, None, :].expand(-1, self.k[layer].shape[1], -1)
@@ -330,8 +362,8 @@ class DenseCache:
 
     def kv_bytes(self) -> dict:
         per_slot = sum(t[:, :, 0].numel() * t.element_size() for t in self.k + self.v)
-        live = per_slot * self.n_filled
-        return {"allocated": per_slot * self.capacity, "live": live, "read_per_step": live}
+        live = per_slot * self.n_filled if self.start >= 0 else per_slot * int(self.length.sum()) // self.pos.shape[0]
+        return {"allocated": per_slot * self.capacity, "live": live, "read_per_step": per_slot * self.n_filled}
 
     def describe(self) -> dict:
         return {"policy": self.name, "capacity": self.capacity if hasattr(self, "pos") else None}   # None: not set up

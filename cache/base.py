@@ -246,6 +246,8 @@ class EvictionPolicy:
     head_aggs = HEAD_AGG           # the values head_agg may take
     defer_compression = False      # budgets need every layer's statistics (see module doc)
     appending = False              # default layer mode: append decode tokens instead of evicting
+    admission = "row"              # requests join and leave single rows (per-request plans: "batch")
+    decode_room = None             # generated tokens a row holds (None: up to max_seq_length; see capacity)
     prompt_length = 0              # set per request (before_prefill); 0 before setup
     n_filled = 0                   # tokens seen so far (prompt + generated), a host int
 
@@ -325,12 +327,19 @@ class EvictionPolicy:
         self.score: list = [None] * n
         self.kept = [0] * n                   # prompt tokens kept per layer (host ints)
         self.layer_appends = [self.appending] * n
+        # rows that join a running batch: storage allocated once here (budgets do not depend on the prompt),
+        # reused by every request
+        self.fixed_storage = self.decode_room is not None and self.admission == "row"
+        if self.fixed_storage:
+            for layer in range(n):
+                self.allocate_layer(layer)
         self.reset()
 
     def reset(self) -> None:
         for p in self.pos:
             if p is not None:
                 p.fill_(-1)
+        self.aligned = True     # every row holds a request that started with the others (else: adopt)
         self.n_filled = 0       # tokens seen so far (prompt + generated), a host int
         self.prompt_length = 0
         self.q_pos = None
@@ -376,23 +385,59 @@ class EvictionPolicy:
 
     def capacity(self, layer: int) -> int:
         """Slots layer `layer` allocates: its budget, plus room for every generated token when
-        it appends (an evicting layer holds its budget).  Slots the prompt leaves empty
-        (budget > prompt) stay empty until decode fills them."""
+        it appends (an evicting layer holds its budget): decode_room tokens, or, without one, up to
+        max_seq_length after this prompt.  Slots the prompt leaves empty (budget > prompt) stay empty
+        until decode fills them."""
         budget = self.layer_budget(layer)
-        return budget + self.max_seq_length - self.prompt_length if self.layer_appends[layer] else budget
+        room = self.max_seq_length - self.prompt_length if self.decode_room is None else self.decode_room
+        return budget + room if self.layer_appends[layer] else budget
 
     def allocate(self, layer: int) -> None:
-        """Allocate layer `layer`'s storage (host side, once the prompt length is known)."""
-        B, H, cap = self.batch, self.store_heads, self.capacity(layer)
+        """Fix what the prompt keeps in layer `layer` and allocate its storage (host side, once the prompt
+        length is known; storage fixed at setup is reused)."""
         self.kept[layer] = min(self.layer_budget(layer), self.prompt_length)
+        if not self.fixed_storage:
+            self.allocate_layer(layer)
+
+    def allocate_layer(self, layer: int) -> None:
+        B, H, cap = self.batch, self.store_heads, self.capacity(layer)
         self.allocate_kv(layer, cap)
         self.pos[layer] = torch.full((B, H, cap), -1, dtype=torch.long, device=self.device)
         if self.decode_attention:                                       # accumulated attention
             self.score[layer] = torch.zeros(B, H, cap, dtype=torch.float32, device=self.device)
 
     def used_slots(self, layer: int) -> int:
-        """Slots any sequence may have filled so far (empty slots fill lowest index first)."""
+        """Slots any sequence may have filled so far (empty slots fill lowest index first; rows that
+        joined a running batch: counted from the slot table, a host sync)."""
+        if not self.aligned:
+            filled = (self.pos[layer] >= 0).any(0).any(0).nonzero()
+            return int(filled[-1]) + 1 if len(filled) else 0
         return min(self.pos[layer].shape[2], self.kept[layer] + self.n_filled - self.prompt_length)
+
+    # ----------------------------------------------------------------- rows that join and leave
+    def row_tensors(self, layer: int, row: int) -> list[Tensor]:
+        """Row `row` of what layer `layer` holds: slot table, accumulated scores, K/V (its format's)."""
+        kept = [self.pos[layer][row]] + ([self.score[layer][row]] if self.decode_attention else [])
+        return kept + self.row_kv(layer, row)
+
+    def release(self, row: int) -> None:
+        """Forget row `row`'s request (host side): its slots become empty; the other rows go on."""
+        for pos in self.pos:
+            pos[row] = -1
+        self.aligned = False
+        self.n_filled = max(int(pos.amax()) + 1 for pos in self.pos)     # the longest row's tokens
+
+    def adopt(self, row: int, other: "EvictionPolicy", other_row: int = 0) -> None:
+        """Take over request `other_row` of `other` (this policy's spec, set up with the same decode_room
+        and max_seq_length but its own batch size, its prompt complete) into row `row` (host side)."""
+        if self.decode_room is None or other.decode_room != self.decode_room:
+            raise ValueError("rows join a running batch only with the same decode_room set before setup")
+        self.release(row)
+        for layer in range(len(self.pos)):
+            for dst, src in zip(self.row_tensors(layer, row), other.row_tensors(layer, other_row)):
+                dst.copy_(src)
+        self.n_filled = max(self.n_filled, other.n_filled)
+        self.prompt_length = max(self.prompt_length, other.prompt_length)
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = grouped_attention(q, k, v, self.mask)
@@ -469,6 +514,10 @@ class EvictionPolicy:
         shape = (self.batch, self.store_heads, capacity, self.args.head_dim)
         self.k[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def row_kv(self, layer: int, row: int) -> list[Tensor]:
+        """Row `row` of the layer's K/V buffers (for release/adopt)."""
+        return [self.k[layer][row], self.v[layer][row]]
 
     def write_kept(self, layer: int, kc: Tensor, vc: Tensor) -> None:
         """The kept prompt tokens kc, vc [B, H_kv, n, D] into slots [0, n) (pos already written)."""

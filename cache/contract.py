@@ -17,6 +17,24 @@ When each member is called, for one request:
     begin(input_pos); decode(...)    each decode step ([B, 1]), every layer
     reset()                          the next request reuses the storage
 
+Requests that join and leave a running batch (engine.RowBatch, the server's continuous batching), for a
+policy whose `admission` is "row":
+
+    decode_room = N                  before setup: every row holds its prompt's kept tokens + N generated
+                                     ones, so storage is allocated once at setup and never per request
+    (scratch: a one-row instance)    setup(args, 1, S, ...), reset(), then a whole prefill as above
+    adopt(row, scratch)              host side, between decode steps: the scratch's request moves into the
+                                     free row `row`; the other rows keep every bit of their state
+    begin(input_pos); decode(...)    every row at its own position; a free row at position -1 (nothing of
+                                     it is kept or read: its outputs are garbage and never used)
+    release(row)                     host side: the row's request is done, its slots are empty
+
+A row's tokens and logits are those of the same request run alone (tests/test_policy_matrix.py,
+test_requests_join_and_leave_rows).  Rows do not depend on the decode step number.  A policy that decides
+for the whole batch (PyramidKV's budgets, D2O's layer budgets, SimLayerKV's lazy layers, HShare's
+sharing configuration, Double Sparsity's prompt-ranked channels, POD's blocks) declares admission "batch":
+requests then start only in an empty batch, together (one left-padded prefill), as in engine.generate.
+
 Capabilities are declared as class attributes (never probed with hasattr):
     prefill_in_one_pass  the engine must feed the whole prompt in one forward (compressing policies)
     is_sparse_reader     a reader (ds, quest, hshare): composes as STORAGE+READER over `inner`
@@ -25,6 +43,7 @@ Capabilities are declared as class attributes (never probed with hasattr):
     reader_composable    a sparse reader may replace its decode attention (False when it measures
                          decode attention itself, e.g. SimLayerKV's decode strategy)
     kv_bits, kv_group    16 and 0 for compute-dtype storage; KIVI-packed storage says its bits and G
+    admission            "row" (requests join and leave single rows: release/adopt) or "batch"
 `full_cache_args(n)` states the policy's promise about the full cache: the arguments under which it
 keeps and reads every one of n tokens, so its logits equal the full cache's (None: no such promise).
 The policy test matrix (tests/test_policy_matrix.py) checks every registered policy against this.
@@ -56,7 +75,10 @@ class CachePolicy(Protocol):
     reader_composable: bool
     kv_bits: int
     kv_group: int
-    n_filled: int                   # tokens seen so far (prompt + generated), a host int
+    admission: str                  # "row" or "batch" (module docstring)
+    decode_room: Optional[int]      # generated tokens a row holds, set before setup (None: up to max_seq_length)
+    renamed: dict                   # old parameter name -> new one (refused with a message naming it)
+    n_filled: int                   # tokens seen so far (prompt + generated; the longest row), a host int
 
     def prepare(self, model, tokenizer) -> None:
         """Host side: make per-checkpoint side data that is missing (calibration files beside
@@ -90,6 +112,13 @@ class CachePolicy(Protocol):
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """One token: q [B, H_q, 1, D], k/v [B, H_kv, 1, D] -> [B, H_q, 1, D]; stores the token
         (appending, or evicting another) and attends over what is kept, without host syncs."""
+
+    def release(self, row: int) -> None:
+        """Host side (admission "row"): forget row `row`'s request; its slots are empty, other rows go on."""
+
+    def adopt(self, row: int, other: "CachePolicy", other_row: int = 0) -> None:
+        """Host side (admission "row"): move request `other_row` of `other` (the same spec, set up with the
+        same max_seq_length and decode_room, its prefill complete) into the free row `row`."""
 
     def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """(k, v [B, H_kv, C, D], visible [B, H_kv or 1, C]) a decode query may read: the hook a

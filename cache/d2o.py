@@ -29,6 +29,7 @@ from cache.shard import shard_of
 
 
 class D2OPolicy(EvictionPolicy):
+    admission = "batch"     # layer budgets come from the batch's prompt attention variances
     name = "d2o"
     params = {**EvictionPolicy.params, **HEAD_AGG_PARAM,
               "n_sink": (int, 4, "first tokens always kept"),

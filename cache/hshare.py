@@ -124,6 +124,7 @@ def own_tensors(t: Tensor) -> list[Tensor]:
 # --------------------------------------------------------------------------- the policy
 
 class HSharePolicy(LabelReader):
+    admission = "batch"     # the sharing configuration is computed once per batch from its prompts
     name = "hshare"
     params = {**LabelReader.params,
               "layer_ratio": (ratio, 0.75, "share of layers that select their own tokens (1 = no layer sharing)"),

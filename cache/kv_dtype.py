@@ -50,19 +50,20 @@ class StoredDenseCache(DenseCache):
         super().reset()
         self.dense_ok = False
 
-    def _store_and_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        kc, vc = self.k[layer], self.v[layer]
-        kc[:, :, self.start:self.n_filled] = k
-        vc[:, :, self.start:self.n_filled] = v
-        n = self.n_filled
+    def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.store(layer, k, v)
+        kc, vc, n = self.k[layer], self.v[layer], self.n_filled
         if self.kv_dtype == q.dtype:
             return grouped_attention(q, kc[:, :, :n], vc[:, :, :n], self.mask)
         if q.shape[2] == 1 and self.dense_ok and use_cpu_kernel("auto", dense_supported(q, kc)):
             return dense_attention_cpu(q, kc, vc, n)
         return grouped_attention(q, kc[:, :, :n].to(q.dtype), vc[:, :, :n].to(q.dtype), self.mask)
 
-    prefill = _store_and_attend
-    decode = _store_and_attend
+    decode = prefill
+
+    def release(self, row: int) -> None:
+        super().release(row)
+        self.dense_ok = False       # the released row's slots are empty
 
     def storage(self, layer: int):
         raise NotImplementedError(f"the sparse readers read `full` in the compute dtype, not --kv-dtype "

@@ -222,6 +222,7 @@ def gather_rows(x: Tensor, idx: Tensor) -> Tensor:
 
 class PODPolicy:
     """POD as a cache policy (contract of model.DenseCache); see the module docstring."""
+    admission = "batch"     # layer blocks and distant-token storage are set per batch
 
     name = "pod"
     params = {

@@ -13,6 +13,7 @@ from cache.snapkv import SnapKVPolicy
 
 
 class PyramidKVPolicy(SnapKVPolicy):
+    admission = "batch"     # layer budgets follow the batch's prompt length (fill_to_cap)
     name = "pyramidkv"
     params = {**SnapKVPolicy.params,
               "obs_window": (int, 8, "observation window (the paper's alpha), kept in every layer"),

@@ -139,6 +139,13 @@ class SlotStore:
             cpu_kernels_available()        # build now, on the host: never inside a compiled region
 
     # -------------------------------------------------------------- helpers
+    def row_tensors(self, row: int, slots: int) -> list[Tensor]:
+        """Row `row` of every buffer over its first `slots` slots (whole key groups) and the ring."""
+        c = -(-slots // self.group) * self.group
+        return [self.k_packed[row, :, :c], self.k_scale[row, :, :c // self.group], self.k_min[row, :, :c // self.group],
+                self.v_packed[row, :, :c], self.v_scale[row, :, :c], self.v_min[row, :, :c],
+                self.k_ring[row], self.v_ring[row]]
+
     @property
     def buffers(self) -> KIVIBuffers:
         return KIVIBuffers(self.k_packed, self.k_scale, self.k_min, self.v_packed, self.v_scale, self.v_min,
@@ -361,6 +368,8 @@ class KIVIDenseCache(DenseCache):
                        for _ in range(args.n_layers)]
         self.k = self.v = self.stores
         self.pos = torch.full((max_batch_size, max_seq_length), -1, dtype=torch.long, device=device)
+        self.length = torch.zeros(max_batch_size, dtype=torch.long, device=device)
+        self.rows = torch.arange(max_batch_size, device=device)
         self.group = args.n_heads // args.n_kv_heads
         self.sliding_window = args.sliding_window
         self.reset()
@@ -379,10 +388,13 @@ class KIVIDenseCache(DenseCache):
         store.write_range(self.start, k, v, pos, self.now)
         return out
 
-    def store(self, layer: int, k: Tensor, v: Tensor) -> None:
-        """Write the decode token k, v [B, H_kv, 1, D] into its slot (the next one)."""
+    def store(self, layer: int, k: Tensor, v: Tensor):
+        """Write the decode token k, v [B, H_kv, 1, D] into its row's next slot; returns the slot (model.DenseCache.store)."""
         pos = self.pos[:, None]
-        self.stores[layer].write(pos.new_full(k.shape[:2], self.start), k, v, pos, self.now)
+        slot = self.start if self.start >= 0 else self.slot
+        at = pos.new_full(k.shape[:2], slot) if self.start >= 0 else slot[:, None].expand(k.shape[:2])
+        self.stores[layer].write(at, k, v, pos, self.now)
+        return slot
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.store(layer, k, v)
@@ -390,6 +402,17 @@ class KIVIDenseCache(DenseCache):
 
     def storage(self, layer: int):
         raise NotImplementedError(STORAGE_ERROR.format(name=self.name, bits=self.kv_bits))
+
+    def row_tensors(self, row: int, n: int) -> list[Tensor]:
+        return [t for s in self.stores for t in s.row_tensors(row, n)] + [self.pos[row, :n]]
+
+    def reset(self) -> None:
+        super().reset()
+        self.now = torch.full_like(self.length, -1)     # [B] each row's newest position (set by begin)
+
+    def adopt(self, row: int, other: "KIVIDenseCache", other_row: int = 0) -> None:
+        super().adopt(row, other, other_row)
+        self.now[row] = other.now[other_row]
 
     def kv_store(self, layer: int) -> tuple[SlotStore, Tensor, Tensor]:
         """(store, pos [B, 1, n], now [B]): the packed slots a reader would gather from."""
@@ -399,7 +422,7 @@ class KIVIDenseCache(DenseCache):
         return self.pos[:, None, :self.n_filled].expand(-1, self.stores[layer].heads, -1)
 
     def kv_bytes(self) -> dict:
-        live = sum(s.nbytes(self.n_filled) for s in self.stores) if self.n_filled else 0
+        live = sum(s.nbytes(self.n_filled) for s in self.stores) if self.n_filled else 0   # (longest row)
         return {"allocated": sum(s.nbytes() for s in self.stores), "live": live, "read_per_step": live}
 
     def describe(self) -> dict:
@@ -423,6 +446,9 @@ class KIVIEviction:
         self.k[layer] = self.v[layer] = SlotStore(
             self.batch, self.store_heads, self.args.head_dim, capacity, self.kv_bits, self.kv_group,
             self.kv_residual, self.dtype, self.device, self.backend)
+
+    def row_kv(self, layer: int, row: int) -> list[Tensor]:
+        return self.k[layer].row_tensors(row, self.pos[layer].shape[2])
 
     def write_kept(self, layer: int, kc: Tensor, vc: Tensor) -> None:
         self.k[layer].write_range(0, kc, vc, self.pos[layer], self.now())

@@ -62,6 +62,9 @@ class QuestPolicy(SparseReader):
         ok = torch.nn.functional.pad(pos >= 0, (0, pad), value=False)
         self.kmin[layer], self.kmax[layer] = self._bounds(k.view(B, H, n_pages, ps, D), ok.view(B, H, n_pages, ps))
 
+    def index_tensors(self, layer: int, row: int) -> list[Tensor]:
+        return [self.kmin[layer][row], self.kmax[layer][row]]
+
     def update(self, layer: int, k: Tensor, slot) -> None:
         """Recompute the bounds of the page holding the new token's slot (int: the full cache's, the
         same for every row and head; else [B, H])."""

@@ -50,6 +50,7 @@ def lazy_mass(probs: Tensor, q_pos: Tensor, k_pos: Tensor, n_sink: int, n_recent
 
 
 class SimLayerKVPolicy(EvictionPolicy):
+    admission = "batch"     # lazy layers are decided once for the whole batch
     name = "simlayerkv"
     params = {"strategy": (str, "decode", "where lazy layers are found: decode (the first generated token's "
                                           "query, the paper's experiments) or prefill (the last prompt queries)"),

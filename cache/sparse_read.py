@@ -104,16 +104,10 @@ class InnerStorage:
             raise ValueError(f"a sparse reader can wrap the full cache or an eviction policy, not {type(inner).__name__}")
 
     def store(self, layer: int, k: Tensor, v: Tensor):
-        """Write the decode token; returns its slot: an int (uniform) or LongTensor [B, H_kv]."""
-        inner = self.inner
-        if self.uniform:
-            if self.packed:
-                inner.store(layer, k, v)
-            else:
-                inner.k[layer][:, :, inner.start:inner.n_filled] = k
-                inner.v[layer][:, :, inner.start:inner.n_filled] = v
-            return inner.n_filled - 1
-        return inner.store(layer, k, v)
+        """Write the decode token k, v [B, H_kv, 1, D]; returns its slot: an int (uniform, rows aligned) or
+        LongTensor [B, H_kv]."""
+        slot = self.inner.store(layer, k, v)
+        return slot[:, None].expand(-1, k.shape[1]) if isinstance(slot, Tensor) and slot.dim() == 1 else slot
 
     def positions(self, layer: int) -> tuple[Tensor, Tensor]:
         """(visible [B, 1 or H_kv, S], pos [B, 1 or H_kv, S]) of the slots readable now."""
@@ -397,6 +391,19 @@ class SparseReader:
     def prefill_in_one_pass(self) -> bool:
         return self.inner.prefill_in_one_pass
 
+    @property
+    def admission(self) -> str:
+        """Rows join and leave as the storage's do, unless the reader decides for the whole batch."""
+        return self.inner.admission
+
+    @property
+    def decode_room(self):
+        return self.inner.decode_room
+
+    @decode_room.setter
+    def decode_room(self, value):
+        self.inner.decode_room = value
+
     def prepare(self, model, tokenizer) -> None:
         self.inner.prepare(model, tokenizer)
 
@@ -463,6 +470,21 @@ class SparseReader:
 
     def storage(self, layer: int):
         return self.inner.storage(layer)
+
+    def release(self, row: int) -> None:
+        self.inner.release(row)
+
+    def adopt(self, row: int, other: "SparseReader", other_row: int = 0) -> None:
+        """The inner storage's row, then the reader's index rows (built here first if this batch has none)."""
+        self.inner.adopt(row, other.inner, other_row)
+        if not self.built:
+            self.adopt_decisions(other)
+            for layer in range(self.args.n_layers):
+                self.build(layer)
+            self.built = True
+        for layer in range(self.args.n_layers):
+            for dst, src in zip(self.index_tensors(layer, row), other.index_tensors(layer, other_row)):
+                dst.copy_(src)
 
     def kept_positions(self, layer: int) -> Tensor:
         return self.inner.kept_positions(layer)
@@ -536,6 +558,13 @@ class SparseReader:
     # ----------------------------------------------------------------- subclass hooks
     def build(self, layer: int) -> None:
         raise NotImplementedError
+
+    def index_tensors(self, layer: int, row: int) -> list[Tensor]:
+        """Row `row` of the layer's index structures (what build made and update keeps current)."""
+        return []
+
+    def adopt_decisions(self, other: "SparseReader") -> None:
+        """Before the first adopted row is built: take the request-independent decisions of `other`."""
 
     def update(self, layer: int, k: Tensor, slot) -> None:
         raise NotImplementedError
@@ -649,9 +678,22 @@ class LabelReader(SparseReader):
             self.label_channels = list(self.channel_ids)      # per layer, in the label cache's head order
         super().end_prefill()
 
+    @property
+    def admission(self) -> str:
+        """Heavy channels ranked on the prompt are a decision for the whole batch; calibrated ones are not
+        (known once set up)."""
+        return self.inner.admission if getattr(self, "calibrated", None) is not None else "batch"
+
+    def adopt_decisions(self, other: "LabelReader") -> None:
+        self.channel_ids, self.label_channels = other.channel_ids, other.label_channels
+
     def build(self, layer: int) -> None:
         k = self.storage_.filled_keys(layer)
         self.labels.fill(layer, k, self.channel_ids[layer], self.storage_.capacity(layer))
+
+    def index_tensors(self, layer: int, row: int) -> list[Tensor]:
+        return [t[layer][row] for t in (self.labels.labels, self.labels.scale, self.labels.minimum)
+                if t[layer] is not None]
 
     def update(self, layer: int, k: Tensor, slot) -> None:
         self.labels.write(layer, k, self.label_channels[layer], slot)

@@ -383,7 +383,7 @@ class FusedAttention(Attention):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache, decoding: bool) -> Tensor:
         if (decoding and type(cache) is DenseCache and "decode" not in cache.__dict__   # (no instance hook on it)
-                and cache.decode_kernel is decode_attention
+                and cache.decode_kernel is decode_attention and cache.start >= 0     # rows aligned: one slot
                 and self.head_dim in (64, 128) and cos.shape[1] == 1
                 and _eager_fp32_cpu(x, cos, sin, cache.k[self.layer_idx])):     # (then wqkv's output is too)
             visible = _NO_VISIBLE if cache.mask is None else cache.mask

@@ -12,7 +12,9 @@ longer than the default budgets, and checks:
     before_decode_step reallocate, as SimLayerKV's decode strategy does once before step 1);
   - greedy runs are deterministic (bit for bit);
   - under `full_cache_args(n)` the logits equal the full cache's (where the policy makes that promise);
-  - bad parameters are clear PolicyErrors naming the parameter.
+  - bad parameters are clear PolicyErrors naming the parameter;
+  - requests that join and leave rows of a running batch (engine.RowBatch) get the tokens and logits they
+    get alone, with nothing allocated after the batch starts.
 """
 from __future__ import annotations
 
@@ -52,6 +54,9 @@ def pytest_generate_tests(metafunc):
         cells = [(n, s, b) for n in names for s, bits in STORAGES.items() if bits == 16 or storage_ok(n, bits)
                  for b in BATCHES]
         metafunc.parametrize("cell", cells, ids=[f"{n}-{s}-{b}" for n, s, b in cells])
+    elif "admission_cell" in metafunc.fixturenames:     # 16-bit, and 4-bit where the policy has it
+        cells = [(n, s) for n in names for s in ("kv16", "kv4") if s == "kv16" or storage_ok(n, STORAGES[s])]
+        metafunc.parametrize("admission_cell", cells, ids=[f"{n}-{s}" for n, s in cells])
     elif "variant" in metafunc.fixturenames:     # head aggregations other than the default
         cells = [(n, s, f"head_agg={agg}") for n in names if "head_agg" in POLICIES[n].params
                  for agg in POLICIES[n].head_aggs if agg != POLICIES[n].params["head_agg"][1] for s in ("kv16", "kv4")]
@@ -208,6 +213,86 @@ def test_head_aggregation_variant(model, variant):
                                    run(model, build("full", storage), lengths), atol=1e-5, rtol=1e-5)
 
 
+# --------------------------------------------------------------------------- rows that join and leave
+
+NEW = 8                                               # tokens each request generates
+REQUESTS = {"A": (300, 0), "B": (210, 3), "C": (260, NEW + 1)}   # prompt length, arrival (decode step)
+
+
+def alone(model, policy, ids: list[int], max_seq: int) -> torch.Tensor:
+    """Logits [NEW, V] of greedy decoding `ids` alone in a batch of one (engine.run_prefill / run_decode)."""
+    model.setup_caches(1, max_seq, policy)
+    with torch.inference_mode():
+        logits = [engine.run_prefill(model, torch.tensor([ids]), torch.arange(len(ids))[None])[0]]
+        for i in range(NEW - 1):
+            token = logits[-1].argmax().view(1, 1)
+            logits.append(engine.run_decode(model, token, torch.tensor([[len(ids) + i]]), i)[0])
+    return torch.stack(logits)
+
+
+def serve(batch: "engine.RowBatch", prompts: dict, arrivals: dict, on_step=None) -> tuple[dict, list]:
+    """Run `prompts` through `batch`, each arriving at its decode step in `arrivals` (first come, first
+    served; each leaves after NEW tokens) -> (logits [NEW, V] per request, {request: row} after each
+    step's admissions)."""
+    got: dict = {n: [] for n in prompts}
+    rows, waiting, timeline = {}, [], []
+    with torch.inference_mode():
+        for t in range(4 * NEW + 8):                  # bounded: every request is done well before
+            waiting += [n for n in prompts if arrivals[n] == t]
+            for row, logits in batch.admit([prompts[n] for n in waiting]):
+                rows[waiting[0]] = row
+                got[waiting.pop(0)].append(logits)
+            timeline.append(dict(rows))
+            if not rows and not waiting and t > max(arrivals.values()):
+                break
+            if rows:
+                logits = batch.step({r: int(got[n][-1].argmax()) for n, r in rows.items()})
+                if on_step:
+                    on_step(batch.policy)
+                for n, r in list(rows.items()):
+                    got[n].append(logits[r])
+                    if len(got[n]) == NEW:
+                        batch.release(r)
+                        del rows[n]
+    return {n: torch.stack(v) for n, v in got.items()}, timeline
+
+
+def test_requests_join_and_leave_rows(model, admission_cell):
+    """B joins row 1 while A decodes in row 0; C takes A's row once A is done.  Each request's greedy tokens
+    and logits equal its run alone in a batch of the same size (16-bit storage: also alone in a batch of
+    one); nothing is reallocated once the batch runs; a batch-admission policy starts each request in an
+    empty batch.  (Against a batch of one, 4-bit storage can differ beyond 1e-5: the linear layers' GEMM
+    rounds a row differently at another batch size, and a one-ulp change can flip a KIVI code.)"""
+    name, storage = admission_cell
+    g = torch.Generator().manual_seed(1)
+    prompts = {n: torch.randint(0, ARGS.vocab_size, (length,), generator=g).tolist()
+               for n, (length, _) in REQUESTS.items()}
+    arrivals = {n: arrival for n, (_, arrival) in REQUESTS.items()}
+    max_seq = max(length for length, _ in REQUESTS.values()) + NEW
+    make = lambda: build(name, storage)        # noqa: E731
+    buffers: dict = {}
+
+    def no_reallocation(policy):
+        now = storage_tensors(policy)
+        buffers.setdefault("first", now)
+        moved = [k for k, ptr in buffers["first"].items() if now.get(k, ptr) != ptr]
+        assert not moved, f"a decode step reallocated {moved[:4]}"
+
+    batch = engine.RowBatch(model, make, 2, max_seq, NEW)
+    got, timeline = serve(batch, prompts, arrivals, no_reallocation if batch.rows else None)
+    for n, ids in prompts.items():
+        ref, _ = serve(engine.RowBatch(model, make, 2, max_seq, NEW), {n: ids}, {n: 0})
+        assert torch.equal(got[n].argmax(-1), ref[n].argmax(-1)), f"request {n}'s tokens differ from its run alone"
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
+        if storage == "kv16":
+            torch.testing.assert_close(got[n], alone(model, make(), ids, max_seq), atol=1e-5, rtol=1e-5)
+    together = [rows for rows in timeline if len(rows) == 2]
+    if batch.rows:
+        assert {"A": 0, "B": 1} in together and {"C": 0} in timeline, timeline
+    else:
+        assert not together, f"{name} admits whole batches, yet requests overlapped: {timeline}"
+
+
 # --------------------------------------------------------------------------- parameters
 
 def test_bad_parameters_are_clear_errors(policy_name):
@@ -265,5 +350,6 @@ def test_a_registered_policy_joins_the_matrix(tmp_path):
     finally:
         module.unlink()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    tests = 2 * len(BATCHES) * len(STORAGES) + 2      # cell + promise per storage and batch; parameters; contract
+    tests = 2 * len(BATCHES) * len(STORAGES) + 2 + 2  # cell + promise per storage and batch; parameters; contract;
+                                                      # joining rows at 16 and 4 bits
     assert f"{tests} passed" in out.stdout, out.stdout[-2000:]
