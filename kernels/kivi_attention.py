@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import resolve_backend
+from .backend import resolve_backend
 from .quantized_attention import _softmax_stats, quantized_scores, quantized_weighted_values
 
 
