@@ -9,6 +9,7 @@ a torch "twin" (the CPU path and the reference) per operation, dispatched by dev
     quantize_labels_4bit ...  4-bit label packing helpers
 
 Every dispatcher takes `backend="auto" | "triton" | "torch"` (kernels/backend.py says what each runs).
+KIVI's KV codec (group quantization and bit packing) is kernels/kivi_codec.py.
 """
 from .backend import BACKENDS, resolve_backend, triton_available
 from .sparse_attention import (sparse_decode_attention, sparse_decode_attention_torch,
