@@ -6,10 +6,11 @@ disjoint from the evaluation text in `data/paul_graham_essays/`):
 - heavy channels (Double Sparsity's offline step, used by ds and hshare): for every calibration
   token, layer, KV head h and channel d, |q_d * k_d| with q the post-RoPE query of each query head
   of h's group and k the post-RoPE key of the same token, averaged; channels ranked by it.
-  File: `heavy_channels.json` next to the checkpoint (`cache.sparse_read.channels_path`).
+  File: `heavy_channels.json` next to the checkpoint (`channels_path`).
 - POD's layer similarity (paper sec. 2.1): mean 1 - JSD (base 2) between the attention rows of
   every pair of layers for the last `queries` tokens of each sample, per KV head.
-  File: `pod_calibration.json` next to the checkpoint (`cache.pod.calibration_path`).
+  File: `pod_calibration.json` next to the checkpoint (`pod_path`); POD's greedy grouping of
+  consecutive layers into blocks (Algorithm 1, `group_heads`) regroups it for any threshold.
 
 `ensure_channels` / `ensure_pod` return the file, calibrating first (one line on stderr) when it is
 missing.  Policies call them from their `prepare` hook; `scripts/calibrate_channels.py` and
@@ -23,31 +24,41 @@ Without a shared filesystem across machines, make the files first (the scripts a
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 import atomic_io
+from cache.base import attention_probs, last_rows
 from cache.shard import SINGLE, Shard, shard_of
 from model import DenseCache, ModelArgs
 
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "data" / "calibration"
 CHANNELS_FILE = "heavy_channels.json"
 CHANNELS_FORMAT = "heavy-channels/1"
+POD_FILE = "pod_calibration.json"
+POD_FORMAT = "pod-blocks/1"
+SIMILARITY = ("1 - Jensen-Shannon divergence (log base 2) of attention rows of the same query head in two "
+              "layers, averaged over the last q queries, the samples and the query heads of each KV head")
 
 
 # --------------------------------------------------------------------------- heavy-channel files
 
-def channels_path(checkpoint) -> Path:
-    """Where the heavy-channel calibration of a checkpoint lives: `<dir>/heavy_channels.json` for a
-    checkpoint directory, `<file stem>.heavy_channels.json` beside a .gguf file."""
+def side_file(checkpoint, name: str) -> Path:
+    """Where a checkpoint's calibration file `name` lives: `<dir>/<name>` for a checkpoint directory,
+    `<file stem>.<name>` beside a .gguf file."""
     p = Path(checkpoint)
-    if p.suffix == ".gguf":
-        return p.with_name(p.stem + "." + CHANNELS_FILE)
-    return p / CHANNELS_FILE
+    return p.with_name(p.stem + "." + name) if p.suffix == ".gguf" else p / name
+
+
+def channels_path(checkpoint) -> Path:
+    """The heavy-channel calibration of a checkpoint: heavy_channels.json (`side_file`)."""
+    return side_file(checkpoint, CHANNELS_FILE)
 
 
 def channel_importance(q: Tensor, k: Tensor, q_pos: Tensor) -> Tensor:
@@ -93,6 +104,115 @@ def read_channels_file(path, args: ModelArgs) -> Tensor:
     if ranking.shape != shape or not all((r.sort().values == torch.arange(shape[2])).all() for r in ranking.flatten(0, 1)):
         raise ValueError(f"{path}: every (layer, head) entry must rank all {shape[2]} channels")
     return shard.own(ranking, dim=1)
+
+
+# --------------------------------------------------------------------------- POD's layer similarity and its files
+
+def attention_rows(q: Tensor, k: Tensor, q_pos: Tensor, n_queries: int, sliding_window=None) -> Tensor:
+    """Causal attention rows of the last `n_queries` queries: q [B, H_q, T, D], k [B, H_kv, T, D],
+    q_pos [B, T] -> [B, H_kv, G, n_queries, T] fp32 (rows of padding queries are zero)."""
+    q_last, pos_last = last_rows(q, q_pos, n_queries)
+    return attention_probs(q_last, k, pos_last, q_pos, sliding_window)
+
+
+def js_similarity(p: Tensor, q: Tensor) -> Tensor:
+    """1 - JSD(p, q) with log base 2, in [0, 1] (1 = identical) for rows p, q [..., T] -> [...]."""
+    m = 0.5 * (p + q)
+    kl = lambda a: (torch.xlogy(a, a) - torch.xlogy(a, m)).sum(-1)      # noqa: E731
+    return (1 - 0.5 * (kl(p) + kl(q)) / math.log(2)).clamp(0, 1)
+
+
+def similarity_sums(rows: list[Tensor], valid: Tensor) -> tuple[Tensor, int]:
+    """Per KV head, the sum over rows of the layer-pair similarity and the number of rows.
+
+    rows[l] [B, H_kv, G, q, T] (attention_rows of layer l); valid [B, q] bool (real query rows).
+    Returns (sums [H_kv, L, L] float64, symmetric, diagonal = count; count) so that several
+    samples add up and sums / count is the paper's eq. 2 averaged over each KV head's query heads."""
+    L = len(rows)
+    B, H, G, n, T = rows[0].shape
+    w = valid[:, None, None, :].expand(B, H, G, n).double()
+    count = int(valid.sum()) * G
+    sums = torch.zeros(H, L, L, dtype=torch.float64)
+    for a in range(L):
+        sums[:, a, a] = count
+        for b in range(a):
+            s = (js_similarity(rows[a], rows[b]).double() * w).sum((0, 2, 3))       # [H]
+            sums[:, a, b] = sums[:, b, a] = s
+    return sums, count
+
+
+def greedy_blocks(sim, delta: float) -> list[list[int]]:
+    """Algorithm 1 for one head: sim [L, L] -> consecutive blocks; layer l joins the current block
+    when sim[l, j] >= delta for every layer j already in it, else it starts a new block."""
+    sim = torch.as_tensor(sim, dtype=torch.float64)
+    blocks = [[0]]
+    for layer in range(1, sim.shape[0]):
+        if all(float(sim[layer, j]) >= delta for j in blocks[-1]):
+            blocks[-1].append(layer)
+        else:
+            blocks.append([layer])
+    return blocks
+
+
+def group_heads(sim: Tensor, delta: float) -> list[list[list[int]]]:
+    """Algorithm 1 per KV head: sim [H_kv, L, L] -> blocks[h] (lists of consecutive layers)."""
+    return [greedy_blocks(s, delta) for s in sim]
+
+
+def key_saving(blocks: list[list[list[int]]], n_layers: int, capacity: Optional[int] = None,
+               proximal: int = 0) -> float:
+    """Fraction of K+V bytes saved against the full cache: (L H - #blocks) / (2 L H), times the
+    distant share (capacity - proximal) / capacity when a capacity (slots per layer) is given."""
+    H = len(blocks)
+    n_blocks = sum(len(b) for b in blocks)
+    share = 1.0 if capacity is None else max(0, capacity - proximal) / capacity
+    return (n_layers * H - n_blocks) / (2 * n_layers * H) * share
+
+
+def pod_path(checkpoint) -> Path:
+    """POD's layer-similarity calibration of a checkpoint: pod_calibration.json (`side_file`)."""
+    return side_file(checkpoint, POD_FILE)
+
+
+def write_pod_file(path, sim: Tensor, meta: dict, deltas=(0.3, 0.5, 0.7)) -> dict:
+    """Similarities [H_kv, L, L] + the blocks and savings for each delta -> JSON at `path`."""
+    H, L, _ = sim.shape
+    data = {"format": POD_FORMAT, "n_layers": L, "n_kv_heads": H, "similarity_metric": SIMILARITY,
+            **meta, "similarity": [[[round(float(x), 6) for x in row] for row in s] for s in sim],
+            "groupings": {}}
+    for delta in deltas:
+        blocks = group_heads(sim, delta)
+        data["groupings"][str(delta)] = {
+            "blocks": blocks, "blocks_per_head": [len(b) for b in blocks],
+            "theoretical_kv_saving": round(key_saving(blocks, L), 6)}
+    atomic_io.write_json(path, data)
+    return data
+
+
+def read_pod_file(path, args: ModelArgs, delta: float) -> tuple[list, Optional[Tensor]]:
+    """(blocks per KV head, similarity [H_kv, L, L] or None) from a calibration file: regrouped
+    with `delta` when the file holds similarities, else its `blocks` entry as written.  Checked
+    against the whole model; under tensor parallelism the part of this process's KV heads."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read POD blocks file {path}: {e}") from None
+    if data.get("format") != POD_FORMAT:
+        raise ValueError(f"{path}: not a POD blocks file (format {data.get('format')!r})")
+    shard = shard_of(args)
+    shape, model = (data.get("n_layers"), data.get("n_kv_heads")), (args.n_layers, shard.whole(args.n_kv_heads))
+    if shape != model:
+        raise ValueError(f"{path} was calibrated for (layers, kv heads) = {shape}, the model has "
+                         f"{model}: re-run scripts/calibrate_pod.py")
+    if "similarity" in data:
+        sim = shard.own(torch.tensor(data["similarity"], dtype=torch.float64))
+        return group_heads(sim, delta), sim
+    blocks = data.get("blocks")
+    flat = [sum(b, []) for b in blocks or []]
+    if len(flat) != model[1] or any(f != list(range(args.n_layers)) for f in flat):
+        raise ValueError(f"{path}: 'blocks' must list, per KV head, consecutive blocks covering layers "
+                         f"0..{args.n_layers - 1} in order")
+    return shard.own(blocks), None
 
 
 # --------------------------------------------------------------------------- running the model on calibration text
@@ -153,7 +273,6 @@ class RowRecorder(DenseCache):
         self.q_pos = input_pos
 
     def prefill(self, layer, q, k, v):
-        from cache.pod import attention_rows
         self.rows[layer] = attention_rows(q, k, self.q_pos, self.queries, self.sliding_window)
         return super().prefill(layer, q, k, v)
 
@@ -185,7 +304,6 @@ def calibrate_channels(model, blocks: list[list[int]]) -> tuple[torch.Tensor, to
 def calibrate_pod(model, blocks: list[list[int]], queries: int) -> torch.Tensor:
     """POD's mean layer similarity [H_kv, L, L] over token blocks (see the module docstring), of the
     whole model's KV heads under tensor parallelism."""
-    from cache.pod import similarity_sums
     recorder = RowRecorder(queries)
     acc = {"total": 0, "count": 0}
 
@@ -216,12 +334,11 @@ def write_pod(model, tokenizer, out: Path, data: Path = CALIBRATION_TEXT, sample
               queries: int = 16, deltas=(0.3, 0.5, 0.7)) -> dict | None:
     """Calibrate POD's layer similarity on `data` and write it (with groupings for `deltas`) to `out`:
     the file's data (None on the processes that do not write, under tensor parallelism)."""
-    from cache.pod import write_calibration
     length = min(length, model.args.max_position_embeddings)
     blocks = calibration_blocks(tokenizer, data, samples * length, length)
     sim = calibrate_pod(model, blocks, queries)
     meta = {"data": data.name, "samples": len(blocks), "length": length, "queries": queries}
-    return write_calibration(out, sim, meta, deltas) if shard_of(model.args).writes_files else None
+    return write_pod_file(out, sim, meta, deltas) if shard_of(model.args).writes_files else None
 
 
 def ensure(path: Path, what: str, make, shard: Shard = SINGLE) -> Path:
@@ -246,6 +363,5 @@ def ensure_channels(model, tokenizer, checkpoint) -> Path:
 
 
 def ensure_pod(model, tokenizer, checkpoint) -> Path:
-    from cache.pod import calibration_path
-    return ensure(calibration_path(checkpoint), "POD layer similarity",
+    return ensure(pod_path(checkpoint), "POD layer similarity",
                   lambda out: write_pod(model, tokenizer, out), shard_of(model.args))

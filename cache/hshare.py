@@ -49,8 +49,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cache.labels import LabelReader, gather_channels
 from cache.shard import shard_of
-from cache.sparse_read import (INF, LabelReader, gather_channels, n_sources, parse_ratios, ratio, select_slots)
+from cache.sparse_read import INF, n_sources, parse_ratios, ratio, select_slots
 
 
 # --------------------------------------------------------------------------- Algorithm 1

@@ -33,7 +33,7 @@ greedy grouping of consecutive layers: a layer joins the current block when its 
 the evals and the benchmark call it) calibrates that file on data/calibration/ the first time it is
 needed (cache/calibration.py).  Without the file, and with `blocks=prompt`, the blocks come from the
 prompt's own last `cal_queries` queries; `blocks=layers` makes every layer its own block,
-`blocks=PATH` reads another file.
+`blocks=PATH` reads another file.  The similarity, the grouping and the file are cache/calibration.py's.
 
 Storage per layer l (B rows, H KV heads, D head_dim; every token's K and V stored once):
     ring_k, ring_v [B, H, R, D]        proximal tokens: slots [0, n_sink) hold positions 0..n_sink-1,
@@ -69,7 +69,6 @@ must offer exactly these two reads; KIVI's `attend` fuses them, so it needs spli
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Optional
@@ -77,128 +76,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-import atomic_io
-from cache.calibration import ensure_pod
-from cache.base import NEVER, EvictionPolicy, attention_probs, column_scores, last_rows, pool1d, select_top
-from cache.shard import shard_of
+from cache.base import NEVER, EvictionPolicy, column_scores, pool1d, select_top
+from cache.calibration import (POD_FILE, attention_rows, ensure_pod, group_heads, key_saving, pod_path, read_pod_file,
+                               similarity_sums)
 from model import ModelArgs, grouped_attention
-
-BLOCKS_FILE = "pod_calibration.json"
-BLOCKS_FORMAT = "pod-blocks/1"
-SIMILARITY = ("1 - Jensen-Shannon divergence (log base 2) of attention rows of the same query head in two "
-              "layers, averaged over the last q queries, the samples and the query heads of each KV head")
-
-
-# --------------------------------------------------------------------------- calibration
-
-def attention_rows(q: Tensor, k: Tensor, q_pos: Tensor, n_queries: int, sliding_window=None) -> Tensor:
-    """Causal attention rows of the last `n_queries` queries: q [B, H_q, T, D], k [B, H_kv, T, D],
-    q_pos [B, T] -> [B, H_kv, G, n_queries, T] fp32 (rows of padding queries are zero)."""
-    q_last, pos_last = last_rows(q, q_pos, n_queries)
-    return attention_probs(q_last, k, pos_last, q_pos, sliding_window)
-
-
-def js_similarity(p: Tensor, q: Tensor) -> Tensor:
-    """1 - JSD(p, q) with log base 2, in [0, 1] (1 = identical) for rows p, q [..., T] -> [...]."""
-    m = 0.5 * (p + q)
-    kl = lambda a: (torch.xlogy(a, a) - torch.xlogy(a, m)).sum(-1)      # noqa: E731
-    return (1 - 0.5 * (kl(p) + kl(q)) / math.log(2)).clamp(0, 1)
-
-
-def similarity_sums(rows: list[Tensor], valid: Tensor) -> tuple[Tensor, int]:
-    """Per KV head, the sum over rows of the layer-pair similarity and the number of rows.
-
-    rows[l] [B, H_kv, G, q, T] (attention_rows of layer l); valid [B, q] bool (real query rows).
-    Returns (sums [H_kv, L, L] float64, symmetric, diagonal = count; count) so that several
-    samples add up and sums / count is the paper's eq. 2 averaged over each KV head's query heads."""
-    L = len(rows)
-    B, H, G, n, T = rows[0].shape
-    w = valid[:, None, None, :].expand(B, H, G, n).double()
-    count = int(valid.sum()) * G
-    sums = torch.zeros(H, L, L, dtype=torch.float64)
-    for a in range(L):
-        sums[:, a, a] = count
-        for b in range(a):
-            s = (js_similarity(rows[a], rows[b]).double() * w).sum((0, 2, 3))       # [H]
-            sums[:, a, b] = sums[:, b, a] = s
-    return sums, count
-
-
-def greedy_blocks(sim, delta: float) -> list[list[int]]:
-    """Algorithm 1 for one head: sim [L, L] -> consecutive blocks; layer l joins the current block
-    when sim[l, j] >= delta for every layer j already in it, else it starts a new block."""
-    sim = torch.as_tensor(sim, dtype=torch.float64)
-    blocks = [[0]]
-    for layer in range(1, sim.shape[0]):
-        if all(float(sim[layer, j]) >= delta for j in blocks[-1]):
-            blocks[-1].append(layer)
-        else:
-            blocks.append([layer])
-    return blocks
-
-
-def group_heads(sim: Tensor, delta: float) -> list[list[list[int]]]:
-    """Algorithm 1 per KV head: sim [H_kv, L, L] -> blocks[h] (lists of consecutive layers)."""
-    return [greedy_blocks(s, delta) for s in sim]
-
-
-def key_saving(blocks: list[list[list[int]]], n_layers: int, capacity: Optional[int] = None,
-               proximal: int = 0) -> float:
-    """Fraction of K+V bytes saved against the full cache: (L H - #blocks) / (2 L H), times the
-    distant share (capacity - proximal) / capacity when a capacity (slots per layer) is given."""
-    H = len(blocks)
-    n_blocks = sum(len(b) for b in blocks)
-    share = 1.0 if capacity is None else max(0, capacity - proximal) / capacity
-    return (n_layers * H - n_blocks) / (2 * n_layers * H) * share
-
-
-def calibration_path(checkpoint) -> Path:
-    """`<dir>/pod_calibration.json` for a checkpoint directory, `<stem>.pod_calibration.json`
-    beside a .gguf file."""
-    p = Path(checkpoint)
-    return p.with_name(p.stem + "." + BLOCKS_FILE) if p.suffix == ".gguf" else p / BLOCKS_FILE
-
-
-def write_calibration(path, sim: Tensor, meta: dict, deltas=(0.3, 0.5, 0.7)) -> dict:
-    """Similarities [H_kv, L, L] + the blocks and savings for each delta -> JSON at `path`."""
-    H, L, _ = sim.shape
-    data = {"format": BLOCKS_FORMAT, "n_layers": L, "n_kv_heads": H, "similarity_metric": SIMILARITY,
-            **meta, "similarity": [[[round(float(x), 6) for x in row] for row in s] for s in sim],
-            "groupings": {}}
-    for delta in deltas:
-        blocks = group_heads(sim, delta)
-        data["groupings"][str(delta)] = {
-            "blocks": blocks, "blocks_per_head": [len(b) for b in blocks],
-            "theoretical_kv_saving": round(key_saving(blocks, L), 6)}
-    atomic_io.write_json(path, data)
-    return data
-
-
-def read_blocks(path, args: ModelArgs, delta: float) -> tuple[list, Optional[Tensor]]:
-    """(blocks per KV head, similarity [H_kv, L, L] or None) from a calibration file: regrouped
-    with `delta` when the file holds similarities, else its `blocks` entry as written.  Checked
-    against the whole model; under tensor parallelism the part of this process's KV heads."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read POD blocks file {path}: {e}") from None
-    if data.get("format") != BLOCKS_FORMAT:
-        raise ValueError(f"{path}: not a POD blocks file (format {data.get('format')!r})")
-    shard = shard_of(args)
-    shape, model = (data.get("n_layers"), data.get("n_kv_heads")), (args.n_layers, shard.whole(args.n_kv_heads))
-    if shape != model:
-        raise ValueError(f"{path} was calibrated for (layers, kv heads) = {shape}, the model has "
-                         f"{model}: re-run scripts/calibrate_pod.py")
-    if "similarity" in data:
-        sim = shard.own(torch.tensor(data["similarity"], dtype=torch.float64))
-        return group_heads(sim, delta), sim
-    blocks = data.get("blocks")
-    flat = [sum(b, []) for b in blocks or []]
-    if len(flat) != model[1] or any(f != list(range(args.n_layers)) for f in flat):
-        raise ValueError(f"{path}: 'blocks' must list, per KV head, consecutive blocks covering layers "
-                         f"0..{args.n_layers - 1} in order")
-    return shard.own(blocks), None
-
 
 # --------------------------------------------------------------------------- attention pieces
 
@@ -232,7 +113,7 @@ class PODPolicy:
         "sim_threshold": (float, 0.5, "the paper's delta: layer-similarity threshold of the greedy grouping (> 1: every "
                                          "layer its own block)"),
         "tau": (float, -1.0, "skip distant attention in non-first layers when the gate g >= tau (-1: off)"),
-        "blocks": (str, "auto", f"auto ({BLOCKS_FILE} next to the checkpoint, calibrated on first use), prompt, "
+        "blocks": (str, "auto", f"auto ({POD_FILE} next to the checkpoint, calibrated on first use), prompt, "
                                 f"layers (no sharing), or a path to a calibration JSON"),
         "cal_queries": (int, 16, "last prompt queries whose attention rows calibrate blocks=prompt"),
         "budget": (int, 0, "POD+SnapKV: prompt tokens kept per layer and KV head, proximal included "
@@ -301,12 +182,12 @@ class PODPolicy:
         if self.blocks == "prompt":
             return None, None, "prompt"
         if self.blocks == "auto":
-            if args.checkpoint is None or not calibration_path(args.checkpoint).exists():
+            if args.checkpoint is None or not pod_path(args.checkpoint).exists():
                 return None, None, "prompt"
-            path = calibration_path(args.checkpoint)
+            path = pod_path(args.checkpoint)
         else:
             path = Path(self.blocks)
-        blocks, sim = read_blocks(path, args, self.sim_threshold)
+        blocks, sim = read_pod_file(path, args, self.sim_threshold)
         return blocks, sim, str(path)
 
     def reset(self) -> None:

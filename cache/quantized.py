@@ -12,7 +12,7 @@ prompt tokens are selected (and D2O-merged) in full precision, then packed.  The
 packed storage ("Sparse readers" below); POD is refused with a clear error.
 
 Layout (`SlotStore`, one layer; B rows, H KV heads, C slots rounded up to a multiple of G, D = head_dim,
-P = 32 // bits codes per int32 word, W = D // P; quantize.py's formats, token-contiguous):
+P = 32 // bits codes per int32 word, W = D // P; kernels/kivi_codec.py's formats, token-contiguous):
     k_packed [B, H, C, W] int32, k_scale / k_min [B, H, C // G, D]   keys per channel over the G slots
                                                                    of a slot group (slots gG .. gG+G-1)
     v_packed [B, H, C, W] int32, v_scale / v_min [B, H, C, D // G]   values per token over G channels
@@ -82,12 +82,13 @@ import torch
 from torch import Tensor
 
 from cache.base import NEVER, EvictionPolicy, joint_softmax
+from cache.sparse_read import InnerStorage
 from kernels.kivi_attention import (KIVIBuffers, kivi_attention, kivi_gather, kivi_scores, kivi_values,
                                     ring_flags, ring_rows, whole_groups)
 from kernels.cpu import cpu_kernels_available, kivi_write_cpu, kivi_write_range_cpu, use_cpu_kernel
+from kernels.kivi_codec import (QuantizedTensor, codes_per_word, dequantize_keys, dequantize_values, quantize_keys,
+                                quantize_values)
 from model import DenseCache, grouped_attention
-from quantize import (QuantizedTensor, codes_per_word, dequantize_keys, dequantize_values, quantize_keys,
-                      quantize_values)
 
 BITS = (2, 4, 8)
 GROUP, RESIDUAL = 32, 128      # KIVI's main setting: G = 32, R = 128
@@ -509,7 +510,6 @@ def with_kv_bits(policy, bits: int, group: int = GROUP, residual: int = RESIDUAL
         return policy
     check_format(None, bits, group, residual)
     if policy.is_sparse_reader:
-        from cache.sparse_read import InnerStorage
         policy.inner = with_kv_bits(policy.inner, bits, group, residual, backend)
         policy.storage_ = InnerStorage(policy.inner)
         return policy

@@ -8,49 +8,13 @@ a torch "twin" (the CPU path and the reference) per operation, dispatched by dev
     kivi_attention (kernels.kivi_attention)  the same over SlotStore's packed slots + residual ring, one op
     quantize_labels_4bit ...  4-bit label packing helpers
 
-Every dispatcher takes `backend="auto" | "triton" | "torch"`: "auto" runs Triton when the tensors live
-on CUDA (and Triton imports), the torch twin otherwise.  "triton" on CPU tensors needs the Triton
-interpreter: TRITON_INTERPRET=1 must be in the environment before the first Triton call (the kernels
-are built lazily, on first use, so importing this package never imports Triton).
+Every dispatcher takes `backend="auto" | "triton" | "torch"` (kernels/backend.py says what each runs).
+KIVI's KV codec (group quantization and bit packing) is kernels/kivi_codec.py.
 """
-import os
-
-import torch
-
-BACKENDS = ("auto", "triton", "torch", "cpp")
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
-    """"triton" or "torch" for a call on `tensors` (shape/device checks only, never a host sync).
-    "cpp" (the C++ CPU kernels, kernels/cpu.py) resolves to "torch" here: the dispatchers that have a
-    C++ kernel check for it first (`cpu.use_cpu_kernel`), the others run their twin."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    on_cuda = all(t.is_cuda for t in tensors if t is not None)
-    if backend in ("torch", "cpp"):
-        return "torch"
-    if backend == "auto":
-        return "triton" if on_cuda and triton_available() else "torch"
-    if not triton_available():
-        raise RuntimeError("backend='triton' but triton is not installed")
-    if not on_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment "
-                           "before the first Triton call")
-    return "triton"
-
-
-from .sparse_attention import (sparse_decode_attention, sparse_decode_attention_torch,  # noqa: E402
+from .backend import BACKENDS, resolve_backend, triton_available
+from .sparse_attention import (sparse_decode_attention, sparse_decode_attention_torch,
                                sparse_decode_attention_triton)
-from .label_scores import (approx_scores, approx_scores_torch, approx_scores_triton,  # noqa: E402
+from .label_scores import (approx_scores, approx_scores_torch, approx_scores_triton,
                            dequantize_labels_4bit, mask_sink_recent, mask_sink_recent_torch,
                            mask_sink_recent_triton, pack_4bit, quantize_labels_4bit, select_critical,
                            unpack_4bit)

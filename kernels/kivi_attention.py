@@ -1,5 +1,5 @@
 """Decode attention over KIVI storage with its full-precision residual, in one op (cache/quantized.py's
-SlotStore holds the buffers; their layout is quantize.py's, token-contiguous).
+SlotStore holds the buffers; their layout is kernels/kivi_codec.py's, token-contiguous).
 
     kivi_attention(q, buf, pos, visible, now, n, scale=None, idx=None, valid=None, *, backend="auto")
       q        [B, H_q, D] or [B, H_q, 1, D]; query head h reads KV head h // (H_q // H)
@@ -37,7 +37,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import resolve_backend
+from .backend import resolve_backend
+from .kivi_codec import QuantizedTensor, dequantize_values, unpack
 from .quantized_attention import _softmax_stats, quantized_scores, quantized_weighted_values
 
 
@@ -111,7 +112,6 @@ def kivi_values(prob: Tensor, buf: KIVIBuffers, p: Tensor, now: Tensor, ne: int)
 def kivi_gather(buf: KIVIBuffers, idx: Tensor, pos: Tensor, now: Tensor) -> tuple[Tensor, Tensor]:
     """(k, v) [B, H, N, D] fp32 of slots idx [B, H, N] (< C): only those rows are dequantized (each key
     with its group's scale/minimum), residual ones come from the ring; pos [B, H or 1, S]."""
-    from quantize import QuantizedTensor, dequantize_values, unpack
     G, W = buf.group, buf.k_packed.shape[-1]
     D = buf.k_ring.shape[-1]
     at_w = idx[..., None].expand(-1, -1, -1, W)

@@ -1,5 +1,5 @@
 // Decode attention straight from KIVI-packed storage (cache/quantized.py's SlotStore; layout in
-// quantize.py), built with cpu_kernels.cpp by kernels/cpu.py.  One op, fp32:
+// kernels/kivi_codec.py), built with cpu_kernels.cpp by kernels/cpu.py.  One op, fp32:
 //
 //   kvc::kivi_attention(q [B, Hq, D], k_packed [B, H, S, W] int32, k_scale, k_min [B, H, S/G, D],
 //                       v_packed [B, H, S, W] int32, v_scale, v_min [B, H, S, D/G],

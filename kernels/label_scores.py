@@ -30,7 +30,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from . import resolve_backend
+from .backend import resolve_backend
 
 triton = tl = None  # imported lazily by _kernels()
 

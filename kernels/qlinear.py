@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import resolve_backend
+from .backend import resolve_backend
 
 TILE = 16            # rows per CPU tile
 MIN_GROUP = 32       # group sizes are multiples of this

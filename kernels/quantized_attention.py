@@ -1,4 +1,4 @@
-"""Scores and weighted values straight from KIVI-packed words (layout: the docstring of quantize.py),
+"""Scores and weighted values straight from KIVI-packed words (layout: the docstring of kernels/kivi_codec.py),
 the torch pieces of kernels/kivi_attention.py's twin and of the policies that need the attention
 probabilities themselves (H2O, D2O over packed storage).
 

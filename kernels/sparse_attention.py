@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import resolve_backend
+from .backend import resolve_backend
 from .cpu import sparse_attention_supported, sparse_decode_attention_cpu, use_cpu_kernel
 
 

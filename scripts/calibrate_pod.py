@@ -38,8 +38,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import engine  # noqa: E402
-from cache.calibration import CALIBRATION_TEXT, write_pod  # noqa: E402
-from cache.pod import calibration_path, key_saving  # noqa: E402
+from cache.calibration import CALIBRATION_TEXT, key_saving, pod_path, write_pod  # noqa: E402
 
 
 def print_groupings(data: dict, max_context: int, context: int) -> None:
@@ -76,7 +75,7 @@ def main(argv=None) -> int:
         model, tokenizer = engine.load_model(a.checkpoint, a.device)
         if a.length > model.args.max_position_embeddings:
             raise ValueError(f"--length {a.length} exceeds the model's context {model.args.max_position_embeddings}")
-        out = a.out or calibration_path(a.checkpoint)
+        out = a.out or pod_path(a.checkpoint)
         data = write_pod(model, tokenizer, out, a.data, a.samples, a.length, a.queries, deltas)
     except (engine.UsageError, engine.CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

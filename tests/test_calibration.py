@@ -3,8 +3,8 @@ calibration file beside the checkpoint once, with a one-line note, and the polic
 import torch
 
 from cache import make_policy
-from cache.calibration import CALIBRATION_TEXT, calibration_blocks, channels_path, read_channels_file
-from cache.pod import calibration_path, read_blocks
+from cache.calibration import (CALIBRATION_TEXT, calibration_blocks, channels_path, pod_path, read_channels_file,
+                               read_pod_file)
 from tests.helpers import tiny_hf_model
 
 
@@ -49,12 +49,12 @@ def test_channels_are_calibrated_on_first_use_then_reused(tmp_path, capsys):
 
 def test_pod_blocks_are_calibrated_on_first_use(tmp_path, capsys):
     model = tiny(tmp_path)
-    path = calibration_path(model.args.checkpoint)
+    path = pod_path(model.args.checkpoint)
     make_policy("pod", "blocks=layers").prepare(model, CharTokenizer())
     assert not path.exists()
     make_policy("pod").prepare(model, CharTokenizer())
     assert path.exists() and "calibrating POD layer similarity" in capsys.readouterr().err
-    blocks, sim = read_blocks(path, model.args, 0.5)
+    blocks, sim = read_pod_file(path, model.args, 0.5)
     assert sim.shape == (2, 2, 2) and len(blocks) == 2
     policy = make_policy("pod", "n_sink=2,n_recent=5")
     model.setup_caches(1, 16, policy)

@@ -1,6 +1,6 @@
 """CUDA-only checks (marker `gpu`: skipped where torch sees no GPU, run wherever one is present).
 On the CPU machines CI uses, the Triton kernels are checked against their twins under TRITON_INTERPRET=1
-(tests/test_kernels.py, test_quantize.py); here the same kernels run natively, and the engine's CUDA
+(tests/test_kernels.py, test_kivi_codec.py); here the same kernels run natively, and the engine's CUDA
 paths (bfloat16 default, CUDA-graph compiled decode) are compared with eager."""
 import pytest
 import torch

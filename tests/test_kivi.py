@@ -18,7 +18,7 @@ from cache import make_policy
 from cache.quantized import KIVIDenseCache, SlotStore, check_format, with_kv_bits
 from kernels.kivi_attention import ring_flags
 from model import ModelArgs
-from quantize import QuantizedTensor, dequantize_keys, quantize_keys, quantize_values
+from kernels.kivi_codec import QuantizedTensor, dequantize_keys, quantize_keys, quantize_values
 from tests.helpers import greedy_logits, kept, left_padded, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,7 +155,6 @@ def test_appending_slots_end_as_one_block_quantization():
 
 
 def block_keys(block, n):
-    from quantize import dequantize_keys
     return dequantize_keys(block, torch.float32)[:, :, :n]
 
 

@@ -11,8 +11,8 @@ import torch
 
 import engine
 from cache import PolicyError, make_policy
-from cache.pod import (greedy_blocks, js_similarity, key_saving, read_blocks, similarity_sums,
-                       write_calibration)
+from cache.calibration import (calibrate_pod, greedy_blocks, js_similarity, key_saving, pod_path, read_pod_file,
+                               similarity_sums, write_pod_file)
 from model import ModelArgs
 from tests.helpers import left_padded, tiny_hf_model
 
@@ -73,16 +73,16 @@ def test_greedy_grouping_needs_similarity_to_every_layer_of_the_block():
 def test_calibration_file_regroups_with_the_policy_delta_and_checks_the_model(tmp_path):
     sim = torch.eye(3)[None].repeat(2, 1, 1)
     sim[0, 1, 0] = sim[0, 0, 1] = 0.6
-    data = write_calibration(tmp_path / "c.json", sim, {"samples": 1}, deltas=(0.5, 0.7))
+    data = write_pod_file(tmp_path / "c.json", sim, {"samples": 1}, deltas=(0.5, 0.7))
     assert data["groupings"]["0.5"]["blocks"] == [[[0, 1], [2]], [[0], [1], [2]]]
     args = made_up_args(layers=3, n_kv_heads=2)
-    assert read_blocks(tmp_path / "c.json", args, 0.5)[0] == [[[0, 1], [2]], [[0], [1], [2]]]
-    assert read_blocks(tmp_path / "c.json", args, 0.7)[0] == [[[0], [1], [2]]] * 2
+    assert read_pod_file(tmp_path / "c.json", args, 0.5)[0] == [[[0, 1], [2]], [[0], [1], [2]]]
+    assert read_pod_file(tmp_path / "c.json", args, 0.7)[0] == [[[0], [1], [2]]] * 2
     with pytest.raises(ValueError, match="calibrated for"):
-        read_blocks(tmp_path / "c.json", made_up_args(layers=4), 0.5)
+        read_pod_file(tmp_path / "c.json", made_up_args(layers=4), 0.5)
     bad = blocks_file(tmp_path, [[[0], [2]], [[0, 1, 2]]], 3)
     with pytest.raises(ValueError, match="consecutive blocks"):
-        read_blocks(bad, args, 0.5)
+        read_pod_file(bad, args, 0.5)
 
 
 @pytest.mark.parametrize("args,message", [("n_recent=0", "n_recent"), ("tau=1.5", "tau"),
@@ -281,11 +281,9 @@ def test_snapkv_budget_covering_the_prompt_equals_plain_pod(tmp_path):
 def test_calibration_script_and_on_prompt_calibration_agree_and_auto_reads_the_file(tmp_path):
     """cache/calibration.py's statistic (scripts/calibrate_pod.py's) on one sequence equals what blocks=prompt computes on
     the same prompt; the file it writes next to a checkpoint is what blocks=auto groups."""
-    from cache.calibration import calibrate_pod as calibrate
-    from cache.pod import calibration_path
     _, model = tiny_hf_model("tied_gqa3", tmp_path)
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(5))
-    sim = calibrate(model, [ids[0].tolist()], queries=8)
+    sim = calibrate_pod(model, [ids[0].tolist()], queries=8)
     assert sim.shape == (2, 2, 2) and torch.allclose(sim, sim.transpose(1, 2))
     policy = make_policy("pod", "n_sink=2,n_recent=5,blocks=prompt,cal_queries=8")
     with torch.no_grad():
@@ -293,12 +291,12 @@ def test_calibration_script_and_on_prompt_calibration_agree_and_auto_reads_the_f
         engine.run_prefill(model, ids, torch.arange(40)[None])
     torch.testing.assert_close(policy.similarity.float(), sim, atol=1e-6, rtol=1e-6)
     assert policy.describe()["blocks_source"] == "prompt"
-    write_calibration(calibration_path(tmp_path), sim, {"samples": 1})
-    assert calibration_path("x/m.Q4_1.gguf").name == "m.Q4_1.pod_calibration.json"
+    write_pod_file(pod_path(tmp_path), sim, {"samples": 1})
+    assert pod_path("x/m.Q4_1.gguf").name == "m.Q4_1.pod_calibration.json"
     model.args.checkpoint = str(tmp_path)
     split = float(sim[0, 1, 0]) + 1e-3                     # just above head 0's similarity: two blocks
     policy = model.setup_caches(1, 44, make_policy("pod", f"sim_threshold={split}"))
-    assert policy.describe()["blocks_source"] == str(calibration_path(tmp_path))
+    assert policy.describe()["blocks_source"] == str(pod_path(tmp_path))
     assert policy.head_blocks[0] == [[0], [1]]
     assert policy.head_blocks[1] == ([[0, 1]] if float(sim[1, 1, 0]) >= split else [[0], [1]])
 

@@ -1,4 +1,4 @@
-"""Weight-only int8/int4 (quantize.py's weight section, kernels/qlinear.py, kernels/cpu_qlinear.cpp,
+"""Weight-only int8/int4 (quantize.py, kernels/qlinear.py, kernels/cpu_qlinear.cpp,
 the checkpoint loader's quantized routes and `python quantize.py`).
 
 - the quantizers: every weight within its scheme's bound, edge groups (constant, zero, one outlier);
@@ -25,7 +25,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402
-import quantize  # noqa: E402
 from checkpoint import CheckpointError, read_checkpoint  # noqa: E402
 from kernels.qlinear import (MAX_GEMV_ROWS, QuantizedLinear, QWeight, dequantize,  # noqa: E402
                              qlinear_reference, qlinear_torch, quantize_activations, tile_rows, to_tiles)
@@ -49,7 +48,7 @@ def weight(N=96, K=256, seed=0):
 
 
 def bound(qw: QWeight) -> torch.Tensor:
-    """Per-weight error bound of the scheme (quantize.py's section comment) + fp16/fp32 rounding."""
+    """Per-weight error bound of the scheme (quantize.py's docstring) + fp16/fp32 rounding."""
     N, K = qw.shape
     s = qw.scales.float().abs().repeat_interleave(qw.group, dim=1)
     half = 0.5 if qw.bits == 8 or qw.mins is None or not torch.equal(qw.mins, qw.scales * -8) else 1.0

@@ -1,4 +1,4 @@
-"""quantize.py (KIVI quantization and packing) and kernels/quantized_attention.py (scores and weighted
+"""kernels/kivi_codec.py (KIVI quantization and packing) and kernels/quantized_attention.py (scores and weighted
 values straight from the packed words).
 
 Property tests run over seeded random shapes, dtypes, bit widths and group sizes, with constant,
@@ -19,7 +19,7 @@ if str(ROOT) not in sys.path:
 
 from kernels.quantized_attention import (_scores_fused, _values_fused, quantized_scores,  # noqa: E402
                                          quantized_weighted_values)
-from quantize import dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack  # noqa: E402
+from kernels.kivi_codec import dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 UNIT = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}

@@ -1,0 +1,39 @@
+"""Which implementation a kernels/ dispatcher runs: `backend="auto" | "triton" | "torch" | "cpp"`.
+
+"auto" runs Triton when the tensors live on CUDA (and Triton imports), the torch twin otherwise.
+"triton" on CPU tensors needs the Triton interpreter: TRITON_INTERPRET=1 must be in the environment
+before the first Triton call (the kernels are built lazily, on first use, so importing kernels/ never
+imports Triton).  "cpp" (the C++ CPU kernels, kernels/cpu.py) resolves to "torch" here: the dispatchers
+that have a C++ kernel check for it first (`cpu.use_cpu_kernel`), the others run their twin.
+"""
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch", "cpp")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
+    """"triton" or "torch" for a call on `tensors` (shape/device checks only, never a host sync)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    on_cuda = all(t.is_cuda for t in tensors if t is not None)
+    if backend in ("torch", "cpp"):
+        return "torch"
+    if backend == "auto":
+        return "triton" if on_cuda and triton_available() else "torch"
+    if not triton_available():
+        raise RuntimeError("backend='triton' but triton is not installed")
+    if not on_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment "
+                           "before the first Triton call")
+    return "triton"
