@@ -31,7 +31,8 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from checkpoint import CheckpointError, _Cursor, _gguf_metadata, _gguf_tensor_info, validate_checkpoint  # noqa: E402
+from checkpoint import CheckpointError, validate_checkpoint  # noqa: E402
+from checkpoint.gguf_file import _Cursor, _gguf_metadata, _gguf_tensor_info  # noqa: E402
 
 DEFAULT_GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DIR = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"

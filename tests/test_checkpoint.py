@@ -1,4 +1,4 @@
-"""checkpoint.py: GGUF dequantization of every supported type (against independent reference
+"""checkpoint/: GGUF dequantization of every supported type (against independent reference
 decoders written here from the ggml block layouts), q/k un-permutation, logits against
 transformers, sharded and memory-mapped safetensors, clear errors on corrupt checkpoints, and
 scripts/convert_checkpoint.py.
