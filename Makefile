@@ -22,7 +22,7 @@ install: $(PY)
 install-test: $(PY)
 	$(PY) -m pip install --quiet -e ".[test]"
 
-model: $(PY)
+model: install         # the fetch converts the checkpoint with the installed project (torch, safetensors)
 	$(PY) scripts/fetch_default_model.py
 
 run: install model

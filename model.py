@@ -50,6 +50,8 @@ class ModelArgs:
                                            # for per-checkpoint calibration files beside it
     shard: Optional[object] = None         # tensor parallelism (not architecture either): this process's
                                            # share of the heads, set by the project's tp.py; None = all
+    model_type: Optional[str] = None       # the HF config's model_type or GGUF general.architecture ("llama",
+                                           # "mistral", ...; None: not recorded): per-family policy defaults
 
     def __post_init__(self):
         """ValueError for a field no model can have (a size that is not a positive integer, ...)."""
@@ -106,13 +108,14 @@ class ModelArgs:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             attention_bias=bool(cfg.get("attention_bias", False)),
+            model_type=cfg.get("model_type"),
         )
 
     def to_hf_config(self) -> dict:
         """The HuggingFace `config.json` dict describing this model (Llama architecture)."""
         cfg = {
             "architectures": ["MistralForCausalLM" if self.sliding_window else "LlamaForCausalLM"],
-            "model_type": "mistral" if self.sliding_window else "llama",
+            "model_type": self.model_type or ("mistral" if self.sliding_window else "llama"),
             "vocab_size": self.vocab_size, "hidden_size": self.dim,
             "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads,
             "num_key_value_heads": self.n_kv_heads, "intermediate_size": self.intermediate_size,

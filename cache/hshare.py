@@ -251,14 +251,17 @@ class HSharePolicy(LabelReader):
         self.selecting = True
 
     def critical_sets(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Top-z middle tokens of the last prompt queries by approximate scores, in the space shared
-        lists live in (slots for the full cache, positions otherwise): ids, ok [B, H, w, z]."""
+        """Top-z middle tokens of the last prompt queries by the approximate scores decode ranks by (the
+        same head_agg over each KV head's query heads), in the space shared lists live in (slots for the
+        full cache, positions otherwise): ids, ok [B, H, w, z]."""
         B, H, G = self.q_pos.shape[0], self.args.n_kv_heads, self.group
         q = self.tail_q[layer]                                                 # [B, H_q, w, D]
         w, D = q.shape[2], q.shape[3]
         S = self.readable_length(layer)
-        ql = gather_channels(q.reshape(B, H, G, w, D), self.channel_ids[layer]).float().sum(2)   # [B, H, w, C]
-        scores = ql @ self.labels.dense(layer, S).transpose(-1, -2)            # [B, H, w, S]
+        ql = gather_channels(q.reshape(B, H, G, w, D), self.channel_ids[layer]).float()   # [B, H, G, w, C]
+        per_head = ql @ self.labels.dense(layer, S)[:, :, None].transpose(-1, -2)  # [B, H, G, w, S]
+        # the group's scores reduced as decode reduces them (head_agg mean or max)
+        scores = self.reduce_query_scores(per_head.reshape(B, H * G, w * S)).view(B, H, w, S)
         pos = self.storage_.full_positions(layer)[:, :, None, :S]              # [B, 1|H, 1, S]
         qp = self.tail_pos[:, None, :, None]
         middle = (pos >= 0) & (pos <= qp) & (pos >= self.n_sink) & (pos <= qp - self.n_recent)

@@ -5,8 +5,9 @@ is left after the observation window (obs_window = alpha = 8 tokens, kept in eve
 n_layers * budget (largest-remainder rounding; the reference code's integer steps overshoot).
 When a layer's budget exceeds the prompt (it can hold no more than the prompt), its surplus goes to
 the other layers in proportion to their budgets (`fill_to_cap`), so the total kept is
-min(n_layers * budget, n_layers * prompt length); the reference code drops that surplus.  Each layer
-allocates only its own capacity, fixed when the prompt arrives.
+min(n_layers * budget, n_layers * prompt length), the reference code's total too (it switches to
+uniform budgets for short prompts instead: docs/policies.md).  Each layer allocates only its own
+capacity, fixed when the prompt arrives.
 """
 from cache.base import fill_to_cap, pyramid_budgets
 from cache.snapkv import SnapKVPolicy

@@ -11,8 +11,7 @@ decode step, the first one attended over the whole prompt; prefill: before the f
 evicts StreamingLLM-style; the other layers keep everything.
 
 lazy_threshold defaults per model family as in the paper: Llama-3 0.9, Llama-2 0.65, Mistral 0.8,
-Qwen 0.85 (guessed from the config: vocab >= 128000 -> Llama-3, a sliding window or 32768
-vocab -> Mistral, 32000 vocab with MHA -> Llama-2, 151k vocab -> Qwen; otherwise 0.9).
+Qwen 0.85, otherwise 0.9 (see model_family).
 """
 import torch
 from torch import Tensor
@@ -24,12 +23,19 @@ DELTA_BY_FAMILY = {"llama3": 0.9, "llama2": 0.65, "mistral": 0.8, "qwen": 0.85, 
 
 
 def model_family(args) -> str:
-    if args.vocab_size >= 150000:
+    """The paper's model family from the checkpoint's model type (HF `model_type` or GGUF
+    `general.architecture`; None counts as llama): qwen* -> qwen, mistral -> mistral, any other type
+    but llama (gemma, ...) -> other; a llama by its sliding window (mistral) or vocabulary: >= 128000
+    Llama-3, 32768 Mistral, 32000 Llama-2 with MHA or Mistral with GQA, any other -> other."""
+    kind = (args.model_type or "llama").lower()
+    if kind.startswith("qwen"):
         return "qwen"
-    if args.vocab_size >= 128000:
-        return "llama3"
+    if kind != "llama":
+        return "mistral" if kind == "mistral" else "other"
     if args.sliding_window or args.vocab_size == 32768:
         return "mistral"
+    if args.vocab_size >= 128000:
+        return "llama3"
     if args.vocab_size == 32000:
         return "llama2" if args.n_kv_heads == args.n_heads else "mistral"
     return "other"

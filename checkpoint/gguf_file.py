@@ -237,7 +237,7 @@ def args_from_gguf(meta: dict, tensor_names: set[str], where="GGUF file") -> Mod
             head_dim=head_dim, norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
             rope_theta=get("rope.freq_base", 10000.0, float), rope_scaling=scaling,
             max_position_embeddings=get("context_length", 4096), tie_word_embeddings="output.weight" not in tensor_names,
-            sliding_window=window or None, attention_bias="blk.0.attn_q.bias" in tensor_names)
+            sliding_window=window or None, attention_bias="blk.0.attn_q.bias" in tensor_names, model_type=arch)
     except ValueError as e:
         raise CheckpointError(f"{where}: GGUF metadata describes no valid model: {e}") from None
 

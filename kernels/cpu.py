@@ -48,18 +48,20 @@ from model import Attention, DenseCache, FeedForward, Linear, RMSNorm, Transform
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cpp", "kivi_kernels.cpp", "cpu_qlinear.cpp", "cpu_linear.cpp", "cpu_bindings.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_vec.h")]      # what the sources #include (part of the build tag)
 
 
 def _build_tag() -> str:
     """A short hash of the CPU's feature flags (-march=native code must not be reused on another CPU),
     of the sources (an edited source must not load a stale build; checkouts with different kernels
     never share one build) and of the Python environment (two venvs compile against different torch
-    headers: sharing a build directory would make each rebuild the other's extension)."""
+    headers: sharing a build directory would make each rebuild the other's extension).  OSError if a source
+    is missing (an install without them: _build then warns and the twins run)."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    text = flags.encode() + sys.prefix.encode() + b"".join(p.read_bytes() for p in SOURCES + [SOURCES[0].with_name("cpu_vec.h")])
+    text = flags.encode() + sys.prefix.encode() + b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     return hashlib.sha1(text).hexdigest()[:10]
 
 
@@ -123,14 +125,14 @@ def _build() -> bool:
     """Build (or load the cached build of) the C++ ops; while torch waits on another process's build
     lock, a watchdog clears the lock once it is stale (its owner was killed)."""
     global _eager
-    name = f"kvc_cpu_kernels_{_build_tag()}"
     done = threading.Event()
     try:
+        name = f"kvc_cpu_kernels_{_build_tag()}"
         from torch.utils.cpp_extension import load
         threading.Thread(target=_watch_lock, args=(name, done), daemon=True).start()
         _eager = load(name=name, sources=[str(p) for p in SOURCES],
                       extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=True, verbose=False)
-    except Exception as e:                                              # no compiler, no headers, ...
+    except Exception as e:                                  # no compiler, no headers, a source missing, ...
         warnings.warn(f"the C++ CPU kernels could not be built ({type(e).__name__}: {str(e)[:200]}); "
                       f"using the torch twins (slower on CPU)", RuntimeWarning, stacklevel=2)
         return False

@@ -113,6 +113,27 @@ def test_ds_head_aggregation_max_and_per_query_head_lists(agg):
             torch.testing.assert_close(out[0, h * G + g, 0], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("agg", ["mean", "max"])
+def test_hshare_critical_sets_rank_as_decode_does(agg):
+    """The similarity sets (last prompt queries' top-z middle tokens) aggregate each KV head's query
+    heads as decode's selection does: head_agg=max by the group's largest score, not its sum."""
+    torch.manual_seed(11)
+    Hq, H, D, T, C, x, y, nc, w = 4, 2, 8, 40, 2, 2, 3, 10, 4
+    q, k, v = torch.randn(1, Hq, T, D), torch.randn(1, H, T, D), torch.randn(1, H, T, D)
+    policy = prefilled("hshare", f"n_critical={nc},n_sink={x},n_recent={y},heavy_channels={C},label_bits=16,"
+                                 f"channels=prompt,head_agg={agg},ratios=1/2-1-1,sim_queries={w}",
+                       q, k, v, args=made_up_args(layers=2, n_heads=Hq, n_kv_heads=H, head_dim=D))
+    ids, ok = policy.critical_sets(0)                                          # [1, H, w, z]
+    G, z, reduce = Hq // H, nc - x - y, (max if agg == "max" else sum)
+    for h in range(H):
+        ch = policy.channel_ids[0, h]
+        for i, t in enumerate(range(T - w, T)):
+            score = {s: reduce(float(q[0, h * G + g, t, ch] @ k[0, h, s, ch]) for g in range(G))
+                     for s in range(x, t - y + 1)}
+            expected = sorted(score, key=lambda s: -score[s])[:z]
+            assert sorted(ids[0, h, i][ok[0, h, i]].tolist()) == sorted(expected)
+
+
 def test_quest_reads_sinks_recent_and_the_pages_of_highest_upper_bound():
     torch.manual_seed(1)
     Hq, H, D, T, ps = 4, 2, 8, 39, 4          # 40 tokens after the decode step = 10 pages of 4

@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
+import checkpoint
 import engine
 from cache import POLICIES, PolicyError, make_policy
 from cache.base import column_scores, fill_to_cap, pool1d, pyramid_budgets, split_integer
+from cache.simlayerkv import DELTA_BY_FAMILY, model_family
 from model import ModelArgs
 from tests.helpers import kept, left_padded, tiny_hf_model
 
@@ -412,6 +414,39 @@ def test_simlayerkv_flags_layers_whose_mass_exceeds_delta(strategy, tmp_path):
         policy.lazy_threshold = delta - 1e-6
         policy.decide(torch.tensor([[m] for m in masses]))
         assert policy.lazy == [m > delta - 1e-6 for m in masses]
+
+
+@pytest.mark.parametrize("model_type,vocab,window,n_kv_heads,family", [
+    ("gemma", 256000, None, 1, "other"),        # not Qwen by its large vocabulary
+    ("gemma2", 256000, 4096, 8, "other"),       # nor Mistral by its sliding window
+    ("qwen2", 151936, None, 2, "qwen"),
+    ("llama", 128256, None, 8, "llama3"),
+    ("llama", 151936, None, 2, "llama3"),       # a vocabulary alone never makes a Qwen
+    ("llama", 32000, None, 32, "llama2"),
+    (None, 32000, None, 8, "mistral"),          # no model type recorded: read as llama
+    ("llama", 32000, 4096, 8, "mistral"),
+    ("mistral", 131072, None, 8, "mistral"),    # Mistral Nemo: not Llama-3 by its vocabulary
+    ("llama", 49152, None, 4, "other"),         # SmolLM2
+])
+def test_simlayerkv_model_family_comes_from_the_model_type(model_type, vocab, window, n_kv_heads, family):
+    cfg = {"vocab_size": vocab, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 32,
+           "num_key_value_heads": n_kv_heads, "intermediate_size": 128, "head_dim": 2, "sliding_window": window}
+    if model_type:
+        cfg["model_type"] = model_type
+    args = ModelArgs.from_hf_config(cfg)
+    assert args.model_type == model_type and model_family(args) == family
+    policy = make_policy("simlayerkv", "")
+    policy.setup(args, 1, 16, torch.float32, "cpu")
+    assert policy.lazy_threshold == DELTA_BY_FAMILY[family]
+
+
+def test_the_gguf_architecture_is_the_model_type():
+    meta = {"general.architecture": "mistral", "mistral.attention.head_count": 4, "mistral.embedding_length": 32,
+            "mistral.vocab_size": 131072, "mistral.block_count": 1, "mistral.feed_forward_length": 64,
+            "mistral.attention.layer_norm_rms_epsilon": 1e-5}
+    args = checkpoint.args_from_gguf(meta, {"output.weight"})
+    assert args.model_type == "mistral" and model_family(args) == "mistral"
+    assert ModelArgs.from_hf_config(args.to_hf_config()).model_type == "mistral"
 
 
 def test_simlayerkv_lazy_layers_keep_initial_and_recent_ring(tmp_path):
