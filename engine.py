@@ -182,10 +182,12 @@ _compiled: dict = {}
 
 
 def compiled_steps(device: torch.device, prefill: bool = False):
-    """(prefill, decode) steps with decode compiled once per process (Inductor on CPU, CUDA graphs on
-    GPU); the prefill step too with prefill=True, else the eager one.  Prefill is compiled only on
-    request: on CPU a compiled prefill ran 1.8x slower than eager at 512 tokens and doubled the compile
-    time (docs/results.md section 10)."""
+    """(prefill, decode) steps with decode compiled once per process (Inductor, on CPU and CUDA); the
+    prefill step too with prefill=True, else the eager one.  Prefill is compiled only on request: on CPU
+    a compiled prefill ran 1.8x slower than eager at 512 tokens and doubled the compile time
+    (docs/results.md section 10).  No CUDA graphs (mode="reduce-overhead"): the live length n_filled is a
+    dynamic size, so cudagraph trees record a new graph for every new length and a request never replays
+    one (on an H100: no faster than eager; plain Inductor 2.25x faster, docs/results.md section 14)."""
     if device.type not in _compiled:
         # no "duck sizing": two buffers that happen to share a length (a layer's capacity and
         # max_seq_length, say) must not be assumed equal, or the next request recompiles
@@ -193,8 +195,7 @@ def compiled_steps(device: torch.device, prefill: bool = False):
         # the model's floats (norm eps, embedding norm_type) are constants: traced as symbolic inputs,
         # Inductor's scalar pass specializes them and restarts the whole trace (a third of a cold compile)
         torch._dynamo.config.specialize_float = True
-        mode = "reduce-overhead" if device.type == "cuda" else None
-        _compiled[device.type] = {"decode": torch.compile(decode_step, dynamic=True, mode=mode)}
+        _compiled[device.type] = {"decode": torch.compile(decode_step, dynamic=True)}
     steps = _compiled[device.type]
     if prefill and "prefill" not in steps:
         steps["prefill"] = torch.compile(prefill_step, dynamic=True)

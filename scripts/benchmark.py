@@ -51,14 +51,12 @@ Measurement:
     streaming reads; --bandwidth-gbs overrides).  bandwidth_bound_tokens_per_s = B * bw / bytes.
   * Peak memory per row: CPU = peak RSS of the process during the row (VmHWM, reset per run by
     writing 5 to /proc/self/clear_refs; it includes weights and the runtime), CUDA = max allocated.
-  * --compile: the decode step from engine.compiled_steps (Inductor on CPU; on CUDA
-    mode="reduce-overhead", i.e. CUDA graphs); --compile-prefill compiles the prefill step too.  `--compile both` runs eager and compiled rows side by
-    side and adds compile_speedup.  decode_recompiles counts graphs compiled during timed decode
+  * --compile: the decode step from engine.compiled_steps (Inductor, on CPU and CUDA; no CUDA
+    graphs: engine.compiled_steps says why); --compile-prefill compiles the prefill step too.
+    `--compile both` runs eager and compiled rows side by side and adds compile_speedup.  decode_recompiles counts graphs compiled during timed decode
     loops (torch._dynamo counters); it must be 0.  On CUDA, cuda_graphs_recorded counts CUDA
-    graphs recorded inside the timed loops (cudagraph trees record a graph per new set of input
-    shapes and replay it afterwards): 0 means every step replayed a graph captured during warm-up.
-    A cache whose attention length is the live length (the dense `full` cache) changes shape every
-    step, so there it counts one recording per step; fixed-shape policies should show 0.
+    graphs recorded inside the timed loops (cudagraph trees); engine.compiled_steps records none (its
+    live length changes every step, so each step would be a new graph), so it must be 0.
   * Memory-limit model: total(B) = base + state_fixed + B * state_per_seq + workspace_fixed +
     B * workspace_per_seq, where base = process RSS (CUDA: allocated bytes) with the model loaded and
     warmed up and no cache; state = bytes of every tensor the policy object holds after

@@ -1,13 +1,16 @@
 """CUDA-only checks (marker `gpu`: skipped where torch sees no GPU, run wherever one is present).
 On the CPU machines CI uses, the Triton kernels are checked against their twins under TRITON_INTERPRET=1
-(tests/test_kernels.py, test_kivi_codec.py); here the same kernels run natively, and the engine's CUDA
-paths (bfloat16 default, CUDA-graph compiled decode) are compared with eager."""
+(tests/test_kernels.py, test_kivi_kernels.py, test_kivi_codec.py, test_qlinear.py); here the same cases run
+natively, and the engine's CUDA paths (bfloat16 default, compiled decode) are compared with eager.  Results and
+how they were run (the KVC_CPU_KERNELS=0 and checkpoint set-up of a GPU machine): docs/results.md section 14."""
 import pytest
 import torch
 
 import engine
 from cache import make_policy
+from cache.kv_dtype import kv_storage
 from kernels import approx_scores, sparse_decode_attention
+from tests import test_kernels, test_kivi_kernels, test_qlinear
 
 pytestmark = pytest.mark.gpu
 
@@ -30,10 +33,55 @@ def test_label_scores_triton_equals_twin_on_cuda():
     torch.testing.assert_close(approx_scores(q_label, labels, backend="triton"), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("case", test_kernels._attn_cases(), ids=test_kernels._case_id)
+def test_sparse_attention_interpreter_cases_on_cuda(case):
+    ok, err = test_kernels._run_attn_case(case, "cuda")
+    assert ok, err
+
+
+@pytest.mark.parametrize("case", test_kernels._label_cases(), ids=test_kernels._case_id)
+def test_label_scores_interpreter_cases_on_cuda(case):
+    ok, err = test_kernels._run_label_case(case, "cuda")
+    assert ok, err
+
+
+def test_kivi_triton_equals_twin_on_cuda():
+    assert test_kivi_kernels.triton_worst_error("cuda") <= 1e-4
+
+
+def test_qlinear_triton_gemv_equals_twin_on_cuda():
+    results = test_qlinear.triton_cases("cuda")
+    assert len(results) == 2 * len(test_qlinear.SCHEMES)
+    for r in results:
+        assert r["err"] <= 1e-5 * r["scale"] + 1e-6, r
+
+
 @pytest.mark.parametrize("spec", ["full", "snapkv:budget=128", "hshare:preset=short"])
-def test_compiled_cuda_graph_decode_equals_eager(default_dir, essay_text, spec):
+def test_compiled_decode_equals_eager_on_cuda(default_dir, essay_text, spec):
     model, tokenizer = engine.load_model(default_dir, "cuda", "float32")
     prompt = essay_text[:2000]
     eager = engine.generate(model, tokenizer, [prompt], max_new_tokens=16, policy=make_policy(spec))
     compiled = engine.generate(model, tokenizer, [prompt], max_new_tokens=16, policy=make_policy(spec), compile=True)
     assert compiled.tokens == eager.tokens
+
+
+POLICIES = ["full", "streaming:budget=128", "h2o:budget=128", "snapkv:budget=128", "pyramidkv:budget=128",
+            "d2o:budget=128", "simlayerkv:n_recent=128", "tova:budget=128", "ds:preset=short",
+            "quest:preset=short", "hshare:preset=short", "pod"]
+
+
+@pytest.mark.parametrize("kv_bits", [16, 4])
+@pytest.mark.parametrize("spec", POLICIES)
+def test_policies_answer_in_bfloat16_on_cuda(default_dir, spec, kv_bits):
+    """Every policy in the CUDA default dtype (bfloat16), 16-bit and KIVI 4-bit KV, batch of two prompts
+    left-padded: the chat answer names Paris (the prompts are shorter than the budgets: a check of the
+    CUDA paths, not of eviction)."""
+    model, tokenizer = engine.load_model(default_dir, "cuda")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    try:
+        policy = kv_storage(make_policy(spec), kv_bits, 32, 128, None, torch.bfloat16)
+    except ValueError as e:       # a policy that refuses packed storage says so
+        pytest.skip(str(e))
+    prompts = ["What is the capital of France?", "Name the capital city of France, in one word."]
+    r = engine.generate(model, tokenizer, prompts, max_new_tokens=16, chat=True, policy=policy)
+    assert all("Paris" in t for t in r.texts), r.texts

@@ -36,14 +36,14 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # ----------------------------------------------------------------------------------- inputs
 def make_attn(B=2, Hq=9, Hkv=3, S=80, D=64, N=37, Hidx=3, dtype=torch.float32, p_invalid=0.2,
-              dup=False, seed=0, idx_dtype=torch.int64, strided=False):
+              dup=False, seed=0, idx_dtype=torch.int64, strided=False, device="cpu"):
     """Random q/k/v, unique indices (or with duplicates), a valid mask with ~p_invalid False
-    entries whose idx is -1 (never read)."""
+    entries whose idx is -1 (never read); drawn on the CPU (the same values on every device), on `device`."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, D, generator=g).to(dtype)
+    q = torch.randn(B, Hq, D, generator=g).to(device, dtype)
     S_buf = S + 16 if strided else S   # strided: the live prefix of a larger buffer (non-contiguous)
-    k = torch.randn(B, Hkv, S_buf, D, generator=g).to(dtype)[:, :, :S]
-    v = torch.randn(B, Hkv, S_buf, D, generator=g).to(dtype)[:, :, :S]
+    k = torch.randn(B, Hkv, S_buf, D, generator=g).to(device, dtype)[:, :, :S]
+    v = torch.randn(B, Hkv, S_buf, D, generator=g).to(device, dtype)[:, :, :S]
     if dup:
         idx = torch.randint(0, S // 4, (B, Hidx, N), generator=g)       # many repeats
     else:
@@ -52,7 +52,8 @@ def make_attn(B=2, Hq=9, Hkv=3, S=80, D=64, N=37, Hidx=3, dtype=torch.float32, p
     if p_invalid:
         valid = torch.rand(B, Hidx, N, generator=g) >= p_invalid
         idx = idx.masked_fill(~valid, -1)
-    return q, k, v, idx.to(idx_dtype), valid
+        valid = valid.to(device)
+    return q, k, v, idx.to(device, idx_dtype), valid
 
 
 def dense_oracle(q, k, v, idx, valid, additive_counts=False):
@@ -71,10 +72,10 @@ def dense_oracle(q, k, v, idx, valid, additive_counts=False):
     return out.squeeze(2)
 
 
-def make_labels(B=2, Hq=9, Hkv=3, S=70, C=16, dtype=torch.float32, seed=0):
+def make_labels(B=2, Hq=9, Hkv=3, S=70, C=16, dtype=torch.float32, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    ql = torch.randn(B, Hq, C, generator=g).to(dtype)
-    lab = (torch.randn(B, Hkv, S, C, generator=g) * 2 + 0.5).to(dtype)
+    ql = torch.randn(B, Hq, C, generator=g).to(device, dtype)
+    lab = (torch.randn(B, Hkv, S, C, generator=g) * 2 + 0.5).to(device, dtype)
     lab[0, 0, 3] = 1.25                 # a constant token (4-bit: scale 0)
     return ql, lab
 
@@ -260,7 +261,8 @@ def _case_id(case):
     return ",".join(f"{k}={v}" for k, v in case.items())
 
 
-def _run_attn_case(case):
+def _run_attn_case(case, device="cpu"):
+    """(ok, max error) of the Triton kernel against the twin on `device` (CPU: the interpreter)."""
     from kernels import sparse_decode_attention_triton
     c = dict(case)
     dtype = DTYPES[c.pop("dtype")]
@@ -268,7 +270,7 @@ def _run_attn_case(case):
     c["idx_dtype"] = getattr(torch, c.pop("idx_dtype", "int64"))
     if "p_invalid" not in c:
         c["p_invalid"] = 0.2
-    q, k, v, idx, valid = make_attn(dtype=dtype, **c)
+    q, k, v, idx, valid = make_attn(dtype=dtype, device=device, **c)
     if empty_row:
         valid = torch.ones_like(idx, dtype=torch.bool) if valid is None else valid
         valid[1, 2] = False
@@ -284,24 +286,25 @@ def _run_attn_case(case):
     return ok, float(err.max())
 
 
-def _run_label_case(case):
+def _run_label_case(case, device="cpu"):
+    """(ok, max error) of the Triton kernel against the twin on `device` (CPU: the interpreter)."""
     from kernels import approx_scores_triton, mask_sink_recent_triton
     c = dict(case)
     L = c.get("length")
-    length = torch.tensor([70, 31]) if L == "tensor" else L
+    length = torch.tensor([70, 31], device=device) if L == "tensor" else L
     if c["kind"] == "mask":
         g = torch.Generator().manual_seed(1)
         shape = c["shape"]
-        scores = torch.randn(*shape, generator=g).to(DTYPES[c["dtype"]])
-        length = torch.tensor([shape[-1], 31]) if L == "tensor" else L
+        scores = torch.randn(*shape, generator=g).to(device, DTYPES[c["dtype"]])
+        length = torch.tensor([shape[-1], 31], device=device) if L == "tensor" else L
         a = mask_sink_recent(scores, 4, 8, length)
         b = mask_sink_recent_triton(scores, 4, 8, length)
         return bool(torch.equal(a, b)), 0.0
     if c["kind"] == "scores":
-        ql, lab = make_labels(C=c["C"], dtype=DTYPES[c["dtype"]])
+        ql, lab = make_labels(C=c["C"], dtype=DTYPES[c["dtype"]], device=device)
         args = (ql, lab)
     else:
-        ql, lab = make_labels(C=c["C"])
+        ql, lab = make_labels(C=c["C"], device=device)
         args = (ql, *quantize_labels_4bit(lab, DTYPES[c["param"]]))
     kw = dict(group=c["group"], length=length, n_sink=4, n_recent=8)
     a = approx_scores_torch(*args, **kw)

@@ -161,35 +161,39 @@ def test_cpp_writes_equal_torch_bit_for_bit(bits, D, G, R):
     assert all(torch.equal(a, b) for a, b in zip(store.buffers[:8], twin.buffers[:8]))
 
 
+def triton_worst_error(device: str) -> float:
+    """The largest |Triton - twin| over dense and sparse reads (lists per KV head and per query head), each
+    with and without visibility, several splits; the stores are written on the CPU, then moved to `device`
+    (strides kept; CPU: the kernel runs under the interpreter)."""
+    from kernels.kivi_attention import KIVIBuffers
+    from kernels.kivi_triton import kivi_attention_triton
+    worst = 0.0
+    for i, (bits, D, G, R, n, splits) in enumerate([(4, 64, 32, 128, 200, 2), (2, 64, 16, 32, 77, 1),
+                                                    (8, 32, 16, 16, 45, 3), (4, 64, 16, 32, 129, 4)]):
+        store, pos, now, g = random_store(2, 3, D, n, bits, G, R, seed=i, evict=i % 2 == 1)
+        q = torch.randn(2, 9, 1, D, generator=g)
+        vis = (pos >= 0) & (torch.rand(2, 3, pos.shape[2], generator=g) > 0.2)
+        lists = {}
+        for Hidx in (3, 9):
+            idx = torch.stack([torch.randperm(n, generator=g)[:37] for _ in range(2 * Hidx)]).view(2, Hidx, 37)
+            lists[Hidx] = idx, torch.rand(2, Hidx, 37, generator=g) > 0.2
+        buf = store.buffers
+        dev = KIVIBuffers(*(t.to(device) for t in buf[:8]), buf.bits, buf.group)
+        to = (lambda t: None if t is None else t.to(device))
+        for visible in (vis, None):
+            for idx, valid in (None, None), *lists.values():
+                ref = kivi_attention_torch(q, buf, pos, visible, now, n, idx=idx, valid=valid)
+                out = kivi_attention_triton(to(q), dev, to(pos), to(visible), to(now), n, idx=to(idx),
+                                            valid=to(valid), n_splits=splits)
+                worst = max(worst, (out.cpu() - ref).abs().max().item())
+    return worst
+
+
 def test_triton_interpreter_equals_twin():
-    """The Triton kernel under TRITON_INTERPRET=1: dense and sparse reads (lists per KV head and per query
-    head), each with and without visibility, several splits, against the twin."""
+    """The Triton kernel under TRITON_INTERPRET=1 against the twin (triton_worst_error)."""
     pytest.importorskip("triton")
-    code = """
-import sys, torch
-sys.path.insert(0, '.')
-from tests.test_kivi_kernels import random_store
-from kernels.kivi_attention import kivi_attention_torch
-from kernels.kivi_triton import kivi_attention_triton
-worst = 0.0
-for i, (bits, D, G, R, n, splits) in enumerate([(4, 64, 32, 128, 200, 2), (2, 64, 16, 32, 77, 1), (8, 32, 16, 16, 45, 3),
-                                                (4, 64, 16, 32, 129, 4)]):
-    store, pos, now, g = random_store(2, 3, D, n, bits, G, R, seed=i, evict=i % 2 == 1)
-    q = torch.randn(2, 9, 1, D, generator=g)
-    vis = (pos >= 0) & (torch.rand(2, 3, pos.shape[2], generator=g) > 0.2)
-    for visible in (vis, None):
-        ref = kivi_attention_torch(q, store.buffers, pos, visible, now, n)
-        out = kivi_attention_triton(q, store.buffers, pos, visible, now, n, n_splits=splits)
-        worst = max(worst, (out - ref).abs().max().item())
-    for Hidx in (3, 9):
-        idx = torch.stack([torch.randperm(n, generator=g)[:37] for _ in range(2 * Hidx)]).view(2, Hidx, 37)
-        valid = torch.rand(2, Hidx, 37, generator=g) > 0.2
-        for visible in (None, vis):
-            ref = kivi_attention_torch(q, store.buffers, pos, visible, now, n, idx=idx, valid=valid)
-            out = kivi_attention_triton(q, store.buffers, pos, visible, now, n, idx=idx, valid=valid, n_splits=splits)
-            worst = max(worst, (out - ref).abs().max().item())
-print(worst)
-"""
+    code = "import sys; sys.path.insert(0, '.'); from tests.test_kivi_kernels import triton_worst_error; " \
+           "print(triton_worst_error('cpu'))"
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -377,16 +377,17 @@ def test_real_model_runs_its_own_q4_1_weights(default_gguf):
 
 
 # ------------------------------------------------------------------------------ Triton (interpreter)
-def triton_cases() -> list[dict]:
-    """Run in a subprocess with TRITON_INTERPRET=1: the Triton GEMV against its twin."""
+def triton_cases(device: str = "cpu") -> list[dict]:
+    """The Triton GEMV on `device` against its twin on the CPU (CPU: run in a subprocess with
+    TRITON_INTERPRET=1)."""
     from kernels.qlinear import qlinear_triton
     out = []
     for mode, group, sym in SCHEMES:
         qw = quantize_weight(weight(N=40, K=256), mode, group, sym)
         for M in (1, 3):
             x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M))
-            got = qlinear_triton(x, qw, block_n=16, block_k=64)
-            err = (got - qlinear_torch(x, qw)).abs().max().item()
+            got = qlinear_triton(x.to(device), qw.map(lambda t: t.to(device)), block_n=16, block_k=64)
+            err = (got.cpu() - qlinear_torch(x, qw)).abs().max().item()
             out.append({"case": f"{mode}-g{group}-sym{sym}-M{M}", "err": err,
                         "scale": (x.abs() @ dequantize(qw).abs().T).max().item()})
     return out

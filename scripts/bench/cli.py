@@ -55,7 +55,7 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"],
                    help="storage dtype of the --kv-bits 16 rows of `full` (default: the compute dtype)")
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
-                   help="torch.compile the decode step (Inductor on CPU, CUDA graphs on CUDA); 'both' = eager and "
+                   help="torch.compile the decode step (Inductor, CPU and CUDA); 'both' = eager and "
                         "compiled rows side by side")
     p.add_argument("--compile-prefill", action="store_true",
                    help="compiled rows compile the prefill step too (default: eager prefill, faster on CPU)")

@@ -45,7 +45,7 @@ class Bench:
     def base_row(self, mode: str, cfg: Config, batch: Optional[int], context: int) -> dict:
         """The fields every row has: what was measured, and on what."""
         o = self.opts
-        compile_mode = None if not cfg.compile else ("reduce-overhead" if self.device.type == "cuda" else "inductor")
+        compile_mode = None if not cfg.compile else "inductor"
         return {"mode": mode, "policy": cfg.policy, "policy_args": cfg.policy_args, "batch_size": batch,
                 "context_length": context, "kv_bits": cfg.kv_bits, "kv_dtype": cfg.row_kv_dtype,
                 "decode_steps": o.decode_steps,
