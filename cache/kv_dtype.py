@@ -31,6 +31,7 @@ class StoredDenseCache(DenseCache):
     """`full` with its K/V stored in `kv_dtype`."""
 
     name = "full"
+    fused_dense_decode = False          # its own decode (below)
 
     def __init__(self, kv_dtype: torch.dtype):
         self.kv_dtype = kv_dtype

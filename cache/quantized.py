@@ -355,6 +355,7 @@ class KIVIDenseCache(DenseCache):
     """`full` with KIVI-packed storage: every token kept, the newest R in the ring."""
 
     name = "full"
+    fused_dense_decode = False          # packed slots: decode() below
 
     def __init__(self, bits: int = 4, group: int = GROUP, residual: int = RESIDUAL, backend: str = "auto"):
         check_format(None, bits, group, residual)
