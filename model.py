@@ -274,7 +274,8 @@ class DenseCache:
         self.pos.fill_(-1)
         self.length.zero_()
         self.n_filled = 0
-        self.start = 0          # the slot every row writes next; -1 once rows are at their own lengths
+        self.aligned = True     # every row's next slot is n_filled (else each row's own: `length`)
+        self.start = 0          # (aligned) the first slot this forward writes
         self.mask = None
 
     def begin(self, input_pos: Tensor) -> None:
@@ -285,7 +286,7 @@ class DenseCache:
                              f"(raise max_seq_length in setup_caches)")
         if B != self.pos.shape[0]:
             raise ValueError(f"batch {B} does not match the cache's batch {self.pos.shape[0]}")
-        if self.start >= 0:                               # aligned rows: slots [n_filled, end) of every row
+        if self.aligned:                                  # slots [n_filled, end) of every row
             self.start = self.n_filled
             self.pos[:, self.start:end] = input_pos
         else:                                             # one token per row, each at its own next slot
@@ -303,7 +304,7 @@ class DenseCache:
         """Write this forward's k, v [B, H_kv, T, D] into their slots; returns the slot: an int (aligned
         rows, the first of the T) or LongTensor [B] (rows at their own lengths)."""
         kc, vc = self.k[layer], self.v[layer]
-        if self.start >= 0:
+        if self.aligned:
             kc[:, :, self.start:self.n_filled] = k
             vc[:, :, self.start:self.n_filled] = v
             return self.start
@@ -345,9 +346,9 @@ class DenseCache:
 
     def release(self, row: int) -> None:
         """Forget row `row`'s request (host side): its slots become empty; the other rows go on."""
-        if self.start >= 0:             # rows were aligned: each held n_filled slots
+        if self.aligned:                # each row held n_filled slots
             self.length.fill_(self.n_filled)
-            self.start = -1
+            self.aligned = False
         self.pos[row] = -1
         self.length[row] = 0
         self.n_filled = int(self.length.max())
@@ -372,7 +373,7 @@ class DenseCache:
 
     def kv_bytes(self) -> dict:
         per_slot = sum(t[:, :, 0].numel() * t.element_size() for t in self.k + self.v)
-        live = per_slot * self.n_filled if self.start >= 0 else per_slot * int(self.length.sum()) // self.pos.shape[0]
+        live = per_slot * self.n_filled if self.aligned else per_slot * int(self.length.sum()) // self.pos.shape[0]
         return {"allocated": per_slot * self.capacity, "live": live, "read_per_step": per_slot * self.n_filled}
 
     def describe(self) -> dict:

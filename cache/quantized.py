@@ -393,8 +393,8 @@ class KIVIDenseCache(DenseCache):
     def store(self, layer: int, k: Tensor, v: Tensor):
         """Write the decode token k, v [B, H_kv, 1, D] into its row's next slot; returns the slot (model.DenseCache.store)."""
         pos = self.pos[:, None]
-        slot = self.start if self.start >= 0 else self.slot
-        at = pos.new_full(k.shape[:2], slot) if self.start >= 0 else slot[:, None].expand(k.shape[:2])
+        slot = self.start if self.aligned else self.slot
+        at = pos.new_full(k.shape[:2], slot) if self.aligned else slot[:, None].expand(k.shape[:2])
         self.stores[layer].write(at, k, v, pos, self.now)
         return slot
 

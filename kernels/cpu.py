@@ -396,11 +396,11 @@ def dense_decode_cpu(qkv: Tensor, cos: Tensor, sin: Tensor, cache, layer: int, n
                      n_kv_heads: int) -> Tensor:
     """model.dense_decode as one C++ op (kvc::dense_decode: the head split, RoPE, both slot writes, the
     masked decode attention, heads already in wo's layout) when the cache's decode kernel is
-    decode_attention (the op's attention), every row writes the same slot (cache.start >= 0: rows aligned)
+    decode_attention (the op's attention), every row writes the same slot (cache.aligned)
     and the step is eager fp32 CPU with head_dim 64 or 128; else
     the cache's decode hook after rope_split_cpu."""
     D = qkv.shape[-1] // (n_heads + 2 * n_kv_heads)
-    if (cache.decode_kernel is decode_attention and cache.start >= 0 and D in (64, 128) and cos.shape[1] == 1
+    if (cache.decode_kernel is decode_attention and cache.aligned and D in (64, 128) and cos.shape[1] == 1
             and _eager_fp32_cpu(qkv, cos, sin, cache.k[layer])):
         visible = _NO_VISIBLE if cache.mask is None else cache.mask
         return _eager.dense_decode(qkv, cos, sin, cache.k[layer], cache.v[layer], visible, cache.start,
