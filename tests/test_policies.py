@@ -613,8 +613,9 @@ def test_knorm_under_a_reader_evicts_as_alone(reader, tmp_path):
     follow = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(2))
     runs = []
     for spec in ("knorm", f"knorm+{reader}"):
-        args = {"budget": 12, **({"n_critical": 64, "channels": "prompt"} if reader == "ds" else
-                                 {"n_critical": 64} if "+" in spec else {})}
+        read_all = {"n_critical": 64, f"{reader}.n_sink": 2, f"{reader}.n_recent": 4,
+                    **({"channels": "prompt"} if reader == "ds" else {})}   # N_c 64 >= the 12 slots
+        args = {"budget": 12, **(read_all if "+" in spec else {})}
         policy = make_policy(spec, args)
         with torch.no_grad():
             model.setup_caches(2, 40, policy)
