@@ -16,6 +16,7 @@ from cache.d2o import D2OPolicy
 from cache.ds import DSPolicy
 from cache.h2o import H2OPolicy
 from cache.hshare import HSharePolicy
+from cache.knorm import KnormPolicy
 from cache.pod import PODPolicy
 from cache.pyramidkv import PyramidKVPolicy
 from cache.quest import QuestPolicy
@@ -44,7 +45,7 @@ def register(cls: type) -> type:
 
 
 for _cls in (DenseCache, StreamingPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy, D2OPolicy, SimLayerKVPolicy,
-             TOVAPolicy, DSPolicy, QuestPolicy, HSharePolicy, PODPolicy):
+             TOVAPolicy, KnormPolicy, DSPolicy, QuestPolicy, HSharePolicy, PODPolicy):
     register(_cls)
 
 

@@ -3,20 +3,23 @@
 Storage per layer l (capacity C_l slots, allocated when the prompt arrives, never in decode):
     k, v   [B, H_kv, C_l, D]  keys (rotated at their absolute position) and values
     pos    [B, H_kv, C_l]     absolute position held by each slot, -1 = empty
-    score  [B, H_kv, C_l]     fp32 per-slot state for policies that accumulate attention (H2O, D2O)
-Each KV head keeps its own tokens.  The contract is the one documented on `model.DenseCache`.
+    score  [B, H_kv, C_l]     fp32 keep score per slot, in evicting layers (and with decode_attention):
+                              accumulated attention (H2O, D2O) or the policy's `token_scores`
+Each KV head keeps its own tokens.  The contract: cache/contract.py.
 
 Prefill: the whole prompt comes in one pass (`prefill_in_one_pass`); attention over it is full
 and causal (so the first generated token equals the full cache's).  The policy's
 `prefill_stats` summarises what it needs from the layer (e.g. window scores); then `compress`
-keeps the top `kept_tokens` of `keep_scores` per KV head.  Policies whose per-layer budgets
+keeps the top `layer_budget` of `keep_scores` per KV head (by default the tokens' own
+`token_scores`), the first `n_sink` and the last `recent_window` tokens always.  Policies whose per-layer budgets
 depend on every layer (D2O, SimLayerKV) set `defer_compression`: the prompt's K/V wait in
 `pending` until `end_prefill`, where `plan` fixes the budgets on the host.
 
 Decode, per layer, without host syncs: an *appending* layer (SnapKV, PyramidKV, SimLayerKV's
 full layers) writes the new token into the next empty slot (capacity = kept prompt tokens +
 room for every generated token); an *evicting* layer (StreamingLLM, H2O, D2O, lazy layers)
-overwrites the slot `decode_victim` names, so its size never grows.  Attention reads the C_l
+overwrites the slot `decode_victim` names (by default the unprotected slot of lowest `score`;
+the sinks and the recent window are protected), so its size never grows.  Attention reads the C_l
 slots (empty ones masked): the cost follows what is kept, never max_seq_length.
 Policies that need the step's attention probabilities (H2O, D2O) attend over the old slots plus
 the new token with one joint softmax (`attend_with_new`) before choosing the victim, exactly as
@@ -78,6 +81,14 @@ def reduce_heads(probs: Tensor, agg: str) -> Tensor:
 
 HEAD_AGG_PARAM = {"head_agg": (str, "mean", "how a KV head's query heads score a token: mean, max (per query), "
                                              "or query (each query head keeps its own tokens: G x the KV memory)")}
+
+
+def window_params(n_sink: int, n_recent: int | None = None) -> dict:
+    """The parameters of the base's sinks-and-recent-window option (EvictionPolicy.recent_window) with a
+    policy's defaults; n_recent None: the policy derives its window instead of taking n_recent."""
+    sink = {"n_sink": (int, n_sink, "first tokens of the sequence, always kept (attention sinks)")}
+    recent = {"n_recent": (int, n_recent, "most recent tokens, always kept (in decode the new token is one)")}
+    return sink if n_recent is None else {**sink, **recent}
 
 
 def column_scores(q: Tensor, k: Tensor, q_pos: Tensor, rows: int | None = None, sliding_window=None,
@@ -230,10 +241,11 @@ def attend_with_new(q: Tensor, kc: Tensor, vc: Tensor, visible: Tensor, k: Tenso
 # --------------------------------------------------------------------------- the policy base
 
 class EvictionPolicy:
-    """Base class.  A policy declares `params` (name -> (type, default, help)) and implements
-    `keep_scores` (which prompt tokens to keep) and, for evicting layers, `decode_victim`.
-    Optional hooks: `prefill_stats`, `plan` (with defer_compression), `layer_budget`,
-    `observe` (decode attention), `on_evict` (before a slot is overwritten)."""
+    """Base class.  A policy declares `params` (name -> (type, default, help)) and either scores each
+    token by its own K/V (`token_scores`: prefill and decode) or overrides `keep_scores` (which prompt
+    tokens to keep) and, for evicting layers, `decode_victim` or `observe`.  The first `n_sink` and the
+    last `recent_window(layer)` tokens are always kept (window_params).  Optional hooks: `prefill_stats`,
+    `plan` (with defer_compression), `layer_budget`, `on_evict`, `on_compress`.  docs/adding-a-policy.md."""
 
     name = "eviction"
     params: dict = {"budget": (int, 256, "tokens kept per layer and KV head, window included")}
@@ -248,6 +260,7 @@ class EvictionPolicy:
     appending = False              # default layer mode: append decode tokens instead of evicting
     admission = "row"              # requests join and leave single rows (per-request plans: "batch")
     decode_room = None             # generated tokens a row holds (None: up to max_seq_length; see capacity)
+    n_sink, n_recent = 0, 0        # tokens always kept: the first n_sink, the last recent_window(layer)
     prompt_length = 0              # set per request (before_prefill); 0 before setup
     n_filled = 0                   # tokens seen so far (prompt + generated), a host int
 
@@ -274,6 +287,9 @@ class EvictionPolicy:
             raise ValueError(f"head_agg must be one of {', '.join(self.head_aggs)}, got {self.head_agg!r}")
         if self.budget < 1:
             raise ValueError(f"budget must be positive, got {self.budget}")
+        if self.n_sink < 0 or self.n_recent < 0 or self.budget < self.n_sink + self.n_recent:
+            raise ValueError(f"budget ({self.budget}) must be at least n_sink ({self.n_sink}) + n_recent "
+                             f"({self.n_recent}), neither negative")
 
     # ----------------------------------------------------------------- policy hooks
     def layer_budget(self, layer: int) -> int:
@@ -287,13 +303,27 @@ class EvictionPolicy:
     def plan(self, stats: list[dict]) -> None:
         """Host-side, with defer_compression: fix per-layer budgets/modes from all layers."""
 
+    def recent_window(self, layer: int) -> int:
+        """Most recent tokens layer `layer` always keeps, at prefill and in decode (with the first n_sink)."""
+        return self.n_recent
+
+    def token_scores(self, layer: int, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+        """Keep priority [B, H_kv, T] (higher = keep) of tokens from their own k, v [B, H_kv, T, D] (as stored)
+        at positions pos [B, H_kv, T]: the prompt's at prefill (keep_scores' default), each new token's in
+        decode (written to its slot's `score`; decode_victim's default evicts the lowest).  Default: the
+        position, so the newest tokens stay (StreamingLLM)."""
+        return pos.float()
+
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
-        """Keep-priority [B, H_kv, T] of the prompt tokens (-inf: never keep)."""
-        raise NotImplementedError
+        """Keep priority [B, H_kv, T] of the prompt tokens (-inf: never keep); `compress` then keeps the
+        sinks and the recent window whatever their score, and never padding.  Default: stats["token"],
+        the prompt's token_scores.  The kept tokens' values start their slots' `score`."""
+        return stats["token"]
 
     def decode_victim(self, layer: int) -> Tensor:
-        """Slot [B, H_kv] an evicting layer overwrites (an empty slot while there is one)."""
-        raise NotImplementedError
+        """Slot [B, H_kv] an evicting layer overwrites: an empty slot while there is one, else the slot of
+        lowest `score` outside the first n_sink and the recent window."""
+        return self.lowest(layer, self.score[layer], self.protected(layer, self.n_sink, self.recent_window(layer)))
 
     def observe(self, layer: int, p_old: Tensor, p_new: Tensor) -> None:
         """Decode attention probabilities (decode_attention policies): [B, H_kv, G, C], [.., 1]."""
@@ -403,8 +433,8 @@ class EvictionPolicy:
         B, H, cap = self.batch, self.store_heads, self.capacity(layer)
         self.allocate_kv(layer, cap)
         self.pos[layer] = torch.full((B, H, cap), -1, dtype=torch.long, device=self.device)
-        if self.decode_attention:                                       # accumulated attention
-            self.score[layer] = torch.zeros(B, H, cap, dtype=torch.float32, device=self.device)
+        scored = self.decode_attention or not self.layer_appends[layer]     # slots an eviction chooses among
+        self.score[layer] = torch.zeros(B, H, cap, dtype=torch.float32, device=self.device) if scored else None
 
     def used_slots(self, layer: int) -> int:
         """Slots any sequence may have filled so far (empty slots fill lowest index first; rows that
@@ -416,8 +446,8 @@ class EvictionPolicy:
 
     # ----------------------------------------------------------------- rows that join and leave
     def row_tensors(self, layer: int, row: int) -> list[Tensor]:
-        """Row `row` of what layer `layer` holds: slot table, accumulated scores, K/V (its format's)."""
-        kept = [self.pos[layer][row]] + ([self.score[layer][row]] if self.decode_attention else [])
+        """Row `row` of what layer `layer` holds: slot table, slot scores, K/V (its format's)."""
+        kept = [self.pos[layer][row]] + ([self.score[layer][row]] if self.score[layer] is not None else [])
         return kept + self.row_kv(layer, row)
 
     def release(self, row: int) -> None:
@@ -458,18 +488,21 @@ class EvictionPolicy:
                 self.compress(layer, *self.pending.pop(layer))
 
     def compress(self, layer: int, k: Tensor, v: Tensor, stats: dict) -> None:
-        """Keep the prompt tokens with the best keep_scores in the layer's storage (its first
-        layer_budget slots; those without a keepable token stay empty)."""
+        """Keep the prompt tokens with the best keep_scores, the sinks and the recent window in the layer's
+        storage (its first layer_budget slots; those without a keepable token stay empty)."""
         k, v = self.to_store(k), self.to_store(v)
         H, D = k.shape[1], k.shape[3]
-        idx, valid = select_top(self.keep_scores(layer, stats, self.q_pos, H), self.layer_budget(layer))
+        pos = self.q_pos[:, None, :].expand(-1, H, -1)
+        scores = self.keep_scores(layer, {**stats, "token": self.token_scores(layer, k, v, pos)}, self.q_pos, H)
+        always = recent_and_sinks(self.q_pos, self.n_sink, self.recent_window(layer))[:, None, :]
+        ranked = scores.masked_fill(always, ALWAYS).masked_fill((self.q_pos < 0)[:, None, :], NEVER)
+        idx, valid = select_top(ranked, self.layer_budget(layer))
         n = idx.shape[-1]
         gather = idx[..., None].expand(-1, -1, -1, D)
         kc, vc = k.gather(2, gather), v.gather(2, gather)
-        pos = self.q_pos[:, None, :].expand(-1, H, -1).gather(2, idx)
-        self.pos[layer][:, :, :n] = torch.where(valid, pos, -1)
-        if self.decode_attention:
-            self.score[layer][:, :, :n] = stats["acc"].gather(2, idx)
+        self.pos[layer][:, :, :n] = torch.where(valid, pos.gather(2, idx), -1)
+        if self.score[layer] is not None:
+            self.score[layer][:, :, :n] = scores.gather(2, idx)
         self.on_compress(layer, k, v, idx, valid, stats, kc, vc)
         self.write_kept(layer, kc, vc)
 
@@ -489,11 +522,17 @@ class EvictionPolicy:
         return self.attend(layer, q)
 
     def store(self, layer: int, k: Tensor, v: Tensor) -> Tensor:
-        """Write the new token k, v [B, H_kv, 1, D] into its slot; returns the slot [B, H_kv]."""
+        """Write the new token k, v [B, H_kv, 1, D] into its slot (and, in an evicting layer, its
+        token_scores into the slot's score: decode_attention policies score it in `decode`); returns the
+        slot [B, H_kv].  Readers call this, not `decode`."""
         pc = self.pos[layer]
-        slot = self.first_empty(layer) if self.layer_appends[layer] else self.decode_victim(layer)
+        evicts = not self.layer_appends[layer]
+        slot = self.decode_victim(layer) if evicts else self.first_empty(layer)
         self.on_evict(layer, slot)
-        pc.scatter_(2, slot[:, :, None], self.q_pos[:, None, :].expand(-1, pc.shape[1], 1))
+        pos = self.q_pos[:, None, :].expand(-1, pc.shape[1], 1)
+        pc.scatter_(2, slot[:, :, None], pos)
+        if evicts and not self.decode_attention:
+            self.score[layer].scatter_(2, slot[:, :, None], self.token_scores(layer, k, v, pos))
         self.write_slots(layer, slot, k, v)
         return slot
 

@@ -23,16 +23,15 @@ import math
 import torch
 from torch import Tensor
 
-from cache.base import (ALWAYS, HEAD_AGG_PARAM, NEVER, EvictionPolicy, column_scores, cosine, recent_and_sinks,
-                        reduce_heads, split_integer)
+from cache.base import (HEAD_AGG_PARAM, NEVER, EvictionPolicy, column_scores, cosine, reduce_heads, split_integer,
+                        window_params)
 from cache.shard import shard_of
 
 
 class D2OPolicy(EvictionPolicy):
     admission = "batch"     # layer budgets come from the batch's prompt attention variances
     name = "d2o"
-    params = {**EvictionPolicy.params, **HEAD_AGG_PARAM,
-              "n_sink": (int, 4, "first tokens always kept"),
+    params = {**EvictionPolicy.params, **HEAD_AGG_PARAM, **window_params(n_sink=4),
               "gate": (float, -1.0, "the paper's g: layers whose variance is at or below it are dense and get "
                                     "dense_factor * S (the paper uses 100; -1: dense_share decides)"),
               "dense_share": (float, 0.1, "portable gate: the lowest-variance share of the layers is dense (0.1: "
@@ -98,8 +97,7 @@ class D2OPolicy(EvictionPolicy):
 
     # ---------------------------------------------------------------- token level
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
-        always = recent_and_sinks(q_pos, self.n_sink, self.recent_window(layer))[:, None, :]
-        return stats["acc"].masked_fill(always, ALWAYS).masked_fill((q_pos < 0)[:, None, :], NEVER)
+        return stats["acc"]
 
     def on_compress(self, layer: int, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor, stats: dict,
                     kc: Tensor, vc: Tensor) -> None:
@@ -125,9 +123,6 @@ class D2OPolicy(EvictionPolicy):
 
     def observe(self, layer: int, p_old: Tensor, p_new: Tensor) -> None:
         self.score[layer] += reduce_heads(p_old, self.head_agg)
-
-    def decode_victim(self, layer: int) -> Tensor:
-        return self.lowest(layer, self.score[layer], self.protected(layer, self.n_sink, self.recent_window(layer)))
 
     def on_evict(self, layer: int, slot: Tensor) -> None:
         """Merge the token leaving `slot` [B, H] into its most similar remaining slot (through the

@@ -8,7 +8,8 @@ the decoding stage") measures it on the first generated token's query; `prefill`
 (its capacity is a shape shared by the batch).  As in the paper, a lazy layer's cache is cut to the
 initial tokens plus a ring of recent ones as soon as it is identified (decode: before the second
 decode step, the first one attended over the whole prompt; prefill: before the first) and then
-evicts StreamingLLM-style; the other layers keep everything.
+evicts StreamingLLM-style (the eviction base's defaults: sinks and recent window kept, the oldest other
+token leaves); the other layers keep everything.
 
 lazy_threshold defaults per model family as in the paper: Llama-3 0.9, Llama-2 0.65, Mistral 0.8,
 Qwen 0.85, otherwise 0.9 (see model_family).
@@ -16,7 +17,7 @@ Qwen 0.85, otherwise 0.9 (see model_family).
 import torch
 from torch import Tensor
 
-from cache.base import ALWAYS, NEVER, EvictionPolicy, attention_probs, last_rows, recent_and_sinks
+from cache.base import EvictionPolicy, attention_probs, last_rows, window_params
 from cache.shard import shard_of
 
 DELTA_BY_FAMILY = {"llama3": 0.9, "llama2": 0.65, "mistral": 0.8, "qwen": 0.85, "other": 0.9}
@@ -62,8 +63,7 @@ class SimLayerKVPolicy(EvictionPolicy):
                                           "query, the paper's experiments) or prefill (the last prompt queries)"),
               "lazy_threshold": (float, -1.0, "the paper's delta: laziness threshold (-1: the paper's value for the "
                                                  "model family)"),
-              "n_sink": (int, 4, "initial tokens lazy layers keep"),
-              "n_recent": (int, 1024, "recent tokens lazy layers keep"),
+              **window_params(n_sink=4, n_recent=1024),     # what a lazy layer keeps, and its laziness measure
               "obs_window": (int, 32, "last prompt queries measured by the prefill strategy")}
     renamed = {"delta": "lazy_threshold", "n_initial": "n_sink", "window": "n_recent", "w_last": "obs_window"}
     appending = True
@@ -152,20 +152,6 @@ class SimLayerKVPolicy(EvictionPolicy):
         self.compress(layer, k, v, {})
         self.q_pos, self.prompt_length = q_pos, prompt_length
         self.kept[layer] -= self.n_filled - self.prompt_length   # used_slots counts from the prompt
-
-    # ---------------------------------------------------------------- keeping tokens
-    def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
-        keep = q_pos >= 0
-        if self.lazy[layer]:
-            keep = recent_and_sinks(q_pos, self.n_sink, self.n_recent)
-        scores = q_pos.float().masked_fill(~keep, NEVER)
-        if not self.lazy[layer]:
-            scores = scores.masked_fill(keep, ALWAYS)
-        return scores[:, None, :].expand(-1, n_heads, -1)
-
-    def decode_victim(self, layer: int) -> Tensor:
-        pos = self.pos[layer]
-        return self.lowest(layer, pos.float(), pos < self.n_sink)   # the oldest non-initial
 
     def describe(self) -> dict:
         d = super().describe()

@@ -8,7 +8,7 @@ Generated tokens are appended (the cache grows by one slot per step; nothing is 
 import torch
 from torch import Tensor
 
-from cache.base import ALWAYS, HEAD_AGG_PARAM, NEVER, EvictionPolicy, column_scores, pool1d
+from cache.base import HEAD_AGG_PARAM, EvictionPolicy, column_scores, pool1d
 
 
 class SnapKVPolicy(EvictionPolicy):
@@ -32,10 +32,11 @@ class SnapKVPolicy(EvictionPolicy):
     def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
         return {"obs": column_scores(q, k, q_pos, self.obs_window, self.sliding_window, agg=self.head_agg)}
 
+    def recent_window(self, layer: int) -> int:
+        return self.obs_window      # kept at prefill; appending layers never evict, so a prefill-only window
+
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
         obs = stats["obs"]
         T = obs.shape[-1]
-        # the last `obs_window` columns (left padding ends every row at column T - 1)
-        window = torch.arange(T, device=obs.device) >= T - self.obs_window
-        scores = pool1d(obs, self.kernel, self.pooling, within=~window).masked_fill(window, ALWAYS)
-        return scores.masked_fill((q_pos < 0)[:, None, :], NEVER)
+        # pool over the past only: the last `obs_window` columns (left padding ends every row at column T - 1)
+        return pool1d(obs, self.kernel, self.pooling, within=torch.arange(T, device=obs.device) < T - self.obs_window)

@@ -7,10 +7,9 @@ token with the lowest attention averaged over the layer's heads makes room for t
 current step's attention counts (H2O accumulates it).  Deviation: TOVA may drop the new token itself
 when its own attention is the lowest; a slot cache always stores it (docs/policies.md).
 """
-import torch
 from torch import Tensor
 
-from cache.base import NEVER, EvictionPolicy, column_scores
+from cache.base import EvictionPolicy, column_scores
 from cache.shard import shard_of
 
 
@@ -25,13 +24,10 @@ class TOVAPolicy(EvictionPolicy):
         return {"acc": layer_mean.expand_as(last)}
 
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
-        return stats["acc"].masked_fill((q_pos < 0)[:, None, :], NEVER)
+        return stats["acc"]
 
     def observe(self, layer: int, p_old: Tensor, p_new: Tensor) -> None:
         """p_old [B, H_kv, G, C]: this step's attention, averaged over every head of the layer (under --tp
         over every process's heads: one all-reduce of B x C per layer and step)."""
         layer_mean = shard_of(self.args).mean(p_old.mean((1, 2), keepdim=True)[:, :, 0])
         self.score[layer].copy_(layer_mean.expand_as(self.score[layer]))
-
-    def decode_victim(self, layer: int) -> Tensor:
-        return self.lowest(layer, self.score[layer], torch.zeros_like(self.pos[layer], dtype=torch.bool))

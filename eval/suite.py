@@ -31,8 +31,9 @@ tokens/s over all of the row's decode steps), and score_vs_compression.png (one 
 needs matplotlib: pip install -e '.[eval]').
 
 Presets (--preset):
-  quick       the documented comparison (README "Accuracy"): full, streaming, h2o, snapkv,
-              pyramidkv, d2o, simlayerkv, ds, hshare, pod at a 256-token budget per layer and
+  quick       the documented comparison (README "Accuracy"): full, every eviction policy that takes
+              a budget (BUDGETED: streaming, h2o, snapkv, pyramidkv, d2o, tova, knorm, from the
+              registry), simlayerkv, ds, hshare, pod at a 256-token budget per layer and
               head (simlayerkv: lazy layers keep 256; ds/hshare read 256; pod: 256 proximal
               tokens), and full with 4-bit KIVI storage; needle and passkey at
               2000 tokens x depths 0.1/0.5/0.9, perplexity 2048 + 128, multi_news (3 rows, 2048-
@@ -69,12 +70,15 @@ from typing import Callable, Optional, Sequence  # noqa: E402
 
 import atomic_io  # noqa: E402
 import engine  # noqa: E402
-from cache import PolicyError, parse_spec  # noqa: E402
+from cache import POLICIES, PolicyError, parse_spec  # noqa: E402
+from cache.base import EvictionPolicy  # noqa: E402
 from eval import agreement, common, longbench, needle, passkey, perplexity, ruler  # noqa: E402
 from eval.common import UsageError  # noqa: E402
 
-QUICK_POLICIES = ("full; streaming:budget=256; h2o:budget=256; snapkv:budget=256; pyramidkv:budget=256; d2o:budget=256; "
-                  "simlayerkv:n_recent=252; ds:n_critical=256; hshare:n_critical=256; pod:n_recent=240; full:kv_bits=4")
+# every registered eviction policy that takes a token budget (a policy registered later joins the presets)
+BUDGETED = tuple(name for name, cls in POLICIES.items() if issubclass(cls, EvictionPolicy) and "budget" in cls.params)
+QUICK_POLICIES = "; ".join(["full", *(f"{name}:budget=256" for name in BUDGETED), "simlayerkv:n_recent=252",
+                            "ds:n_critical=256", "hshare:n_critical=256", "pod:n_recent=240", "full:kv_bits=4"])
 
 
 def accuracy_policies(budgets=(64, 128, 256)) -> str:
@@ -84,7 +88,7 @@ def accuracy_policies(budgets=(64, 128, 256)) -> str:
     rows = ["full", "full@kv4:kv_bits=4", "full@kv2:kv_bits=2"]
     for b in budgets:
         preset = "short" if b < 256 else "long"
-        rows += [f"{name}@{b}:budget={b}" for name in ("streaming", "h2o", "tova", "snapkv", "pyramidkv", "d2o")]
+        rows += [f"{name}@{b}:budget={b}" for name in BUDGETED]
         rows += [f"simlayerkv@{b}:n_recent={b - 4}", f"pod@{b}:n_recent={b - 16}",
                  f"ds@{b}:n_critical={b},preset={preset}", f"quest@{b}:n_critical={b},preset={preset}",
                  f"hshare@{b}-7/8:n_critical={b},preset={preset},ratios=7/8-3/4-1/2",

@@ -338,3 +338,13 @@ def test_suite_failing_cell_is_an_error_not_a_crash(suite_env, tmp_path, capsys,
 def test_suite_bad_input_is_one_line_exit_2(argv, message, suite_env, tmp_path, capsys):
     code, _, err = run_main(suite, capsys, "--out", tmp_path / "o", *argv)
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_presets_follow_the_registry():
+    """Every registered policy is a row of the accuracy preset, and every eviction policy with a budget one of
+    the quick preset, without editing them (a new policy is not silently left out)."""
+    from cache import POLICIES
+    accuracy = {spec.name for spec in suite.parse_policies(suite.accuracy_policies())}
+    quick = {spec.name for spec in suite.parse_policies(suite.QUICK_POLICIES)}
+    assert accuracy == set(POLICIES)
+    assert {"knorm", "tova", "streaming"} <= set(suite.BUDGETED) <= quick

@@ -10,12 +10,19 @@ import torch
 import checkpoint
 import engine
 from cache import POLICIES, PolicyError, make_policy
-from cache.base import column_scores, fill_to_cap, pool1d, pyramid_budgets, split_integer
+from cache.base import EvictionPolicy, column_scores, fill_to_cap, pool1d, pyramid_budgets, split_integer
 from cache.simlayerkv import DELTA_BY_FAMILY, model_family
 from model import ModelArgs
 from tests.helpers import kept, left_padded, tiny_hf_model
 
-EVICTION = ["streaming", "h2o", "snapkv", "pyramidkv", "d2o", "simlayerkv"]
+EVICTION = [name for name, cls in POLICIES.items() if issubclass(cls, EvictionPolicy)]   # the registry's
+
+
+def small_args(name: str, n: int) -> dict:
+    """Arguments that keep about n prompt tokens per layer and head: a budget of n, or, for a policy without
+    one, its full-cache arguments for n tokens (SimLayerKV: what its lazy layers keep)."""
+    cls = POLICIES[name]
+    return {"budget": n} if "budget" in cls.params else cls.full_cache_args(n)
 
 
 def bare_policy(name, args_text, n_heads=4, n_kv_heads=2, head_dim=8, T=20, max_seq=64, layers=1, batch=1):
@@ -514,8 +521,7 @@ def test_first_token_equals_full_under_every_prefill_compression(engine_dir, ess
     ids = tok.encode(essay_text)[:900]
     full = engine.generate(model, tok, [ids, ids[:700]], max_new_tokens=3)   # 3: simlayerkv (decode strategy) trims before step 1
     for name in EVICTION:
-        args = "n_recent=128" if name == "simlayerkv" else "budget=128"
-        out = engine.generate(model, tok, [ids, ids[:700]], max_new_tokens=3, policy=make_policy(name, args))
+        out = engine.generate(model, tok, [ids, ids[:700]], max_new_tokens=3, policy=make_policy(name, small_args(name, 128)))
         assert [t[0] for t in out.tokens] == [t[0] for t in full.tokens], name
         assert out.stats["kv_bytes_allocated"] < full.stats["kv_bytes_allocated"], name
 
@@ -564,3 +570,57 @@ def test_compiled_decode_matches_eager_without_recompiles(name, args, bits, tmp_
     assert counters["stats"]["unique_graphs"] == graphs, "decode recompiled while the cache evicted"
     tol = 1e-4 if bits == 16 else 1e-3
     torch.testing.assert_close(outs["compiled"], outs["eager"], atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------- knorm (a per-token score)
+
+def lowest_norms(norms, candidates, n):
+    """The n candidates of lowest key norm (norms [T] of one head), sorted by position."""
+    return sorted(sorted(candidates, key=lambda j: float(norms[j]))[:n])
+
+
+@pytest.mark.parametrize("n_sink,n_recent", [(0, 0), (2, 3)])
+def test_knorm_keeps_the_lowest_key_norms_and_evicts_the_highest(n_sink, n_recent):
+    """Prefill: per KV head the sinks, the recent window and the lowest-norm keys of the rest; decode: the new
+    token is stored and the unprotected kept key of highest norm leaves (the window counts the new token)."""
+    torch.manual_seed(5)
+    T, budget = 20, 8
+    q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
+    policy = bare_policy("knorm", f"budget={budget},n_sink={n_sink},n_recent={n_recent}", T=T)
+    policy.prefill(0, q, k, v)
+    always = set(range(n_sink)) | set(range(T - n_recent, T))
+    norms = k[0].norm(dim=-1)                                                    # [2, T]
+    expected = [sorted(always | set(lowest_norms(norms[h], set(range(T)) - always, budget - len(always))))
+                for h in range(2)]
+    assert kept(policy)[0] == expected
+    k1 = torch.randn(1, 2, 1, 8)
+    policy.begin(torch.tensor([[T]]))
+    policy.decode(0, torch.randn(1, 4, 1, 8), k1, torch.randn(1, 2, 1, 8))
+    for h in range(2):
+        protected = set(range(n_sink)) | set(range(T - n_recent + 1, T))
+        worst = max(set(expected[h]) - protected, key=lambda j: float(norms[h, j]))
+        assert kept(policy)[0][h] == sorted(set(expected[h]) - {worst}) + [T]
+        slot = policy.pos[0][0, h].tolist().index(T)
+        assert math.isclose(float(policy.score[0][0, h, slot]), -float(k1[0, h, 0].norm()), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("reader", ["quest", "ds"])
+def test_knorm_under_a_reader_evicts_as_alone(reader, tmp_path):
+    """A reader stores each decode token through the storage's `store` (not its `decode`): the token's
+    score must be kept there, so knorm+READER reading every slot keeps and outputs what knorm does alone."""
+    _, model = tiny_hf_model("tied_gqa3", tmp_path)
+    tokens, pos = left_padded([21, 14], seed=4)
+    follow = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for spec in ("knorm", f"knorm+{reader}"):
+        read_all = {"n_critical": 64, f"{reader}.n_sink": 2, f"{reader}.n_recent": 4,
+                    **({"channels": "prompt"} if reader == "ds" else {})}   # N_c 64 >= the 12 slots
+        args = {"budget": 12, **(read_all if "+" in spec else {})}
+        policy = make_policy(spec, args)
+        with torch.no_grad():
+            model.setup_caches(2, 40, policy)
+            logits = [engine.run_prefill(model, tokens, pos)]
+            logits += [engine.run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s) for s in range(10)]
+        runs.append((torch.stack(logits), [kept(policy, layer) for layer in range(model.args.n_layers)]))
+    assert runs[1][1] == runs[0][1]
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-5, rtol=1e-5)

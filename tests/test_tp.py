@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 import engine
 import tp
 from cache import POLICIES, make_policy
+from cache.base import EvictionPolicy
 from cache.calibration import ensure_channels, ensure_pod
 from cache.quantized import with_kv_bits
 from checkpoint import build_model
@@ -45,10 +46,10 @@ ARGS = ModelArgs(vocab_size=256, dim=128, n_layers=3, n_heads=8, n_kv_heads=4, i
 BATCHES = {"b1": [40], "b3": [40, 27, 33]}
 STEPS = 8
 READER = "n_critical=16,n_sink=2,n_recent=4"
-# per registered policy: arguments under which it evicts or selects on these prompts (a policy
-# registered later runs at its defaults)
+# arguments under which a policy evicts or selects on these prompts, where its full_cache_args(16) (a budget of
+# 16 of the 40 tokens) is not the configuration tested (a policy registered later runs at those)
 POLICY_ARGS = {
-    "streaming": "budget=16,n_sink=2", "h2o": "budget=16,n_sink=2", "tova": "budget=16",
+    "streaming": "budget=16,n_sink=2", "h2o": "budget=16,n_sink=2",
     "snapkv": "budget=16,obs_window=4,kernel=3", "pyramidkv": "budget=16,obs_window=4,kernel=3",
     "d2o": "budget=16,n_sink=2,dense_share=0.34",
     "simlayerkv": "n_sink=2,n_recent=8,lazy_threshold=0.26",
@@ -74,8 +75,15 @@ SHARING_ONLY = {"hshare@heads"}     # head sharing within each process: checked 
 KEPT_ONLY = {"d2o@kv4"}
 
 
+def policy_args(name: str) -> str:
+    """POLICY_ARGS[name], else the arguments under which the policy keeps 16 tokens (full_cache_args(16))."""
+    if name in POLICY_ARGS:
+        return POLICY_ARGS[name]
+    return ",".join(f"{k}={v}" for k, v in (POLICIES[name].full_cache_args(16) or {}).items())
+
+
 def cases() -> dict[str, tuple[str, int]]:
-    named = {name: (f"{name}:{POLICY_ARGS[name]}" if name in POLICY_ARGS else name, 16) for name in sorted(POLICIES)}
+    named = {name: (f"{name}:{policy_args(name)}" if policy_args(name) else name, 16) for name in sorted(POLICIES)}
     return {**named, **EXTRA}
 
 
@@ -125,6 +133,7 @@ def run_quantized(build) -> dict:
 
 
 POLICY_SPEC_SNAPKV = f"snapkv:{POLICY_ARGS['snapkv']}"
+EVICTING = [name for name, cls in POLICIES.items() if issubclass(cls, EvictionPolicy)]
 
 
 def run_case(model, spec: str, bits: int, lengths: list[int]) -> dict:
@@ -231,6 +240,16 @@ def test_a_replicated_output_head_gives_the_same_logits(runs):
     single, ranks = runs
     for r in ranks:
         torch.testing.assert_close(r["replicated_head"]["logits"], single[("full", "b3")]["logits"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_every_eviction_policy_evicts_in_its_case(name):
+    """Each registered eviction policy's case keeps fewer than the 40 + STEPS positions in some layer, so the
+    TP comparison covers its eviction, not a cache that holds everything."""
+    model = build_model(ARGS, hf_tensors(), "cpu", torch.float32)
+    spec, bits = cases()[name]
+    kept = run_case(model, spec, bits, BATCHES["b1"])["kept"]
+    assert min(int((pos >= 0).sum(-1).min()) for pos in kept) < BATCHES["b1"][0] + STEPS, spec
 
 
 @pytest.mark.parametrize("case", [(c, b) for c in [*cases(), *file_cases(Path())] for b in BATCHES],

@@ -1,0 +1,25 @@
+"""Knorm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"):
+keep the keys with the lowest L2 norm.
+
+A key's norm predicts the attention it will get (low norm, high attention), so a token's keep score is
+-||k||_2 of its key (rotated, as stored), per KV head, computed from the key alone: no attention
+probabilities, so it composes with any attention kernel and with the sparse readers (knorm+quest).
+At prefill each layer and KV head keeps the `budget` prompt tokens of lowest key norm; at every decode
+step the new token is stored and the kept token of highest key norm leaves, so memory stays flat.
+Defaults as kvpress's KnormPress and the authors' code: no sinks and no recent window (n_sink=0,
+n_recent=0; both available through the eviction base) and every layer compressed.  Deviations
+(docs/policies.md): a fixed budget per layer and head instead of a keep ratio, and a slot cache always
+stores the new token, even when its key norm is the highest.
+"""
+from torch import Tensor
+
+from cache.base import EvictionPolicy, window_params
+
+
+class KnormPolicy(EvictionPolicy):
+    name = "knorm"
+    params = {**EvictionPolicy.params, **window_params(n_sink=0, n_recent=0)}
+
+    def token_scores(self, layer: int, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+        """-||k||_2 [B, H_kv, T] of each key k [B, H_kv, T, D]: the lowest norms are kept."""
+        return -k.float().norm(dim=-1)
