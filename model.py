@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -214,6 +214,8 @@ class DenseCache:
     prefill, end_prefill, before_decode_step, decode, storage, kept_positions, kv_bytes, describe, and
     release/adopt for requests that join and leave rows of a running batch); the project's
     cache/contract.py is its one annotated description.
+    DenseCache alone also declares `fused_dense_decode` (below): whether a decode step may bypass `decode`
+    for one op on its buffers (EagerOps.dense_decode).
 
     Slots fill left to right.  While every row has seen the same tokens ("aligned": a static batch, left
     padding included) a forward's T tokens go to slots [n_filled, n_filled + T) of every row.  Once a row
@@ -235,6 +237,11 @@ class DenseCache:
     admission = "row"               # requests join and leave single rows of a running batch
     decode_room = None              # generated tokens a row may hold (the full cache needs no bound)
     n_filled = 0                    # live length (set per forward; see below)
+    # decode() is DenseCache's own: write k, v at slot `start` of k[layer], v[layer], attend over slots
+    # [0, n_filled) with row 0 of `mask` through decode_kernel.  Then EagerOps.dense_decode may do that
+    # whole step as one op (head split included) instead of calling decode(); a subclass or an instance
+    # that replaces decode (or stores K/V otherwise) sets this False, and its decode is called.
+    fused_dense_decode = True
 
     @classmethod
     def full_cache_args(cls, n_tokens: int):
@@ -268,7 +275,8 @@ class DenseCache:
         self.pos.fill_(-1)
         self.length.zero_()
         self.n_filled = 0
-        self.start = 0          # the slot every row writes next; -1 once rows are at their own lengths
+        self.aligned = True     # every row's next slot is n_filled (else each row's own: `length`)
+        self.start = 0          # (aligned) the first slot this forward writes
         self.mask = None
 
     def begin(self, input_pos: Tensor) -> None:
@@ -279,7 +287,7 @@ class DenseCache:
                              f"(raise max_seq_length in setup_caches)")
         if B != self.pos.shape[0]:
             raise ValueError(f"batch {B} does not match the cache's batch {self.pos.shape[0]}")
-        if self.start >= 0:                               # aligned rows: slots [n_filled, end) of every row
+        if self.aligned:                                  # slots [n_filled, end) of every row
             self.start = self.n_filled
             self.pos[:, self.start:end] = input_pos
         else:                                             # one token per row, each at its own next slot
@@ -297,7 +305,7 @@ class DenseCache:
         """Write this forward's k, v [B, H_kv, T, D] into their slots; returns the slot: an int (aligned
         rows, the first of the T) or LongTensor [B] (rows at their own lengths)."""
         kc, vc = self.k[layer], self.v[layer]
-        if self.start >= 0:
+        if self.aligned:
             kc[:, :, self.start:self.n_filled] = k
             vc[:, :, self.start:self.n_filled] = v
             return self.start
@@ -339,9 +347,9 @@ class DenseCache:
 
     def release(self, row: int) -> None:
         """Forget row `row`'s request (host side): its slots become empty; the other rows go on."""
-        if self.start >= 0:             # rows were aligned: each held n_filled slots
+        if self.aligned:                # each row held n_filled slots
             self.length.fill_(self.n_filled)
-            self.start = -1
+            self.aligned = False
         self.pos[row] = -1
         self.length[row] = 0
         self.n_filled = int(self.length.max())
@@ -366,11 +374,76 @@ class DenseCache:
 
     def kv_bytes(self) -> dict:
         per_slot = sum(t[:, :, 0].numel() * t.element_size() for t in self.k + self.v)
-        live = per_slot * self.n_filled if self.start >= 0 else per_slot * int(self.length.sum()) // self.pos.shape[0]
+        live = per_slot * self.n_filled if self.aligned else per_slot * int(self.length.sum()) // self.pos.shape[0]
         return {"allocated": per_slot * self.capacity, "live": live, "read_per_step": per_slot * self.n_filled}
 
     def describe(self) -> dict:
         return {"policy": self.name, "capacity": self.capacity if hasattr(self, "pos") else None}   # None: not set up
+
+
+# --------------------------------------------------------------------------- eager ops
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [..., dim] normalized in float32 (as HF does), scaled by weight [dim] in x's dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """A residual add and the next norm: (x + y, rms_norm(x + y))."""
+    h = x + y
+    return h, rms_norm(h, weight, eps)
+
+
+def rope_split(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """qkv [B, T, (H_q + 2 H_kv) D], cos/sin [B, 1, T, D] -> q [B, H_q, T, D] and k, v [B, H_kv, T, D],
+    q and k rotated."""
+    B, T, HD = qkv.shape
+    H = n_heads + 2 * n_kv_heads
+    heads = qkv.view(B, T, H, HD // H).transpose(1, 2)
+    qk = apply_rope(heads[:, :n_heads + n_kv_heads], cos, sin)        # q and k rotated together
+    return qk[:, :n_heads], qk[:, n_heads:], heads[:, n_heads + n_kv_heads:]
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """SwiGLU's gate: [..., 2 F] (gate, up) -> silu(gate) * up [..., F]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def attend(hook, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int,
+           split=rope_split) -> Tensor:
+    """qkv [B, T, (H_q + 2 H_kv) D] split into heads by `split` (rope_split's contract) and attended by a
+    cache hook (its prefill or decode) -> [B, T, H_q D], the heads joined in wo's layout."""
+    B, T, _ = qkv.shape
+    q, k, v = split(qkv, cos, sin, n_heads, n_kv_heads)
+    return hook(layer, q, k, v).transpose(1, 2).reshape(B, T, -1)
+
+
+def dense_decode(qkv: Tensor, cos: Tensor, sin: Tensor, cache: DenseCache, layer: int, n_heads: int,
+                 n_kv_heads: int) -> Tensor:
+    """A decode step's attention over a DenseCache whose `fused_dense_decode` is True: qkv [B, 1,
+    (H_q + 2 H_kv) D] -> [B, 1, H_q D].  Here the head split and the cache's decode hook; a faster op
+    may do it all at once (the split, RoPE, the writes to slot cache.start, the attention)."""
+    return attend(cache.decode, layer, qkv, cos, sin, n_heads, n_kv_heads)
+
+
+@dataclass(frozen=True)
+class EagerOps:
+    """The small ops every layer calls, in one visible place: model.py's torch functions above by
+    default.  A loader may choose faster versions once (`Transformer.use_ops`; the project's
+    kernels.cpu.cpu_eager_ops runs C++ ops in eager fp32 CPU steps).  A replacement keeps each
+    contract and calls the default itself wherever its op does not apply (other dtypes or devices,
+    and under torch.compile, which fuses the torch code by itself)."""
+    rms_norm: Callable = rms_norm            # (x, weight, eps) -> rms_norm(x)
+    add_rms_norm: Callable = add_rms_norm    # (x, y, weight, eps) -> (x + y, rms_norm(x + y))
+    rope_split: Callable = rope_split        # (qkv, cos, sin, H_q, H_kv) -> q, k, v
+    silu_mul: Callable = silu_mul            # gate_up [..., 2 F] -> [..., F]
+    dense_decode: Callable = dense_decode    # (qkv, cos, sin, cache, layer, H_q, H_kv) -> [B, 1, H_q D]
+
+
+TORCH_OPS = EagerOps()
 
 
 # --------------------------------------------------------------------------- layers
@@ -440,11 +513,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, ops: EagerOps = TORCH_OPS) -> Tensor:
         """Normalized in float32 (as HF does), scaled in the input dtype."""
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -456,21 +527,17 @@ class Attention(nn.Module):
         self.wqkv = Linear(args.dim, q_dim + 2 * kv_dim, bias=args.attention_bias)
         self.wo = Linear(q_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache, decoding: bool) -> Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.split_heads(self.wqkv(x), cos, sin)
-        hook = cache.decode if decoding else cache.prefill
-        out = hook(self.layer_idx, q, k, v)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
-
-    def split_heads(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """qkv [B, T, (H_q + 2 H_kv) D], cos/sin [B, 1, T, D] -> q [B, H_q, T, D] and k, v [B, H_kv, T, D],
-        q and k rotated."""
-        B, T, _ = qkv.shape
-        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = qkv.view(B, T, Hq + 2 * Hkv, D).transpose(1, 2)
-        qk = apply_rope(qkv[:, :Hq + Hkv], cos, sin)        # q and k rotated together
-        return qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv:]
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache, decoding: bool,
+                ops: EagerOps = TORCH_OPS) -> Tensor:
+        """x [B, T, dim] -> [B, T, dim]: the cache's prefill or decode hook between wqkv and wo, or a
+        decode step over a DenseCache that allows it as ops.dense_decode (see fused_dense_decode)."""
+        qkv = self.wqkv(x)
+        if decoding and isinstance(cache, DenseCache) and cache.fused_dense_decode:
+            out = ops.dense_decode(qkv, cos, sin, cache, self.layer_idx, self.n_heads, self.n_kv_heads)
+        else:
+            hook = cache.decode if decoding else cache.prefill
+            out = attend(hook, self.layer_idx, qkv, cos, sin, self.n_heads, self.n_kv_heads, ops.rope_split)
+        return self.wo(out)
 
 
 class FeedForward(nn.Module):
@@ -481,13 +548,8 @@ class FeedForward(nn.Module):
         self.w13 = Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(self.gate(self.w13(x)))
-
-    def gate(self, gate_up: Tensor) -> Tensor:
-        """[..., 2 F] (gate, up) -> silu(gate) * up [..., F]."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    def forward(self, x: Tensor, ops: EagerOps = TORCH_OPS) -> Tensor:
+        return self.w2(ops.silu_mul(self.w13(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -498,9 +560,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin, cache, decoding):
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache, decoding)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, x, cos, sin, cache, decoding, ops: EagerOps = TORCH_OPS):
+        a = self.attention(self.attention_norm(x, ops), cos, sin, cache, decoding, ops)
+        h, normed = ops.add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps)   # h = x + a, ffn_norm(h)
+        return h + self.feed_forward(normed, ops)
 
 
 class Transformer(nn.Module):
@@ -517,6 +580,14 @@ class Transformer(nn.Module):
         self.rope_cos = self.rope_sin = None
         # the full cache's decode attention (see DenseCache.decode_kernel); a loader may plug in a kernel
         self.decode_kernel = None
+        self.ops = TORCH_OPS            # every layer's small ops (see EagerOps); a loader may choose others
+
+    def use_ops(self, ops: EagerOps) -> None:
+        """Run every layer's small ops (norms, head split, SwiGLU gate, the dense decode step) through
+        `ops` from now on: chosen once, by the loader."""
+        if not isinstance(ops, EagerOps):
+            raise TypeError(f"use_ops takes an EagerOps, got {type(ops).__name__}")
+        self.ops = ops
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, policy=None, beyond_context: bool = False):
         """Allocate the KV storage (DenseCache unless a policy object is given) and RoPE tables.
@@ -553,7 +624,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[rope_idx][:, None], self.rope_sin[rope_idx][:, None]
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, self.cache, decoding)
+            x = layer(x, cos, sin, self.cache, decoding, self.ops)
         if last_only:
             x = x[:, -1:]
-        return self.output(self.norm(x))
+        return self.output(self.norm(x, self.ops))

@@ -516,6 +516,8 @@ class EvictionPolicy:
     def adopt(self, row: int, other: "EvictionPolicy", other_row: int = 0) -> None:
         """Take over request `other_row` of `other` (this policy's spec, set up with the same decode_room
         and max_seq_length but its own batch size, its prompt complete) into row `row` (host side)."""
+        if self.admission != "row":
+            raise ValueError(f"{self.name} admits whole batches (admission 'batch'): rows cannot join a running batch")
         if self.decode_room is None or other.decode_room != self.decode_room:
             raise ValueError("rows join a running batch only with the same decode_room set before setup")
         self.release(row)

@@ -44,6 +44,8 @@ Capabilities are declared as class attributes (never probed with hasattr):
                          decode attention itself, e.g. SimLayerKV's decode strategy)
     kv_bits, kv_group    16 and 0 for compute-dtype storage; KIVI-packed storage says its bits and G
     admission            "row" (requests join and leave single rows: release/adopt) or "batch"
+    (model.DenseCache and its subclasses also declare fused_dense_decode: False when they replace its
+    decode or storage, see model.DenseCache)
 `full_cache_args(n)` states the policy's promise about the full cache: the arguments under which it
 keeps and reads every one of n tokens, so its logits equal the full cache's (None: no such promise).
 The policy test matrix (tests/test_policy_matrix.py) checks every registered policy against this.

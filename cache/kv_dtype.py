@@ -33,6 +33,7 @@ class StoredDenseCache(DenseCache):
 
     name = "full"
     plain_full = False
+    fused_dense_decode = False          # its own decode (below)
 
     def __init__(self, kv_dtype: torch.dtype):
         self.kv_dtype = kv_dtype

@@ -104,6 +104,7 @@ def gather_rows(x: Tensor, idx: Tensor) -> Tensor:
 class PODPolicy:
     """POD as a cache policy (contract of model.DenseCache); see the module docstring."""
     admission = "batch"     # layer blocks and distant-token storage are set per batch
+    decode_room = None      # (admission "batch": storage follows each batch's prompt)
 
     name = "pod"
     params = {
@@ -189,6 +190,12 @@ class PODPolicy:
             path = Path(self.blocks)
         blocks, sim = read_pod_file(path, args, self.sim_threshold)
         return blocks, sim, str(path)
+
+    def release(self, row: int) -> None:
+        raise ValueError("pod admits whole batches (admission 'batch'): rows cannot leave one by one")
+
+    def adopt(self, row: int, other, other_row: int = 0) -> None:
+        raise ValueError("pod admits whole batches (admission 'batch'): rows cannot join a running batch")
 
     def reset(self) -> None:
         self.n_filled = 0

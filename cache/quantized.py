@@ -358,6 +358,7 @@ class KIVIDenseCache(DenseCache):
 
     name = "full"
     plain_full = False
+    fused_dense_decode = False          # packed slots: decode() below
 
     def __init__(self, bits: int = 4, group: int = GROUP, residual: int = RESIDUAL, backend: str = "auto"):
         check_format(None, bits, group, residual)
@@ -395,8 +396,8 @@ class KIVIDenseCache(DenseCache):
     def store(self, layer: int, k: Tensor, v: Tensor):
         """Write the decode token k, v [B, H_kv, 1, D] into its row's next slot; returns the slot (model.DenseCache.store)."""
         pos = self.pos[:, None]
-        slot = self.start if self.start >= 0 else self.slot
-        at = pos.new_full(k.shape[:2], slot) if self.start >= 0 else slot[:, None].expand(k.shape[:2])
+        slot = self.start if self.aligned else self.slot
+        at = pos.new_full(k.shape[:2], slot) if self.aligned else slot[:, None].expand(k.shape[:2])
         self.stores[layer].write(at, k, v, pos, self.now)
         return slot
 

@@ -377,6 +377,8 @@ class SparseReader:
 
     def adopt(self, row: int, other: "SparseReader", other_row: int = 0) -> None:
         """The inner storage's row, then the reader's index rows (built here first if this batch has none)."""
+        if self.admission != "row":
+            raise ValueError(f"{self.name} admits whole batches (admission 'batch'): rows cannot join a running batch")
         self.inner.adopt(row, other.inner, other_row)
         if not self.built:
             self.adopt_decisions(other)

@@ -44,6 +44,7 @@ class QueryRecorder(DenseCache):
 
     name = "query-recorder"
     prefill_in_one_pass = True     # the prompt's last queries come from one forward
+    fused_dense_decode = False     # every decode step goes through decode() below
 
     def __init__(self, tail: int):
         self.tail = tail

@@ -15,8 +15,8 @@ sparse readers', KIVI's, the dense caches' and the weight-quantized linear layer
     decode_attention(q, k, v, visible) == model.grouped_attention of one decode query over a dense cache
                                        (the C++ kernel on fp32 CPU tensors, grouped_attention otherwise)
     kvc::dense_decode                  == dense_decode_torch: a decode step's attention over a DenseCache
-                                       (FusedAttention's fast path)
-    kvc::add_rms_norm                  == add_rms_norm_torch (FusedTransformerBlock's residual add + norm)
+    cpu_eager_ops()                    model.EagerOps with kvc::rms_norm, add_rms_norm, rope_split, silu_mul
+                                       and dense_decode in eager fp32 CPU steps (the loader's choice)
     eager_ops()                        the ops an eager decode step calls per layer as direct Python bindings
                                        (kernels/cpu_bindings.cpp): ~2 us less per call than torch.ops.kvc
 
@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from model import Attention, DenseCache, FeedForward, Linear, RMSNorm, TransformerBlock
+from model import EagerOps, Linear, add_rms_norm, attend, rms_norm, rope_split, silu_mul
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cpp", "kivi_kernels.cpp", "cpu_qlinear.cpp", "cpu_linear.cpp", "cpu_bindings.cpp")]
@@ -306,7 +306,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor])
 def dense_decode_torch(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, visible: Tensor,
                        start: int, Hq: int, Hkv: int) -> Tensor:
     """kvc::dense_decode's twin: qkv [B, 1, (Hq + 2 Hkv) D], cos, sin [B, 1, 1, D] -> [B, 1, Hq D], k and v
-    written into slot `start` of k_cache, v_cache [B, Hkv, C, D] (model.Attention.split_heads, DenseCache's
+    written into slot `start` of k_cache, v_cache [B, Hkv, C, D] (model.rope_split, DenseCache's
     slot writes and grouped_attention over slots [0, start] with row 0 of visible [B, R, >= start + 1] or,
     empty, all)."""
     from model import apply_rope, grouped_attention
@@ -319,12 +319,6 @@ def dense_decode_torch(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v
     mask = None if visible.numel() == 0 else visible[:, :1, :n].expand(B, Hq // Hkv, n)
     out = grouped_attention(qk[:, :Hq], k_cache[:, :, :n], v_cache[:, :, :n], mask)
     return out.transpose(1, 2).reshape(B, 1, Hq * D)
-
-
-def add_rms_norm_torch(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """kvc::add_rms_norm's twin: (x + y, F.rms_norm(x + y))."""
-    h = x + y
-    return h, torch.nn.functional.rms_norm(h, weight.shape, weight, eps)
 
 
 def linear_small_m(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -366,73 +360,59 @@ def _eager_fp32_cpu(*tensors: Tensor) -> bool:
     return True
 
 
-class FusedRMSNorm(RMSNorm):
-    """model.RMSNorm with the eager fp32 CPU step as one C++ op (kvc::rms_norm) instead of F.rms_norm's
-    half dozen; under torch.compile (Inductor fuses it anyway) and elsewhere model.RMSNorm's own."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if _eager_fp32_cpu(x, self.weight):
-            return _eager.rms_norm(x, self.weight, self.eps)
-        return super().forward(x)
+def rms_norm_cpu(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """model.rms_norm as one C++ op (kvc::rms_norm; F.rms_norm is six ATen ops) in eager fp32 CPU steps;
+    under torch.compile (Inductor fuses it anyway) and elsewhere model.rms_norm."""
+    if _eager_fp32_cpu(x, weight):
+        return _eager.rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
 
 
-class FusedAttention(Attention):
-    """model.Attention with split_heads (view, slices and RoPE's seven ops) as one C++ op in eager fp32
-    CPU steps (kvc::rope_split); a decode step over a model.DenseCache itself (the `full` policy: no
-    subclass, no `decode` replaced on the instance) whose decode kernel is `decode_attention` runs
-    split_heads, the cache's two slot writes, its decode attention and the heads' transpose as one op
-    (kvc::dense_decode) between wqkv and wo."""
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache, decoding: bool) -> Tensor:
-        if (decoding and type(cache) is DenseCache and "decode" not in cache.__dict__   # (no instance hook on it)
-                and cache.decode_kernel is decode_attention and cache.start >= 0     # rows aligned: one slot
-                and self.head_dim in (64, 128) and cos.shape[1] == 1
-                and _eager_fp32_cpu(x, cos, sin, cache.k[self.layer_idx])):     # (then wqkv's output is too)
-            visible = _NO_VISIBLE if cache.mask is None else cache.mask
-            out = _eager.dense_decode(self.wqkv(x), cos, sin, cache.k[self.layer_idx], cache.v[self.layer_idx],
-                                      visible, cache.start, self.n_heads, self.n_kv_heads,
-                                      1.0 / math.sqrt(self.head_dim))
-            return self.wo(out)
-        return super().forward(x, cos, sin, cache, decoding)
-
-    def split_heads(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if _eager_fp32_cpu(qkv, cos, sin) and cos.shape[1] == 1:      # cos/sin [B, 1, T, D]: [B, T, D] in memory
-            return _eager.rope_split(qkv, cos, sin, self.n_heads, self.n_kv_heads)
-        return super().split_heads(qkv, cos, sin)
+def add_rms_norm_cpu(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """model.add_rms_norm (the attention's residual add and ffn_norm) as one C++ op (kvc::add_rms_norm)
+    in eager fp32 CPU steps."""
+    if _eager_fp32_cpu(x, y, weight):
+        return _eager.add_rms_norm(x, y, weight, eps)
+    return add_rms_norm(x, y, weight, eps)
 
 
-class FusedFeedForward(FeedForward):
-    """model.FeedForward with SwiGLU's chunk, silu and product as one C++ op in eager fp32 CPU steps."""
+def rope_split_cpu(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int):
+    """model.rope_split (view, slices and RoPE's seven ops) as one C++ op (kvc::rope_split) in eager fp32
+    CPU steps."""
+    if _eager_fp32_cpu(qkv, cos, sin) and cos.shape[1] == 1:      # cos/sin [B, 1, T, D]: [B, T, D] in memory
+        return _eager.rope_split(qkv, cos, sin, n_heads, n_kv_heads)
+    return rope_split(qkv, cos, sin, n_heads, n_kv_heads)
 
-    def gate(self, gate_up: Tensor) -> Tensor:
-        if _eager_fp32_cpu(gate_up):
-            return _eager.silu_mul(gate_up)
-        return super().gate(gate_up)
+
+def silu_mul_cpu(gate_up: Tensor) -> Tensor:
+    """model.silu_mul (SwiGLU's chunk, silu and product) as one C++ op (kvc::silu_mul) in eager fp32 CPU
+    steps."""
+    if _eager_fp32_cpu(gate_up):
+        return _eager.silu_mul(gate_up)
+    return silu_mul(gate_up)
 
 
-class FusedTransformerBlock(TransformerBlock):
-    """model.TransformerBlock with the attention's residual add and ffn_norm as one C++ op in eager fp32 CPU
-    steps (kvc::add_rms_norm)."""
-
-    def forward(self, x, cos, sin, cache, decoding):
-        a = self.attention(self.attention_norm(x), cos, sin, cache, decoding)
-        if _eager_fp32_cpu(x, a, self.ffn_norm.weight):
-            h, normed = _eager.add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps)
-        else:
-            h = x + a
-            normed = self.ffn_norm(h)
-        return h + self.feed_forward(normed)
+def dense_decode_cpu(qkv: Tensor, cos: Tensor, sin: Tensor, cache, layer: int, n_heads: int,
+                     n_kv_heads: int) -> Tensor:
+    """model.dense_decode as one C++ op (kvc::dense_decode: the head split, RoPE, both slot writes, the
+    masked decode attention, heads already in wo's layout) when the cache's decode kernel is
+    decode_attention (the op's attention), every row writes the same slot (cache.aligned)
+    and the step is eager fp32 CPU with head_dim 64 or 128; else
+    the cache's decode hook after rope_split_cpu."""
+    D = qkv.shape[-1] // (n_heads + 2 * n_kv_heads)
+    if (cache.decode_kernel is decode_attention and cache.aligned and D in (64, 128) and cos.shape[1] == 1
+            and _eager_fp32_cpu(qkv, cos, sin, cache.k[layer])):
+        visible = _NO_VISIBLE if cache.mask is None else cache.mask
+        return _eager.dense_decode(qkv, cos, sin, cache.k[layer], cache.v[layer], visible, cache.start,
+                                   n_heads, n_kv_heads, 1.0 / math.sqrt(D))
+    return attend(cache.decode, layer, qkv, cos, sin, n_heads, n_kv_heads, rope_split_cpu)
 
 
 _NO_VISIBLE = torch.empty(0, 0, 0, dtype=torch.bool)
 
-FUSED = {RMSNorm: FusedRMSNorm, Attention: FusedAttention, FeedForward: FusedFeedForward,
-         TransformerBlock: FusedTransformerBlock}
 
-
-def fuse_modules(model: torch.nn.Module) -> None:
-    """Give every model.RMSNorm, Attention, FeedForward and TransformerBlock of `model` its fused eager class (the same
-    module, parameters and submodules; only the forward's glue changes)."""
-    for mod in model.modules():
-        if type(mod) in FUSED:
-            mod.__class__ = FUSED[type(mod)]
+def cpu_eager_ops() -> EagerOps:
+    """model.EagerOps with the C++ ops above: the loader's choice (Transformer.use_ops) on every device,
+    each op stepping aside to model.py's function outside eager fp32 CPU steps."""
+    return EagerOps(rms_norm=rms_norm_cpu, add_rms_norm=add_rms_norm_cpu, rope_split=rope_split_cpu,
+                    silu_mul=silu_mul_cpu, dense_decode=dense_decode_cpu)

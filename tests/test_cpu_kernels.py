@@ -146,42 +146,32 @@ def test_decode_attention_equals_grouped_attention(B, Hq, Hkv, S, D, Hvis, threa
         assert out[1, :Hq // Hkv if Hvis > 1 else Hq].abs().max() == 0
 
 
-def test_fused_rms_norm_equals_model_rmsnorm():
-    from kernels.cpu import FusedRMSNorm
-    from model import RMSNorm
-    ref = RMSNorm(576, 1e-5)
-    torch.nn.init.normal_(ref.weight)
-    fused = FusedRMSNorm(576, 1e-5)
-    fused.weight = ref.weight
+def test_rms_norm_cpu_equals_model_rms_norm():
+    from kernels.cpu import rms_norm_cpu
+    from model import rms_norm
+    w = torch.randn(576)
     x = torch.randn(3, 5, 576) * 4
-    torch.testing.assert_close(fused(x), ref(x), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fused(x.bfloat16()), ref(x.bfloat16()), atol=0, rtol=0)   # the model's own path
-    torch.testing.assert_close(fused(x[:, :1]), ref(x[:, :1]), atol=1e-5, rtol=1e-5)
-
-
-def _attention_module(Hq=9, Hkv=3, D=64):
-    from model import ModelArgs, Attention
-    args = ModelArgs(dim=Hq * D, n_layers=1, n_heads=Hq, n_kv_heads=Hkv, intermediate_size=64, vocab_size=32)
-    return Attention(args, 0)
+    torch.testing.assert_close(rms_norm_cpu(x, w, 1e-5), rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+    xb = x.bfloat16()
+    torch.testing.assert_close(rms_norm_cpu(xb, w, 1e-5), rms_norm(xb, w, 1e-5), atol=0, rtol=0)   # the model's own
+    torch.testing.assert_close(rms_norm_cpu(x[:, :1], w, 1e-5), rms_norm(x[:, :1], w, 1e-5), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("B,T", [(1, 1), (2, 3)])
-def test_fused_split_heads_equals_model_attention(B, T):
-    """kvc::rope_split against model.Attention.split_heads: the heads, RoPE on q and k, v untouched."""
-    from kernels.cpu import FusedAttention
-    from model import ModelArgs, rope_tables
-    ref = _attention_module()
-    fused = _attention_module()
-    fused.__class__ = FusedAttention
+def test_rope_split_cpu_equals_model_rope_split(B, T):
+    """kvc::rope_split against model.rope_split: the heads, RoPE on q and k, v untouched."""
+    from kernels.cpu import rope_split_cpu
+    from model import ModelArgs, rope_split, rope_tables
     cos, sin = rope_tables(ModelArgs(dim=576, n_layers=1, n_heads=9, n_kv_heads=3, intermediate_size=64,
                                      vocab_size=32), 64)
     pos = torch.randint(0, 64, (B, T))
     c, s = cos[pos][:, None], sin[pos][:, None]
     qkv = torch.randn(B, T, (9 + 6) * 64)
-    for got, want in zip(fused.split_heads(qkv, c, s), ref.split_heads(qkv, c, s)):
+    for got, want in zip(rope_split_cpu(qkv, c, s, 9, 3), rope_split(qkv, c, s, 9, 3)):
         assert got.shape == want.shape and got.is_contiguous()
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-    for got, want in zip(fused.split_heads(qkv.bfloat16(), c, s), ref.split_heads(qkv.bfloat16(), c, s)):
+    qb = qkv.bfloat16()
+    for got, want in zip(rope_split_cpu(qb, c, s, 9, 3), rope_split(qb, c, s, 9, 3)):
         torch.testing.assert_close(got, want, atol=0, rtol=0)          # not fp32: the model's own path
 
 
@@ -221,11 +211,11 @@ def test_dense_decode_equals_twin(B, Hq, Hkv, C, start, D, vis, threads):
     torch.testing.assert_close(v, v_ref, atol=0, rtol=0)
 
 
-def test_add_rms_norm_equals_twin():
-    from kernels.cpu import add_rms_norm_torch
+def test_add_rms_norm_equals_model_add_rms_norm():
+    from model import add_rms_norm
     x, y = torch.randn(2, 3, 3, 576) * 4
     w = torch.randn(576)
-    for got, want in zip(torch.ops.kvc.add_rms_norm(x, y, w, 1e-5), add_rms_norm_torch(x, y, w, 1e-5)):
+    for got, want in zip(torch.ops.kvc.add_rms_norm(x, y, w, 1e-5), add_rms_norm(x, y, w, 1e-5)):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -255,16 +245,30 @@ def _tiny_model(**kw):
     return m.eval()
 
 
+class _CountingBindings:
+    """kernels.cpu's direct bindings, counting the calls of each op by name."""
+
+    def __init__(self, bindings):
+        self.bindings, self.calls = bindings, {}
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return getattr(self.bindings, name)(*args)
+        return call
+
+
 @pytest.mark.parametrize("sliding_window", [None, 5])
-def test_fused_modules_equal_the_model_over_a_dense_cache(sliding_window):
-    """fuse_modules (kvc::dense_decode, kvc::add_rms_norm, ...) against the plain model, both with the C++
-    decode attention: logits and cache contents over a prompt with left padding and decode steps (a sliding
-    window: masked slots)."""
-    from kernels.cpu import decode_attention, fuse_modules
-    from model import DenseCache
+def test_cpu_eager_ops_equal_the_model_over_a_dense_cache(sliding_window, monkeypatch):
+    """cpu_eager_ops (kvc::dense_decode, kvc::add_rms_norm, ...) against the model's own ops, both with the
+    C++ decode attention: logits and cache contents over a prompt with left padding and decode steps (a
+    sliding window: masked slots); every C++ op ran, dense_decode once per layer and decode step."""
+    import kernels.cpu
+    from kernels.cpu import cpu_eager_ops, decode_attention
     ref, fused = _tiny_model(sliding_window=sliding_window), _tiny_model(sliding_window=sliding_window)
-    fuse_modules(fused)
-    assert type(fused.layers[0].attention).__name__ == "FusedAttention"
+    fused.use_ops(cpu_eager_ops())
+    bindings = _CountingBindings(kernels.cpu.eager_ops())
+    monkeypatch.setattr(kernels.cpu, "_eager", bindings)
     for m in (ref, fused):
         m.decode_kernel = decode_attention
         m.setup_caches(2, 32)
@@ -275,46 +279,73 @@ def test_fused_modules_equal_the_model_over_a_dense_cache(sliding_window):
         for i in range(4):
             tok, p = torch.randint(0, 64, (2, 1)), pos[:, -1:] + 1 + i
             torch.testing.assert_close(fused(tok, p), ref(tok, p), atol=1e-5, rtol=1e-5)
-    assert type(fused.cache) is DenseCache
     for a, b in zip(fused.cache.k + fused.cache.v, ref.cache.k + ref.cache.v):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert bindings.calls["dense_decode"] == 2 * 4
+    assert bindings.calls["rope_split"] == 2                               # the prompt's step
+    assert {"rms_norm", "add_rms_norm", "silu_mul"} <= set(bindings.calls)
 
 
-def test_fused_attention_leaves_other_caches_to_their_decode():
-    """A DenseCache subclass (another policy's storage) or another decode kernel: FusedAttention calls the
-    cache's own decode hook, as model.Attention does."""
-    from kernels.cpu import decode_attention, fuse_modules
+def test_dense_decode_cpu_leaves_other_caches_to_their_decode():
+    """A DenseCache subclass that declares fused_dense_decode False, an instance whose decode is replaced
+    (flag set False on it), and a plain DenseCache with another decode kernel: each cache's decode hook is
+    called in every decode step, as with the model's own ops."""
+    from kernels.cpu import cpu_eager_ops, decode_attention
     from model import DenseCache
 
+    calls = []
+
     class Recording(DenseCache):
-        calls = 0
+        fused_dense_decode = False
 
         def decode(self, layer, q, k, v):
-            Recording.calls += 1
+            calls.append(layer)
             return super().decode(layer, q, k, v)
 
+    hooked = DenseCache()
+    hooked.decode = lambda *a: calls.append(a[0]) or DenseCache.decode(hooked, *a)
+    hooked.fused_dense_decode = False
+    other_kernel = DenseCache()
+    other_kernel.decode_kernel = lambda *a: calls.append(0) or decode_attention(*a)
     m = _tiny_model()
-    fuse_modules(m)
+    m.use_ops(cpu_eager_ops())
     m.decode_kernel = decode_attention
     with torch.inference_mode():
-        for policy, kernel in ((Recording(), decode_attention), (DenseCache(), None)):
-            calls = []
-            policy.decode_kernel = kernel or (lambda *a: calls.append(1) or decode_attention(*a))
+        for policy in (Recording(), hooked, other_kernel):
+            calls.clear()
             m.setup_caches(1, 16, policy)
             m(torch.randint(0, 64, (1, 4)), torch.arange(4))
             m(torch.randint(0, 64, (1, 1)), torch.tensor([4]))
-            assert Recording.calls == 2 and (kernel is not None or len(calls) == 2)
+            assert len(calls) == 2, policy
 
 
-def test_fused_gate_equals_model_feedforward():
-    from kernels.cpu import FusedFeedForward
-    from model import FeedForward, ModelArgs
-    args = ModelArgs(dim=64, n_layers=1, n_heads=1, n_kv_heads=1, intermediate_size=100, vocab_size=32)
-    ref, fused = FeedForward(args), FeedForward(args)
-    fused.__class__ = FusedFeedForward
+def test_dense_cache_subclasses_that_replace_decode_declare_it():
+    """Every DenseCache subclass in the product with its own decode (or K/V storage) sets fused_dense_decode
+    False: EagerOps.dense_decode would otherwise skip it."""
+    import importlib
+    from model import DenseCache
+    for name in ("cache", "cache.kv_dtype", "cache.quantized", "cache.calibration", "eval.agreement",
+                 "eval.similarity"):
+        importlib.import_module(name)
+    todo, seen = [DenseCache], []
+    while todo:
+        cls = todo.pop()
+        seen.append(cls)
+        todo += cls.__subclasses__()
+        if cls.__module__.startswith("tests"):
+            continue
+        own = {"decode", "store", "storage"} & set(vars(cls))
+        if own and cls is not DenseCache:
+            assert cls.fused_dense_decode is False, f"{cls.__qualname__} defines {own}"
+    assert len(seen) >= 6
+
+
+def test_silu_mul_cpu_equals_model_silu_mul():
+    from kernels.cpu import silu_mul_cpu
+    from model import silu_mul
     gu = torch.randn(2, 3, 200) * 6                                     # 6 rows of 6 x 16 lanes + a tail of 4
-    torch.testing.assert_close(fused.gate(gu), ref.gate(gu), atol=1e-6, rtol=1e-6)
-    assert fused.gate(gu).shape == (2, 3, 100)
+    torch.testing.assert_close(silu_mul_cpu(gu), silu_mul(gu), atol=1e-6, rtol=1e-6)
+    assert silu_mul_cpu(gu).shape == (2, 3, 100)
 
 
 @pytest.mark.parametrize("N,K", [(1, 16), (37, 576), (961, 64), (131, 1536), (29, 67), (7, 5), (300, 15)])

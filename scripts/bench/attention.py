@@ -132,10 +132,11 @@ def capture_decode_inputs(model, pos: torch.Tensor, logits: torch.Tensor):
         return real_decode(layer, q, k, v)
 
     cache.decode = recorder
+    cache.fused_dense_decode = False            # (a DenseCache's step would otherwise not call decode)
     try:
         engine.decode_step(model, logits.argmax(-1, keepdim=True), pos, cache.n_filled)
     finally:
-        del cache.decode
+        del cache.decode, cache.fused_dense_decode
     return captured
 
 
