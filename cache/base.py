@@ -1,11 +1,15 @@
 """Shared mechanics of the policies that keep a subset of tokens (the eviction family).
 
 Storage per layer l (capacity C_l slots, allocated when the prompt arrives, never in decode):
-    k, v   [B, H_kv, C_l, D]  keys (rotated at their absolute position) and values
+    k, v   [B, H_kv, C_l, D]  keys (rotated at their absolute position) and values, held by the
+                              policy's K/V format object `slots` (DenseSlots: the compute dtype;
+                              cache/quantized.py's KIVISlots: KIVI-packed, chosen by --kv-bits)
     pos    [B, H_kv, C_l]     absolute position held by each slot, -1 = empty
     score  [B, H_kv, C_l]     fp32 keep score per slot, in evicting layers (and with decode_attention):
                               accumulated attention (H2O, D2O) or the policy's `token_scores`
-Each KV head keeps its own tokens.  The contract: cache/contract.py.
+Each KV head keeps its own tokens.  Policies read and write K/V only through the K/V-format delegates
+(`write_kept`, `write_slots`, `read_slots`, `key_cosine`, `attend_and_probs`, `attend`, `dense_kv`).
+The contract: cache/contract.py.
 
 Prefill: the whole prompt comes in one pass (`prefill_in_one_pass`); attention over it is full
 and causal (so the first generated token equals the full cache's).  The policy's
@@ -238,6 +242,89 @@ def attend_with_new(q: Tensor, kc: Tensor, vc: Tensor, visible: Tensor, k: Tenso
     return out.to(q.dtype).reshape(B, Hq, 1, D), p_old, p_new
 
 
+# --------------------------------------------------------------------------- K/V format: compute dtype
+
+class DenseSlots:
+    """How an eviction policy's slots hold K/V by default: in the compute dtype, per layer k, v [B, H, C, D]
+    (None until the layer is allocated).  cache/quantized.py's `KIVISlots` holds them KIVI-packed behind
+    the same methods (`with_kv_bits` puts one in `policy.slots`).  The methods that touch slots take the
+    layer's slot table pos [B, H, C] (-1 = empty) and the current query positions q_pos [B, T]; this
+    format needs neither."""
+
+    bits, group, residual = 16, 0, 0      # kv_bits, kv_group, kv_residual of the policy
+
+    def setup(self, n_layers: int, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """Host side: the shapes; no layer allocated yet."""
+        self.shape, self.dtype, self.device = (batch, heads, head_dim), dtype, device
+        self.k: list = [None] * n_layers
+        self.v: list = [None] * n_layers
+
+    def allocate(self, layer: int, capacity: int) -> None:
+        """The layer's buffers, `capacity` slots (host side)."""
+        B, H, D = self.shape
+        self.k[layer] = torch.zeros(B, H, capacity, D, dtype=self.dtype, device=self.device)
+        self.v[layer] = torch.zeros(B, H, capacity, D, dtype=self.dtype, device=self.device)
+
+    def row(self, layer: int, row: int) -> list[Tensor]:
+        """Row `row` of the layer's buffers (release/adopt copy them)."""
+        return [self.k[layer][row], self.v[layer][row]]
+
+    def write_kept(self, layer: int, kc: Tensor, vc: Tensor, pos: Tensor, q_pos: Tensor) -> None:
+        """The kept prompt tokens kc, vc [B, H, n, D] into slots [0, n) (pos already holds them)."""
+        n = kc.shape[2]
+        self.k[layer][:, :, :n] = kc
+        self.v[layer][:, :, :n] = vc
+
+    def write(self, layer: int, slot: Tensor, k: Tensor, v: Tensor, pos: Tensor, q_pos: Tensor,
+              where: Tensor | None = None) -> None:
+        """k, v [B, H, 1, D] into slot [B, H] (pos already holds it); where [B, H] bool: only there."""
+        at = slot[:, :, None, None].expand(-1, -1, 1, k.shape[-1])
+        kc, vc = self.k[layer], self.v[layer]
+        if where is not None:
+            keep = ~where[:, :, None, None]
+            k = torch.where(keep, kc.gather(2, at), k.to(kc.dtype))
+            v = torch.where(keep, vc.gather(2, at), v.to(vc.dtype))
+        kc.scatter_(2, at, k.to(kc.dtype))
+        vc.scatter_(2, at, v.to(vc.dtype))
+
+    def read(self, layer: int, slot: Tensor, pos: Tensor, q_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """(k, v) [B, H, 1, D] held by slot [B, H]."""
+        at = slot[:, :, None, None].expand(-1, -1, 1, self.k[layer].shape[3])
+        return self.k[layer].gather(2, at), self.v[layer].gather(2, at)
+
+    def cosine(self, layer: int, k: Tensor, pos: Tensor, q_pos: Tensor) -> Tensor:
+        """Cosine similarity of k [B, H, 1, D] with every slot's key -> [B, H, C] fp32."""
+        return cosine(k, self.k[layer])[:, :, 0]
+
+    def attend(self, layer: int, q: Tensor, visible: Tensor, pos: Tensor, q_pos: Tensor) -> Tensor:
+        """Decode attention of q [B, H_q, 1, D] over the visible [B, H, C] slots -> [B, H_q, 1, D]."""
+        return decode_attention(q, self.k[layer], self.v[layer], visible)
+
+    def attend_and_probs(self, layer: int, q: Tensor, k: Tensor, v: Tensor, visible: Tensor, pos: Tensor,
+                         q_pos: Tensor):
+        """`attend_with_new` over the layer's slots plus the new token -> (out, p_old, p_new)."""
+        return attend_with_new(q, self.k[layer], self.v[layer], visible, k, v)
+
+    def dense(self, layer: int, pos: Tensor, q_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """(k, v) [B, H, C, D] of every slot in the compute dtype (the buffers themselves)."""
+        return self.k[layer], self.v[layer]
+
+    def tensors(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(k, v) [B, H, C, D]: the buffers a sparse reader reads in place (`storage`)."""
+        return self.k[layer], self.v[layer]
+
+    def kv_store(self, layer: int, pos: Tensor, q_pos: Tensor):
+        raise NotImplementedError("compute-dtype slots have no packed store: read them through storage(layer)")
+
+    def nbytes(self, layer: int, n: int | None = None) -> int:
+        """Bytes of the layer's buffers, or of those holding slots [0, n)."""
+        k = self.k[layer]
+        return 2 * k[:, :, 0].numel() * k.element_size() * (k.shape[2] if n is None else n)
+
+    def describe(self) -> dict:
+        return {}
+
+
 # --------------------------------------------------------------------------- the policy base
 
 class EvictionPolicy:
@@ -253,7 +340,6 @@ class EvictionPolicy:
     prefill_in_one_pass = True
     is_sparse_reader = False
     decode_attention = False       # decode needs the step's attention probabilities
-    kv_bits, kv_group = 16, 0      # compute-dtype slots (cache/quantized.py: KIVI-packed)
     head_agg = "mean"              # how the query heads of a KV head score a token (HEAD_AGG_PARAM)
     head_aggs = HEAD_AGG           # the values head_agg may take
     defer_compression = False      # budgets need every layer's statistics (see module doc)
@@ -276,6 +362,7 @@ class EvictionPolicy:
         return not self.decode_attention and self.head_agg != "query"
 
     def __init__(self, **kwargs):
+        self.slots = DenseSlots()       # K/V format (with_kv_bits: KIVISlots)
         for key, (kind, default, _) in self.params.items():
             setattr(self, key, kind(kwargs.pop(key, default)))
         if kwargs:
@@ -351,8 +438,7 @@ class EvictionPolicy:
         self.sliding_window = args.sliding_window
         self.max_seq_length = max_seq_length
         n = args.n_layers
-        self.k: list = [None] * n
-        self.v: list = [None] * n
+        self.slots.setup(n, max_batch_size, self.store_heads, args.head_dim, dtype, device)
         self.pos: list = [None] * n
         self.score: list = [None] * n
         self.kept = [0] * n                   # prompt tokens kept per layer (host ints)
@@ -431,7 +517,7 @@ class EvictionPolicy:
 
     def allocate_layer(self, layer: int) -> None:
         B, H, cap = self.batch, self.store_heads, self.capacity(layer)
-        self.allocate_kv(layer, cap)
+        self.slots.allocate(layer, cap)
         self.pos[layer] = torch.full((B, H, cap), -1, dtype=torch.long, device=self.device)
         scored = self.decode_attention or not self.layer_appends[layer]     # slots an eviction chooses among
         self.score[layer] = torch.zeros(B, H, cap, dtype=torch.float32, device=self.device) if scored else None
@@ -448,7 +534,7 @@ class EvictionPolicy:
     def row_tensors(self, layer: int, row: int) -> list[Tensor]:
         """Row `row` of what layer `layer` holds: slot table, slot scores, K/V (its format's)."""
         kept = [self.pos[layer][row]] + ([self.score[layer][row]] if self.score[layer] is not None else [])
-        return kept + self.row_kv(layer, row)
+        return kept + self.slots.row(layer, row)
 
     def release(self, row: int) -> None:
         """Forget row `row`'s request (host side): its slots become empty; the other rows go on."""
@@ -540,59 +626,67 @@ class EvictionPolicy:
         """Decode attention of q [B, H_q, 1, D] over every slot of the layer (empty ones masked):
         the cost is bounded by what is kept, and the shape does not change as the cache fills
         (a compiled step would otherwise specialize).  Sparse readers replace this."""
-        return decode_attention(q, self.k[layer], self.v[layer], self.visible(layer))
+        return self.slots.attend(layer, q, self.visible(layer), self.pos[layer], self.q_pos)
 
     def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """Composition hook: (k, v [B, H_kv, C, D], visible [B, H_kv, C]) of the layer as the
         current query may read it; slots keep their index until overwritten."""
-        return self.k[layer], self.v[layer], self.visible(layer)
+        return (*self.slots.tensors(layer), self.visible(layer))
 
     # ----------------------------------------------------------------- K/V format
-    # How slots hold K/V: full-precision tensors here; cache/quantized.py overrides these hooks (and
-    # `attend`, `storage`) for KIVI-packed slots (--kv-bits).  Policies reach stored K/V only through them.
-    def allocate_kv(self, layer: int, capacity: int) -> None:
-        """K/V buffers of `capacity` slots for the layer (host side)."""
-        shape = (self.batch, self.store_heads, capacity, self.args.head_dim)
-        self.k[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+    # How slots hold K/V is the object `self.slots` (DenseSlots: the compute dtype; cache/quantized.py's
+    # KIVISlots: KIVI-packed, chosen by --kv-bits through with_kv_bits).  Policies reach stored K/V only
+    # through these delegates (and `attend`, `storage`), which hand the format the layer's slot table.
+    @property
+    def k(self) -> list:
+        """Per layer, the format's key storage (DenseSlots: [B, H_kv, C, D]; KIVISlots: a SlotStore)."""
+        return self.slots.k
 
-    def row_kv(self, layer: int, row: int) -> list[Tensor]:
-        """Row `row` of the layer's K/V buffers (for release/adopt)."""
-        return [self.k[layer][row], self.v[layer][row]]
+    @property
+    def v(self) -> list:
+        """Per layer, the format's value storage (KIVISlots: the same SlotStore as `k`)."""
+        return self.slots.v
+
+    @property
+    def kv_bits(self) -> int:
+        return self.slots.bits
+
+    @property
+    def kv_group(self) -> int:
+        return self.slots.group
+
+    @property
+    def kv_residual(self) -> int:
+        return self.slots.residual
 
     def write_kept(self, layer: int, kc: Tensor, vc: Tensor) -> None:
         """The kept prompt tokens kc, vc [B, H_kv, n, D] into slots [0, n) (pos already written)."""
-        n = kc.shape[2]
-        self.k[layer][:, :, :n] = kc
-        self.v[layer][:, :, :n] = vc
+        self.slots.write_kept(layer, kc, vc, self.pos[layer], self.q_pos)
 
     def write_slots(self, layer: int, slot: Tensor, k: Tensor, v: Tensor, where: Tensor | None = None) -> None:
         """k, v [B, H_kv, 1, D] into slot [B, H_kv] (pos already written); where [B, H_kv] bool: only there."""
-        at = slot[:, :, None, None].expand(-1, -1, 1, k.shape[-1])
-        kc, vc = self.k[layer], self.v[layer]
-        if where is not None:
-            keep = ~where[:, :, None, None]
-            k, v = torch.where(keep, kc.gather(2, at), k.to(kc.dtype)), torch.where(keep, vc.gather(2, at), v.to(vc.dtype))
-        kc.scatter_(2, at, k.to(kc.dtype))
-        vc.scatter_(2, at, v.to(vc.dtype))
+        self.slots.write(layer, slot, k, v, self.pos[layer], self.q_pos, where)
 
     def read_slots(self, layer: int, slot: Tensor) -> tuple[Tensor, Tensor]:
         """(k, v) [B, H_kv, 1, D] held by slot [B, H_kv]."""
-        at = slot[:, :, None, None].expand(-1, -1, 1, self.args.head_dim)
-        return self.k[layer].gather(2, at), self.v[layer].gather(2, at)
+        return self.slots.read(layer, slot, self.pos[layer], self.q_pos)
 
     def key_cosine(self, layer: int, k: Tensor) -> Tensor:
         """Cosine similarity of k [B, H_kv, 1, D] with every slot's key -> [B, H_kv, C] fp32."""
-        return cosine(k, self.k[layer])[:, :, 0]
+        return self.slots.cosine(layer, k, self.pos[layer], self.q_pos)
 
     def attend_and_probs(self, layer: int, q: Tensor, k: Tensor, v: Tensor):
         """`attend_with_new` over the layer's slots plus the new token -> (out, p_old, p_new)."""
-        return attend_with_new(q, self.k[layer], self.v[layer], self.visible(layer), k, v)
+        return self.slots.attend_and_probs(layer, q, k, v, self.visible(layer), self.pos[layer], self.q_pos)
 
     def dense_kv(self, layer: int) -> tuple[Tensor, Tensor]:
         """(k, v) [B, H_kv, C, D] of every slot in the compute dtype, for host-side one-off reads
         (a packed format makes a copy here: never call it in the decode step)."""
-        return self.k[layer], self.v[layer]
+        return self.slots.dense(layer, self.pos[layer], self.q_pos)
+
+    def kv_store(self, layer: int):
+        """(store, pos [B, H_kv, C], now [B]): the packed slots a sparse reader reads (KIVISlots only)."""
+        return self.slots.kv_store(layer, self.pos[layer], self.q_pos)
 
     def visible(self, layer: int) -> Tensor:
         """Slots [B, H_kv, C] the current query may attend (filled, within a sliding window)."""
@@ -621,15 +715,13 @@ class EvictionPolicy:
         return self.pos[layer][:, :, :self.used_slots(layer)]
 
     def kv_bytes(self) -> dict:
-        def per_slot(t):  # bytes of one slot of one layer (all batch rows and heads)
-            return t[:, :, 0].numel() * t.element_size() * 2
         layers = [i for i, k in enumerate(self.k) if k is not None]
-        allocated = sum(per_slot(self.k[i]) * self.k[i].shape[2] for i in layers)
-        live = sum(per_slot(self.k[i]) * self.used_slots(i) for i in layers)
+        allocated = sum(self.slots.nbytes(i) for i in layers)
+        live = sum(self.slots.nbytes(i, self.used_slots(i)) for i in layers)
         return {"allocated": allocated, "live": live, "read_per_step": allocated}
 
     def describe(self) -> dict:
-        d = {"policy": self.name, **{k: getattr(self, k) for k in self.params}}
+        d = {"policy": self.name, **{k: getattr(self, k) for k in self.params}, **self.slots.describe()}
         if self.prompt_length and any(k is not None for k in self.k):
             d["kept_prompt_tokens_per_layer"] = list(self.kept)
             if self.prompt_length <= min(self.layer_budget(i) for i in range(len(self.k))):

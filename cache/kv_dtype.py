@@ -28,9 +28,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class StoredDenseCache(DenseCache):
-    """`full` with its K/V stored in `kv_dtype`."""
+    """`full` with its K/V stored in `kv_dtype`: an ordinary subclass of model.DenseCache (`kv_storage`
+    returns one in place of the plain `full`)."""
 
     name = "full"
+    plain_full = False
     fused_dense_decode = False          # its own decode (below)
 
     def __init__(self, kv_dtype: torch.dtype):
@@ -90,7 +92,7 @@ def kv_storage(policy, bits: int, group: int, residual: int, kv_dtype: Optional[
             raise ValueError(f"--kv-bits 32 stores float32, not --kv-dtype {kv_dtype}")
         if dtype is None or dtype == compute_dtype:
             return policy
-        if type(policy) is not DenseCache:
+        if not (isinstance(policy, DenseCache) and policy.plain_full):
             name = getattr(policy, "name", type(policy).__name__)
             raise ValueError(f"--kv-bits {bits} / --kv-dtype: only `full` stores K/V in another dtype than the "
                              f"compute dtype, not {name!r}")

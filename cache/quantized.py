@@ -4,10 +4,11 @@ kept, this module decides *how* they are stored.
     with_kv_bits(policy, bits, group=32, residual=128)  the policy with KIVI-packed slots (16: as is)
     check_format(head_dim, bits, group, residual)        ValueError with a clear message when it cannot work
 
-`full` becomes `KIVIDenseCache`; every `EvictionPolicy` (streaming, h2o, snapkv, pyramidkv, d2o,
-simlayerkv) gets the `KIVIEviction` mixin, which overrides the K/V-format hooks of cache/base.py
-(`allocate_kv`, `write_kept`, `write_slots`, `read_slots`, `key_cosine`, `attend_and_probs`, `attend`,
-`dense_kv`).  Selection (what to keep, which slot to evict) is the policy's own code, unchanged; kept
+Storage by composition: every `EvictionPolicy` (streaming, h2o, snapkv, pyramidkv, d2o, tova, simlayerkv)
+holds its K/V format as an object, `policy.slots`: cache/base.py's `DenseSlots` (compute dtype) by
+default; `with_kv_bits` puts a `KIVISlots` (one `SlotStore` per layer, the same methods) there instead,
+on the same policy object.  The plain `full` cache becomes `KIVIDenseCache`, an ordinary subclass of
+model.DenseCache.  Selection (what to keep, which slot to evict) is the policy's own code, unchanged; kept
 prompt tokens are selected (and D2O-merged) in full precision, then packed.  The sparse readers read
 packed storage ("Sparse readers" below); POD is refused with a clear error.
 
@@ -347,14 +348,16 @@ class SlotStore:
 
 
 # ------------------------------------------------------------------------------------ policies
-STORAGE_ERROR = ("{name} keeps KIVI-packed slots (--kv-bits {bits}): storage(layer) has no full-precision "
-                 "tensors; use kv_store(layer) and SlotStore.gather (see cache/quantized.py)")
+STORAGE_ERROR = ("KIVI-packed slots (--kv-bits {bits}): storage(layer) has no full-precision tensors; use "
+                 "kv_store(layer) and SlotStore.gather (see cache/quantized.py)")
 
 
 class KIVIDenseCache(DenseCache):
-    """`full` with KIVI-packed storage: every token kept, the newest R in the ring."""
+    """`full` with KIVI-packed storage: every token kept, the newest R in the ring.  An ordinary subclass
+    of model.DenseCache (`with_kv_bits` returns one in place of the plain `full`)."""
 
     name = "full"
+    plain_full = False
     fused_dense_decode = False          # packed slots: decode() below
 
     def __init__(self, bits: int = 4, group: int = GROUP, residual: int = RESIDUAL, backend: str = "auto"):
@@ -403,7 +406,7 @@ class KIVIDenseCache(DenseCache):
         return self.stores[layer].attend(q, self.mask[:, :1], self.pos[:, None], self.now, self.n_filled)
 
     def storage(self, layer: int):
-        raise NotImplementedError(STORAGE_ERROR.format(name=self.name, bits=self.kv_bits))
+        raise NotImplementedError(STORAGE_ERROR.format(bits=self.kv_bits))
 
     def row_tensors(self, row: int, n: int) -> list[Tensor]:
         return [t for s in self.stores for t in s.row_tensors(row, n)] + [self.pos[row, :n]]
@@ -428,106 +431,101 @@ class KIVIDenseCache(DenseCache):
         return {"allocated": sum(s.nbytes() for s in self.stores), "live": live, "read_per_step": live}
 
     def describe(self) -> dict:
-        return {**super().describe(), **kv_describe(self)}
+        return {**super().describe(), **kv_describe(self.kv_bits, self.kv_group, self.kv_residual)}
 
 
-class KIVIEviction:
-    """Mixin placed before an EvictionPolicy class (`with_kv_bits` builds the class): the K/V-format
-    hooks of cache/base.py over `SlotStore`s; the policy's selection code runs unchanged."""
+class KIVISlots:
+    """KIVI-packed slots for an eviction policy (`with_kv_bits` puts one in `policy.slots`): one SlotStore per
+    layer (`k[layer] is v[layer]`), the methods of cache.base.DenseSlots; the residual follows now = the
+    newest query position (q_pos.amax(-1))."""
 
-    kv_bits, kv_group, kv_residual, backend = 4, GROUP, RESIDUAL, "auto"
+    def __init__(self, bits: int = 4, group: int = GROUP, residual: int = RESIDUAL, backend: str = "auto"):
+        check_format(None, bits, group, residual)
+        self.bits, self.group, self.residual, self.backend = bits, group, residual, backend
 
-    def setup(self, args, max_batch_size, max_seq_length, dtype, device) -> None:
-        check_format(args.head_dim, self.kv_bits, self.kv_group, self.kv_residual)
-        super().setup(args, max_batch_size, max_seq_length, dtype, device)
+    def setup(self, n_layers: int, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        check_format(head_dim, self.bits, self.group, self.residual)
+        self.shape, self.dtype, self.device = (batch, heads, head_dim), dtype, device
+        self.k: list = [None] * n_layers
+        self.v = self.k                       # one SlotStore holds a layer's keys and values
 
-    def now(self) -> Tensor:
-        return self.q_pos.amax(-1)
+    def allocate(self, layer: int, capacity: int) -> None:
+        B, H, D = self.shape
+        self.k[layer] = SlotStore(B, H, D, capacity, self.bits, self.group, self.residual, self.dtype, self.device,
+                                  self.backend)
 
-    def allocate_kv(self, layer: int, capacity: int) -> None:
-        self.k[layer] = self.v[layer] = SlotStore(
-            self.batch, self.store_heads, self.args.head_dim, capacity, self.kv_bits, self.kv_group,
-            self.kv_residual, self.dtype, self.device, self.backend)
+    def row(self, layer: int, row: int) -> list[Tensor]:
+        store = self.k[layer]
+        return store.row_tensors(row, store.k_packed.shape[2])
 
-    def row_kv(self, layer: int, row: int) -> list[Tensor]:
-        return self.k[layer].row_tensors(row, self.pos[layer].shape[2])
+    def write_kept(self, layer: int, kc: Tensor, vc: Tensor, pos: Tensor, q_pos: Tensor) -> None:
+        self.k[layer].write_range(0, kc, vc, pos, q_pos.amax(-1))
 
-    def write_kept(self, layer: int, kc: Tensor, vc: Tensor) -> None:
-        self.k[layer].write_range(0, kc, vc, self.pos[layer], self.now())
+    def write(self, layer: int, slot: Tensor, k: Tensor, v: Tensor, pos: Tensor, q_pos: Tensor,
+              where: Optional[Tensor] = None) -> None:
+        self.k[layer].write(slot, k, v, pos, q_pos.amax(-1), where)
 
-    def write_slots(self, layer: int, slot: Tensor, k: Tensor, v: Tensor, where: Optional[Tensor] = None) -> None:
-        self.k[layer].write(slot, k, v, self.pos[layer], self.now(), where)
+    def read(self, layer: int, slot: Tensor, pos: Tensor, q_pos: Tensor) -> tuple[Tensor, Tensor]:
+        return self.k[layer].gather(slot[..., None], pos, q_pos.amax(-1))
 
-    def read_slots(self, layer: int, slot: Tensor) -> tuple[Tensor, Tensor]:
-        return self.k[layer].gather(slot[..., None], self.pos[layer], self.now())
+    def cosine(self, layer: int, k: Tensor, pos: Tensor, q_pos: Tensor) -> Tensor:
+        return self.k[layer].cosine(k, pos, q_pos.amax(-1), pos.shape[2])
 
-    def key_cosine(self, layer: int, k: Tensor) -> Tensor:
-        pos = self.pos[layer]
-        return self.k[layer].cosine(k, pos, self.now(), pos.shape[2])
+    def attend(self, layer: int, q: Tensor, visible: Tensor, pos: Tensor, q_pos: Tensor) -> Tensor:
+        return self.k[layer].attend(q, visible, pos, q_pos.amax(-1), pos.shape[2])
 
-    def attend_and_probs(self, layer: int, q: Tensor, k: Tensor, v: Tensor):
-        pos = self.pos[layer]
-        return self.k[layer].attend_and_probs(q, self.visible(layer), pos, self.now(), k, v, pos.shape[2])
+    def attend_and_probs(self, layer: int, q: Tensor, k: Tensor, v: Tensor, visible: Tensor, pos: Tensor,
+                         q_pos: Tensor):
+        return self.k[layer].attend_and_probs(q, visible, pos, q_pos.amax(-1), k, v, pos.shape[2])
 
-    def attend(self, layer: int, q: Tensor) -> Tensor:
-        pos = self.pos[layer]
-        return self.k[layer].attend(q, self.visible(layer), pos, self.now(), pos.shape[2])
-
-    def dense_kv(self, layer: int) -> tuple[Tensor, Tensor]:
-        pos = self.pos[layer]
-        k, v = self.k[layer].dequantized(pos, self.now(), pos.shape[2])
+    def dense(self, layer: int, pos: Tensor, q_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """A dequantized copy in the compute dtype (host-side one-offs only)."""
+        k, v = self.k[layer].dequantized(pos, q_pos.amax(-1), pos.shape[2])
         return k.to(self.dtype), v.to(self.dtype)
 
-    def storage(self, layer: int):
-        raise NotImplementedError(STORAGE_ERROR.format(name=self.name, bits=self.kv_bits))
+    def tensors(self, layer: int):
+        raise NotImplementedError(STORAGE_ERROR.format(bits=self.bits))
 
-    def kv_store(self, layer: int) -> tuple[SlotStore, Tensor, Tensor]:
+    def kv_store(self, layer: int, pos: Tensor, q_pos: Tensor) -> tuple[SlotStore, Tensor, Tensor]:
         """(store, pos [B, H, S], now [B]): the packed slots a reader would gather from."""
-        return self.k[layer], self.pos[layer], self.now()
+        return self.k[layer], pos, q_pos.amax(-1)
 
-    def kv_bytes(self) -> dict:
-        layers = [i for i, s in enumerate(self.k) if s is not None]
-        allocated = sum(self.k[i].nbytes() for i in layers)
-        live = sum(self.k[i].nbytes(self.used_slots(i)) for i in layers if self.used_slots(i) > 0)
-        return {"allocated": allocated, "live": live, "read_per_step": allocated}
+    def nbytes(self, layer: int, n: Optional[int] = None) -> int:
+        return self.k[layer].nbytes(n)
 
     def describe(self) -> dict:
-        return {**super().describe(), **kv_describe(self)}
+        return kv_describe(self.bits, self.group, self.residual)
 
 
-def kv_describe(policy) -> dict:
-    return {"kv_bits": policy.kv_bits, "kv_group_size": policy.kv_group, "kv_residual": policy.kv_residual}
-
-
-_CLASSES: dict = {}
+def kv_describe(bits: int, group: int, residual: int) -> dict:
+    return {"kv_bits": bits, "kv_group_size": group, "kv_residual": residual}
 
 
 def with_kv_bits(policy, bits: int, group: int = GROUP, residual: int = RESIDUAL, backend: str = "auto"):
-    """`policy` (not yet set up) with its K/V stored at `bits`: 16 returns it unchanged; 4 or 2 (8)
-    returns a policy with the same parameters over KIVI-packed slots (G = group, R = residual).  A
-    sparse reader (hshare, ds, quest, or STORAGE+READER) gets its storage policy packed and reads
-    it through `kv_store` (cache/sparse_read.py).  ValueError for POD or bad arguments."""
+    """`policy` (not yet set up) with its K/V stored at `bits` (G = group, R = residual): 16 returns it
+    unchanged; 4 or 2 (8) give an eviction policy KIVI-packed slots in place (`policy.slots =
+    KIVISlots(...)`; its parameters and selection code are untouched) and return it, and replace the
+    plain `full` cache by a KIVIDenseCache.  A sparse reader (hshare, ds, quest, or STORAGE+READER) gets
+    its storage policy packed and reads it through `kv_store` (cache/sparse_read.py).  ValueError for POD,
+    storage that is already packed or in another dtype, or bad arguments."""
     if bits == 16:
         return policy
     check_format(None, bits, group, residual)
+    name = getattr(policy, "name", type(policy).__name__)
+    if policy.kv_bits != 16:
+        raise ValueError(f"--kv-bits {bits}: policy {name!r} already stores K/V at {policy.kv_bits} bits")
     if policy.is_sparse_reader:
         policy.inner = with_kv_bits(policy.inner, bits, group, residual, backend)
         policy.storage_ = InnerStorage(policy.inner)
         return policy
-    if type(policy) is DenseCache:
+    if isinstance(policy, DenseCache) and policy.plain_full:
         return KIVIDenseCache(bits, group, residual, backend)
-    if not isinstance(policy, EvictionPolicy) or isinstance(policy, KIVIEviction):
-        name = getattr(policy, "name", type(policy).__name__)
+    if not isinstance(policy, EvictionPolicy):
         raise ValueError(f"--kv-bits {bits}: policy {name!r} has no KIVI storage yet (supported: full, "
                          f"{', '.join(sorted(supported_names()))}, and the sparse readers over any of them; "
                          f"pod keeps its own storage)")
-    cls = type(policy)
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__ + "KIVI", (KIVIEviction, cls), {"__module__": __name__})
-    quantized = _CLASSES[cls].__new__(_CLASSES[cls])
-    quantized.__dict__.update(policy.__dict__)          # the validated parameters
-    quantized.kv_bits, quantized.kv_group, quantized.kv_residual, quantized.backend = bits, group, residual, backend
-    return quantized
+    policy.slots = KIVISlots(bits, group, residual, backend)
+    return policy
 
 
 def supported_names() -> list[str]:

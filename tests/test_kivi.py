@@ -15,7 +15,9 @@ import torch
 
 import engine
 from cache import make_policy
-from cache.quantized import KIVIDenseCache, SlotStore, check_format, with_kv_bits
+from cache.h2o import H2OPolicy
+from cache.quantized import KIVIDenseCache, KIVISlots, SlotStore, check_format, with_kv_bits
+from cache.snapkv import SnapKVPolicy
 from kernels.kivi_attention import ring_flags
 from model import ModelArgs
 from kernels.kivi_codec import QuantizedTensor, dequantize_keys, quantize_keys, quantize_values
@@ -236,13 +238,14 @@ def test_d2o_merge_into_a_packed_token_equals_the_reference():
     store, pos = policy.k[0], policy.pos[0]
     policy.q_pos = torch.tensor([[T]])                                  # the next token's step
     fp = make_policy("d2o", "budget=24,n_sink=1,recent_share=0.2,ema_beta=0.5")
-    fp.__dict__.update({k_: v_ for k_, v_ in policy.__dict__.items() if k_ not in ("k", "v")})
-    kd, vd = store.dequantized(pos, policy.now(), pos.shape[2])
-    fp.k, fp.v, fp.tau = [kd.clone()], [vd.clone()], [policy.tau[0].clone()]
+    fp.__dict__.update({k_: v_ for k_, v_ in policy.__dict__.items() if k_ != "slots"})
+    now = policy.q_pos.amax(-1)
+    kd, vd = store.dequantized(pos, now, pos.shape[2])
+    fp.slots.k, fp.slots.v, fp.tau = [kd.clone()], [vd.clone()], [policy.tau[0].clone()]
     merged = 0
     for s in range(4, 24, 3):                                            # victims: old and packed
         slot = torch.tensor([[s]])
-        kd, vd = store.dequantized(pos, policy.now(), pos.shape[2])
+        kd, vd = store.dequantized(pos, now, pos.shape[2])
         fp.k[0], fp.v[0], fp.tau[0] = kd.clone(), vd.clone(), policy.tau[0].clone()
         fp.on_evict(0, slot)
         changed = (fp.k[0] != kd).any(-1)[0, 0]
@@ -253,11 +256,11 @@ def test_d2o_merge_into_a_packed_token_equals_the_reference():
             merged += 1
             target = int(changed.nonzero()[0])
             expect = reference_write(store, before, torch.tensor([[target]]), fp.k[0][:, :, target:target + 1],
-                                     fp.v[0][:, :, target:target + 1], pos, policy.now())
+                                     fp.v[0][:, :, target:target + 1], pos, now)
             ref = SlotStore(1, 1, 16, pos.shape[2], 4, 8, 8)            # the reference's buffers, read back
             for name in BUFFERS:
                 getattr(ref, name).copy_(expect[name])
-            got, want = store.dequantized(pos, policy.now(), 24), ref.dequantized(pos, policy.now(), 24)
+            got, want = store.dequantized(pos, now, 24), ref.dequantized(pos, now, 24)
             for a, b in zip(got, want):      # the merge weights differ from fp D2O's by float rounding only
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
             others = [g for g in range(3) if g != target // 8]
@@ -389,13 +392,17 @@ def test_full_in_prompt_chunks_then_decode_close_to_one_forward(tmp_path):
 
 def test_with_kv_bits_composition_and_errors():
     assert with_kv_bits(make_policy("snapkv"), 16) is not None
-    p = kivi("h2o", "budget=64,n_recent=8")
-    assert type(p).__name__ == "H2OPolicyKIVI" and p.budget == 64 and p.n_recent == 8 and p.name == "h2o"
+    h2o = make_policy("h2o", "budget=64,n_recent=8")
+    p = with_kv_bits(h2o, 4, 8, 16)
+    assert p is h2o and type(p) is H2OPolicy and isinstance(p.slots, KIVISlots)           # no class made at run time
+    assert (p.budget, p.n_recent, p.name, p.kv_bits, p.kv_group, p.kv_residual) == (64, 8, "h2o", 4, 8, 16)
+    with pytest.raises(ValueError, match="already stores K/V at 4 bits"):
+        with_kv_bits(p, 2)
     assert isinstance(with_kv_bits(make_policy("full"), 2), KIVIDenseCache)
     with pytest.raises(ValueError, match="has no KIVI storage"):
         with_kv_bits(make_policy("pod"), 4)
     reader = with_kv_bits(make_policy("snapkv+ds", "budget=64"), 4)
-    assert type(reader.inner).__name__ == "SnapKVPolicyKIVI" and reader.storage_.packed
+    assert type(reader.inner) is SnapKVPolicy and isinstance(reader.inner.slots, KIVISlots) and reader.storage_.packed
     with pytest.raises(ValueError, match="--kv-residual 48 must be a positive multiple of --kv-group-size 32"):
         with_kv_bits(make_policy("full"), 4, 32, 48)
     with pytest.raises(ValueError, match="head_dim 48 is not a multiple of --kv-group-size 32"):

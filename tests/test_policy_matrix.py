@@ -113,7 +113,8 @@ def storage_tensors(obj, path="policy", seen=None) -> dict[str, int]:
                             if isinstance(v, torch.Tensor)} if hasattr(value, "__dict__") else {})
     elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("cache", "model", "kernels"):
         for key, value in vars(obj).items():
-            if isinstance(value, (list, tuple)) or (hasattr(value, "__dict__") and key in ("inner", "storage_", "labels")):
+            held = hasattr(value, "__dict__") and key in ("inner", "storage_", "labels", "slots")
+            if isinstance(value, (list, tuple)) or held:
                 out.update(storage_tensors(value, f"{path}.{key}", seen))
     return out
 
