@@ -19,6 +19,7 @@ if __name__ == "__main__":
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import threading
 import time
@@ -117,8 +118,13 @@ class Engine:
         self.thread.join(timeout=30)
 
     def health(self) -> dict:
-        return {"status": "ok", "rows_in_use": len(self.rows), "max_batch": self.max_batch,
-                "queue_depth": len(self.waiting), "max_queue": self.max_queue, "requests": dict(self.outcomes)}
+        with self.wake:
+            return {"status": "ok", "rows_in_use": len(self.rows), "max_batch": self.max_batch,
+                    "queue_depth": len(self.waiting), "max_queue": self.max_queue, "requests": dict(self.outcomes)}
+
+    def count(self, outcome: str) -> None:
+        with self.wake:
+            self.outcomes[outcome] += 1
 
     def run(self) -> None:
         with torch.inference_mode():
@@ -130,7 +136,7 @@ class Engine:
                         break
                     for job in [j for j in self.waiting if j.cancelled]:
                         self.waiting.remove(job)
-                        self.outcomes["cancelled"] += 1
+                        self.outcomes["cancelled"] += 1     # (under the lock already)
                     waiting = list(self.waiting)
                 try:
                     self.iterate(waiting)
@@ -176,7 +182,7 @@ class Engine:
             job.send("text", text[job.sent:])
         job.send("done", reason)
         self.release(job)
-        self.outcomes[reason] += 1
+        self.count(reason)
 
     def release(self, job: Job) -> None:
         row = next(r for r, j in self.rows.items() if j is job)
@@ -189,7 +195,7 @@ class Engine:
             jobs, self.waiting = list(self.rows.values()) + self.waiting, []
         for job in jobs:
             job.send("error", message)
-            self.outcomes["error"] += 1
+            self.count("error")
         for row in list(self.rows):
             del self.rows[row]
             try:
@@ -310,6 +316,7 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
         if how["stream"]:
             return StreamingResponse(stream(job, head, chat, usage), media_type="text/event-stream")
         text, reason = [], None
+        watcher = asyncio.create_task(watch(request, job))
         try:
             while True:
                 kind, value = await job.out.get()
@@ -321,11 +328,18 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
                     reason = value
                     break
         finally:
-            job.cancelled = reason is None          # the client went away while waiting
+            watcher.cancel()
+            job.cancelled = reason is None          # an error
         choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(text)}} if chat else
                   {"index": 0, "text": "".join(text), "logprobs": None})
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                              "choices": [{**choice, "finish_reason": reason}], "usage": usage()})
+
+    async def watch(request: HTTPRequest, job: Job):
+        """Cancel the job once its client goes away (a streamed response notices by itself)."""
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.2)
+        job.cancelled = True
 
     async def stream(job: Job, head: dict, chat: bool, usage):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -423,9 +437,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     model_id = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    for sig in (signal.SIGTERM, signal.SIGINT):     # uvicorn stops gracefully (finishing the requests in flight),
+        signal.signal(sig, lambda *_: None)         # then raises the signal again: exit 0 instead of dying by it
     srv.thread.start()
     try:
-        uvicorn.run(make_app(srv, model_id), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(make_app(srv, model_id), host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=30)
     finally:
         srv.stop()
     return 0
