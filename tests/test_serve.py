@@ -155,22 +155,51 @@ def test_bad_requests_are_400(served):
     assert r.status_code == 200 and client.get("/health").json()["rows_in_use"] == 0
 
 
+PROMPTS = {"The quick brown fox jumps over the lazy dog. " * 3: 20, "Hello": 9,
+           "Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12": 14, "A short story about a cat": 5}
+
+
+def alone(tiny_dir, flags, prompts) -> list:
+    """engine.generate's greedy answer for each prompt alone, with the server's policy and storage flags."""
+    args = serve.build_parser().parse_args(["--checkpoint", str(tiny_dir), *flags])
+    model, tokenizer = engine.load_model(tiny_dir, "cpu")
+    return [engine.generate(model, tokenizer, [p], n, policy=engine.kv_policy(make_policy(args.policy), args))
+            for p, n in prompts.items()]
+
+
+def complete(client, prompt, max_tokens) -> dict:
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 @pytest.mark.parametrize("policy", ["full", "snapkv:budget=16,obs_window=8"])
 def test_greedy_alongside_others_equals_alone(tiny_dir, policy):
     """Four requests of different lengths served together (joining and leaving the batch at different steps)
     give each the greedy answer engine.generate gives it alone, with the same policy."""
-    prompts = {"The quick brown fox jumps over the lazy dog. " * 3: 20, "Hello": 9,
-               "Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12": 14, "A short story about a cat": 5}
-    with running(tiny_dir, "--policy", policy, "--max-batch", "3", "--max-new-tokens-limit", "32", "--max-seq-length", "256") as (client, _):
-        post = lambda item: client.post("/v1/completions", json={    # noqa: E731
-            "prompt": item[0], "max_tokens": item[1], "temperature": 0}).json()
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(post, prompts.items()))
-    model, tokenizer = engine.load_model(tiny_dir, "cpu")
-    for (prompt, n), out in zip(prompts.items(), got):
-        ref = engine.generate(model, tokenizer, [prompt], n, policy=make_policy(policy))
-        assert out["choices"][0]["text"] == ref.texts[0], prompt
+    flags = ["--policy", policy, "--max-batch", "3", "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
+    with running(tiny_dir, *flags) as (client, _):
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda item: complete(client, *item), PROMPTS.items()))
+    for out, ref in zip(got, alone(tiny_dir, flags, PROMPTS)):
+        assert out["choices"][0]["text"] == ref.texts[0]
         assert out["usage"]["completion_tokens"] == len(ref.tokens[0])
+
+
+def test_batch_admission_policy(tiny_dir):
+    """A policy that admits whole batches (pyramidkv, 4-bit KIVI storage) serves concurrent requests in
+    groups, and a request served alone equals engine.generate's."""
+    flags = ["--policy", "pyramidkv:budget=24", "--kv-bits", "4", "--max-batch", "2",
+             "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
+    with running(tiny_dir, *flags) as (client, srv):
+        assert srv.batch.policy.admission == "batch"
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda item: complete(client, *item), PROMPTS.items()))
+        assert [out["usage"]["completion_tokens"] for out in got] == list(PROMPTS.values())
+        first = dict([next(iter(PROMPTS.items()))])
+        solo = complete(client, *next(iter(first.items())))
+    [ref] = alone(tiny_dir, flags, first)
+    assert solo["choices"][0]["text"] == ref.texts[0]
 
 
 def wait_for(client, check, seconds=20):
