@@ -142,6 +142,8 @@ class Engine:
                     self.iterate(waiting)
                 except Exception as e:              # noqa: BLE001 -- fail the requests in flight, keep serving
                     self.fail_all(f"{type(e).__name__}: {e}")
+                    self.batch = engine.RowBatch(self.model, self.batch.make_policy, self.max_batch,
+                                                 self.max_seq_length, self.max_new_tokens)   # a clean one
         self.fail_all("the server is shutting down")
 
     def iterate(self, waiting: list[Job]) -> None:
@@ -190,21 +192,14 @@ class Engine:
         self.batch.release(row)
 
     def fail_all(self, message: str) -> None:
-        """Send the error to every request in flight and free their rows (a failed step leaves them unusable)."""
+        """Send the error to every request in flight or waiting; their rows are forgotten (the batch is rebuilt
+        after a failed step, dropped at shutdown)."""
         with self.wake:
             jobs, self.waiting = list(self.rows.values()) + self.waiting, []
+            self.outcomes["error"] += len(jobs)
         for job in jobs:
             job.send("error", message)
-            self.count("error")
-        for row in list(self.rows):
-            del self.rows[row]
-            try:
-                self.batch.release(row)
-            except Exception:                       # noqa: BLE001 -- the batch is rebuilt below
-                pass
-        if jobs:
-            self.batch = engine.RowBatch(self.model, self.batch.make_policy, self.max_batch, self.max_seq_length,
-                                         self.max_new_tokens)
+        self.rows.clear()
 
 
 # --------------------------------------------------------------------------- request parsing

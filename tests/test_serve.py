@@ -155,6 +155,19 @@ def test_bad_requests_are_400(served):
     assert r.status_code == 200 and client.get("/health").json()["rows_in_use"] == 0
 
 
+def test_a_failed_step_is_a_500_and_serving_goes_on(served):
+    client, srv = served
+
+    def broken(tokens):
+        raise RuntimeError("boom")
+    srv.batch.step = broken                                     # the next decode step fails (this batch only)
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+    assert r.status_code == 500 and r.json()["error"] == {"message": "RuntimeError: boom", "type": "server_error",
+                                                          "param": None, "code": None}
+    assert complete(client, "hi again", 4)["usage"]["completion_tokens"] == 4      # on a fresh batch
+    assert client.get("/health").json()["requests"]["error"] == 1
+
+
 PROMPTS = {"The quick brown fox jumps over the lazy dog. " * 3: 20, "Hello": 9,
            "Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12": 14, "A short story about a cat": 5}
 
