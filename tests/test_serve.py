@@ -248,7 +248,9 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_row(tiny_dir):
         assert srv.outcomes["length"] == 1
 
 
-def test_cli_starts_and_refuses_bad_flags(tiny_dir):
+def test_cli_starts_serves_and_stops_on_sigterm(tiny_dir):
+    """The real command line: a bad flag is a one-line error; SIGTERM lets the request in flight finish,
+    then the server exits 0."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     bad = subprocess.run([sys.executable, "serve.py", "--checkpoint", str(tiny_dir), "--max-batch", "0"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -270,6 +272,14 @@ def test_cli_starts_and_refuses_bad_flags(tiny_dir):
                     time.sleep(0.2)
             r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+            body = {"prompt": "Hi", "max_tokens": 200, "temperature": 0, "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                next(lines)
+                proc.terminate()                        # SIGTERM: the request in flight still finishes
+                rest = [line for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+            assert proc.wait(timeout=30) == 0
     finally:
-        proc.terminate()
-        assert proc.wait(timeout=30) == 0
+        proc.kill()
+        proc.wait(timeout=30)
