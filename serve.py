@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
+import jinja2
 import torch
 
 import engine
@@ -233,8 +234,11 @@ def chat_text(tokenizer, messages: list) -> str:
             raise BadRequest(f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
     if not messages:
         raise BadRequest("messages must not be empty", "messages")
-    return tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                         add_generation_prompt=True)
+    try:
+        return tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                             add_generation_prompt=True)
+    except (ValueError, jinja2.TemplateError) as e:        # no template, or its raise_exception(...)
+        raise BadRequest(f"the chat template refuses these messages: {e}", "messages") from None
 
 
 def sampler_from(body: dict, device) -> engine.Sampler:
@@ -246,6 +250,8 @@ def sampler_from(body: dict, device) -> engine.Sampler:
     if top_k is not None and top_k < 1:
         raise BadRequest(f"top_k must be >= 1, got {top_k}", "top_k")
     seed = body.get("seed")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise BadRequest(f"seed must be in [0, 2**63), got {seed}", "seed")
     return engine.Sampler(temperature, top_k, top_p,
                           torch.Generator(device).manual_seed(seed) if seed is not None else None)
 

@@ -132,6 +132,8 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_k": 0}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', "temperature"),     # Python's json reads NaN
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", 3]}, "stop"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
