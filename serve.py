@@ -79,9 +79,8 @@ class Job:
 def hold_back(text: str, stop: list[str]) -> int:
     """Characters at the end of `text` that must not be sent yet: a partial UTF-8 character or the start of a
     stop string."""
-    if text.endswith("\ufffd"):
-        return len(text) - len(text.rstrip("\ufffd"))
-    return max([k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
+    partial = len(text) - len(text.rstrip("\ufffd"))
+    return max([partial] + [k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])])
 
 
 # --------------------------------------------------------------------------- the engine thread

@@ -285,3 +285,10 @@ def test_cli_starts_serves_and_stops_on_sigterm(tiny_dir):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_hold_back_keeps_partial_characters_and_stop_prefixes():
+    assert serve.hold_back("abc", []) == 0
+    assert serve.hold_back("ab\ufffd", []) == 1                 # half a UTF-8 character
+    assert serve.hold_back("xab", ["abc", "zz"]) == 2           # may become the stop string "abc"
+    assert serve.hold_back("abc", ["xy"]) == 0
