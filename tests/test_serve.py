@@ -10,14 +10,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx  # the test extra pins the server's extra (starlette, uvicorn) and httpx
 import pytest
+import uvicorn
 
-httpx = pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
-
-import engine  # noqa: E402
-import serve  # noqa: E402
-from cache import make_policy  # noqa: E402
+import engine
+import serve
+from cache import make_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 
