@@ -67,7 +67,7 @@ class Job:
     sampler: engine.Sampler
     stop: list[str]
     loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)   # ("text", str) ... then ("done", reason) / ("error", msg)
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)   # ("text", str)... ("done", reason) or ("error", msg)
     tokens: list[int] = field(default_factory=list)
     sent: int = 0                     # characters of the text already sent
     cancelled: bool = False           # set by the handler when its client goes away
@@ -289,9 +289,17 @@ def parse(srv: Engine, body, chat: bool, model_id: str, loop) -> tuple[Job, dict
 
 # --------------------------------------------------------------------------- HTTP
 
+def error_body(message: str, kind: str = "invalid_request_error", param=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
 def error(status: int, message: str, kind: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status, headers=headers)
+    return JSONResponse(error_body(message, kind, param), status_code=status, headers=headers)
+
+
+def sse(data: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data)}\n\n"
 
 
 def make_app(srv: Engine, model_id: str) -> "Starlette":
@@ -345,8 +353,8 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: dict, reason=None, **extra) -> str:
-            c = {"index": 0, "delta": delta} if chat else {"index": 0, "text": delta.get("content", ""), "logprobs": None}
-            return f"data: {json.dumps({**head, 'object': obj, 'choices': [{**c, 'finish_reason': reason}], **extra})}\n\n"
+            c = {"delta": delta} if chat else {"text": delta.get("content", ""), "logprobs": None}
+            return sse({**head, "object": obj, "choices": [{"index": 0, **c, "finish_reason": reason}], **extra})
 
         done = False
         try:
@@ -358,7 +366,7 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
                     yield chunk({"content": value})
                 elif kind == "error":
                     done = True
-                    yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                    yield sse(error_body(value, "server_error"))
                 else:
                     done = True
                     yield chunk({}, value, usage=usage())

@@ -166,7 +166,12 @@ def test_a_failed_step_is_a_500_and_serving_goes_on(served):
     assert r.status_code == 500 and r.json()["error"] == {"message": "RuntimeError: boom", "type": "server_error",
                                                           "param": None, "code": None}
     assert complete(client, "hi again", 4)["usage"]["completion_tokens"] == 4      # on a fresh batch
-    assert client.get("/health").json()["requests"]["error"] == 1
+    srv.batch.step = broken
+    chunks = events(client, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+    assert chunks[-2] == {"error": {"message": "RuntimeError: boom", "type": "server_error", "param": None,
+                                    "code": None}}
+    assert complete(client, "hi again", 4)["usage"]["completion_tokens"] == 4
+    assert client.get("/health").json()["requests"]["error"] == 2
 
 
 PROMPTS = {"The quick brown fox jumps over the lazy dog. " * 3: 20, "Hello": 9,
