@@ -1,0 +1,298 @@
+"""serve.py on the tiny random checkpoint: a real uvicorn server on a free 127.0.0.1 port, driven over HTTP."""
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx  # the test extra pins the server's extra (starlette, uvicorn) and httpx
+import pytest
+import uvicorn
+
+import engine
+import serve
+from cache import make_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def running(checkpoint, *flags):
+    """A server for the flags on a free port -> (httpx client, its Engine); always shut down."""
+    srv = serve.build_engine(serve.build_parser().parse_args(["--checkpoint", str(checkpoint), *flags]))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(serve.make_app(srv, "tiny"), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    srv.thread.start()
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=30) as client:
+            yield client, srv
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        srv.stop()
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    with running(tiny_dir, "--max-batch", "4", "--max-new-tokens-limit", "64", "--max-seq-length", "512") as s:
+        yield s
+
+
+def events(client, path, body) -> list:
+    """The parsed `data:` events of a streamed request, the last one the string "[DONE]"."""
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]] + ["[DONE]"]
+
+
+def test_completion_streamed_and_not(served):
+    client, srv = served
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "text_completion" and out["model"] == "tiny"
+    [choice] = out["choices"]
+    assert choice["finish_reason"] == "length" and choice["text"]
+    prompt_tokens = len(srv.tokenizer.encode(body["prompt"]))
+    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 12, "total_tokens": prompt_tokens + 12}
+    chunks = events(client, "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == choice["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+    assert chunks[-2]["usage"] == out["usage"]
+
+    cut = len(choice["text"]) // 2                  # a stop string from the middle of the greedy answer
+    stop = choice["text"][cut:cut + 3]
+    stopped = client.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["text"] == choice["text"][:choice["text"].index(stop)]
+    chunks = events(client, "/v1/completions", {**body, "stop": stop})
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == stopped["text"]
+
+
+def test_chat_streamed_and_not(served):
+    client, srv = served
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    out = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0}).json()
+    assert out["object"] == "chat.completion"
+    [choice] = out["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    ids = srv.tokenizer.encode(srv.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                               add_special_tokens=False)
+    assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == 6
+    chunks = events(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0})
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks[:-1])
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == choice["message"]["content"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_seeded_sampling_repeats(served):
+    client, _ = served
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 7}
+    texts = [client.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(2)]
+    assert texts[0] == texts[1]
+
+
+def test_models_and_health(served):
+    client, _ = served
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["rows_in_use"] == 0 and health["max_batch"] == 4
+
+
+BAD = [
+    ("/v1/completions", b"{not json", None),
+    ("/v1/completions", b"[1, 2]", None),
+    ("/v1/completions", {"max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": 12}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 65}, "max_tokens"),          # beyond --max-new-tokens-limit
+    ("/v1/completions", {"prompt": "hi " * 500, "max_tokens": 64}, "prompt"),       # beyond --max-seq-length
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 0}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', "temperature"),     # Python's json reads NaN
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", 3]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+]
+
+
+def test_bad_requests_are_400(served):
+    client, _ = served
+    for path, body, param in BAD:
+        r = (client.post(path, content=body) if isinstance(body, bytes) else client.post(path, json=body))
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+        assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
+    r = client.post("/v1/completions", json={"prompt": "still fine", "max_tokens": 2})
+    assert r.status_code == 200 and client.get("/health").json()["rows_in_use"] == 0
+
+
+def test_a_failed_step_is_a_500_and_serving_goes_on(served):
+    client, srv = served
+
+    def broken(tokens):
+        raise RuntimeError("boom")
+    srv.batch.step = broken                                     # the next decode step fails (this batch only)
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+    assert r.status_code == 500 and r.json()["error"] == {"message": "RuntimeError: boom", "type": "server_error",
+                                                          "param": None, "code": None}
+    assert complete(client, "hi again", 4)["usage"]["completion_tokens"] == 4      # on a fresh batch
+    srv.batch.step = broken
+    chunks = events(client, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+    assert chunks[-2] == {"error": {"message": "RuntimeError: boom", "type": "server_error", "param": None,
+                                    "code": None}}
+    assert complete(client, "hi again", 4)["usage"]["completion_tokens"] == 4
+    assert client.get("/health").json()["requests"]["error"] == 2
+
+
+PROMPTS = {"The quick brown fox jumps over the lazy dog. " * 3: 20, "Hello": 9,
+           "Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12": 14, "A short story about a cat": 5}
+
+
+def alone(tiny_dir, flags, prompts) -> list:
+    """engine.generate's greedy answer for each prompt alone, with the server's policy and storage flags."""
+    args = serve.build_parser().parse_args(["--checkpoint", str(tiny_dir), *flags])
+    model, tokenizer = engine.load_model(tiny_dir, "cpu")
+    return [engine.generate(model, tokenizer, [p], n, policy=engine.kv_policy(make_policy(args.policy), args))
+            for p, n in prompts.items()]
+
+
+def complete(client, prompt, max_tokens) -> dict:
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv:budget=16,obs_window=8"])
+def test_greedy_alongside_others_equals_alone(tiny_dir, policy):
+    """Four requests of different lengths served together (joining and leaving the batch at different steps)
+    give each the greedy answer engine.generate gives it alone, with the same policy."""
+    flags = ["--policy", policy, "--max-batch", "3", "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
+    with running(tiny_dir, *flags) as (client, _):
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda item: complete(client, *item), PROMPTS.items()))
+    for out, ref in zip(got, alone(tiny_dir, flags, PROMPTS)):
+        assert out["choices"][0]["text"] == ref.texts[0]
+        assert out["usage"]["completion_tokens"] == len(ref.tokens[0])
+
+
+def test_batch_admission_policy(tiny_dir):
+    """A policy that admits whole batches (pyramidkv, 4-bit KIVI storage) serves concurrent requests in
+    groups, and a request served alone equals engine.generate's."""
+    flags = ["--policy", "pyramidkv:budget=24", "--kv-bits", "4", "--max-batch", "2",
+             "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
+    with running(tiny_dir, *flags) as (client, srv):
+        assert srv.batch.policy.admission == "batch"
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda item: complete(client, *item), PROMPTS.items()))
+        assert [out["usage"]["completion_tokens"] for out in got] == list(PROMPTS.values())
+        first = dict([next(iter(PROMPTS.items()))])
+        solo = complete(client, *next(iter(first.items())))
+    [ref] = alone(tiny_dir, flags, first)
+    assert solo["choices"][0]["text"] == ref.texts[0]
+
+
+def wait_for(client, check, seconds=20):
+    deadline = time.monotonic() + seconds
+    while not check(client.get("/health").json()):
+        assert time.monotonic() < deadline, json.dumps(client.get("/health").json())
+        time.sleep(0.05)
+
+
+def test_full_queue_is_429_and_a_disconnect_frees_the_row(tiny_dir):
+    with running(tiny_dir, "--max-batch", "1", "--max-queue", "1", "--max-new-tokens-limit", "4000",
+                 "--max-seq-length", "4100") as (client, srv):
+        long = {"prompt": "Tell me everything", "max_tokens": 4000, "temperature": 0, "stream": True}
+        with client.stream("POST", "/v1/completions", json=long) as a:
+            assert a.status_code == 200
+            lines = a.iter_lines()                                  # (kept: closing it would close A)
+            next(lines)                                             # A runs in the only row
+            with httpx.Client(base_url=client.base_url, timeout=30) as other, \
+                    other.stream("POST", "/v1/completions", json={**long, "max_tokens": 3}) as b:
+                assert b.status_code == 200                         # B waits in the queue
+                wait_for(client, lambda h: h["rows_in_use"] == 1 and h["queue_depth"] == 1)
+                c = client.post("/v1/completions", json={"prompt": "me too", "max_tokens": 2})
+                assert c.status_code == 429 and c.headers["Retry-After"] == "1"
+                assert c.json()["error"]["type"] == "rate_limit_error"
+                a.close()                                           # A's client goes away mid-stream
+                b_text = [line for line in b.iter_lines() if line.startswith("data: ")]
+        assert b_text[-1] == "data: [DONE]" and '"finish_reason": "length"' in b_text[-2]
+        wait_for(client, lambda h: h["rows_in_use"] == 0 and h["requests"].get("cancelled") == 1)
+        assert srv.outcomes["length"] == 1
+        with pytest.raises(httpx.ReadTimeout):                      # a client that stops waiting for a whole answer
+            client.post("/v1/completions", json={**long, "stream": False}, timeout=0.5)
+        wait_for(client, lambda h: h["rows_in_use"] == 0 and h["requests"].get("cancelled") == 2)
+        assert srv.outcomes["length"] == 1
+
+
+def test_cli_starts_serves_and_stops_on_sigterm(tiny_dir):
+    """The real command line: a bad flag is a one-line error; SIGTERM lets the request in flight finish,
+    then the server exits 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    bad = subprocess.run([sys.executable, "serve.py", "--checkpoint", str(tiny_dir), "--max-batch", "0"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--max-batch must be at least 1" in bad.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(tiny_dir), "--port", str(port)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout and proc.stdout.read()
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+            body = {"prompt": "Hi", "max_tokens": 200, "temperature": 0, "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                next(lines)
+                proc.terminate()                        # SIGTERM: the request in flight still finishes
+                rest = [line for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+            assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_hold_back_keeps_partial_characters_and_stop_prefixes():
+    assert serve.hold_back("abc", []) == 0
+    assert serve.hold_back("ab\ufffd", []) == 1                 # half a UTF-8 character
+    assert serve.hold_back("xab", ["abc", "zz"]) == 2           # may become the stop string "abc"
+    assert serve.hold_back("abc", ["xy"]) == 0
