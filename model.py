@@ -232,7 +232,8 @@ class DenseCache:
     is_sparse_reader = False
     decode_attention = False
     kv_bits, kv_group = 16, 0       # compute-dtype storage
-    plain_full = True               # `full` itself, K/V in the compute dtype (its storage subclasses: False)
+    plain_full = True               # `full` in the compute dtype (its storage subclasses: False; a subclass
+                                    # under another name is another policy, whose storage is never swapped)
     reader_composable = True        # a sparse reader may replace its decode attention
     admission = "row"               # requests join and leave single rows of a running batch
     decode_room = None              # generated tokens a row may hold (the full cache needs no bound)

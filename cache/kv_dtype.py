@@ -92,7 +92,7 @@ def kv_storage(policy, bits: int, group: int, residual: int, kv_dtype: Optional[
             raise ValueError(f"--kv-bits 32 stores float32, not --kv-dtype {kv_dtype}")
         if dtype is None or dtype == compute_dtype:
             return policy
-        if not (isinstance(policy, DenseCache) and policy.plain_full):
+        if not (isinstance(policy, DenseCache) and policy.plain_full and policy.name == "full"):
             name = getattr(policy, "name", type(policy).__name__)
             raise ValueError(f"--kv-bits {bits} / --kv-dtype: only `full` stores K/V in another dtype than the "
                              f"compute dtype, not {name!r}")

@@ -518,7 +518,7 @@ def with_kv_bits(policy, bits: int, group: int = GROUP, residual: int = RESIDUAL
         policy.inner = with_kv_bits(policy.inner, bits, group, residual, backend)
         policy.storage_ = InnerStorage(policy.inner)
         return policy
-    if isinstance(policy, DenseCache) and policy.plain_full:
+    if isinstance(policy, DenseCache) and policy.plain_full and policy.name == "full":
         return KIVIDenseCache(bits, group, residual, backend)
     if not isinstance(policy, EvictionPolicy):
         raise ValueError(f"--kv-bits {bits}: policy {name!r} has no KIVI storage yet (supported: full, "

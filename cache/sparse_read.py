@@ -499,7 +499,7 @@ class SparseReader:
              "n_middle": self.n_critical - self.n_sink - self.n_recent}
         if not hasattr(self, "args"):                       # not set up yet
             d["inner"] = getattr(self.inner, "name", type(self.inner).__name__)
-        elif isinstance(self.inner, DenseCache) and self.inner.plain_full:
+        elif isinstance(self.inner, DenseCache) and self.inner.plain_full and self.inner.name == "full":
             d["capacity"] = self.inner.capacity
         else:
             d["inner"] = self.inner.describe()
