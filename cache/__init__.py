@@ -1,7 +1,7 @@
 """KV-cache policies: the registry behind `--policy NAME[:k=v,...]` (spec syntax: cache/spec.py).
 
-Every policy follows the contract documented on `model.DenseCache` (the `full` policy) and
-declares its hyper-parameters in a `params` dict: name -> (type, default, help).
+Every policy follows the contract of cache/contract.py (its one description) and declares its
+hyper-parameters in a `params` dict: name -> (type, default, help).
 
 Composition: `--policy STORAGE+READER` puts a sparse reader (ds, quest, hshare: it replaces decode
 attention) on top of a storage policy (full or an eviction policy: it decides what is kept), e.g.

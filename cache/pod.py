@@ -102,7 +102,7 @@ def gather_rows(x: Tensor, idx: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- the policy
 
 class PODPolicy:
-    """POD as a cache policy (contract of model.DenseCache); see the module docstring."""
+    """POD as a cache policy (contract: cache/contract.py); see the module docstring."""
     admission = "batch"     # layer blocks and distant-token storage are set per batch
     decode_room = None      # (admission "batch": storage follows each batch's prompt)
 

@@ -211,7 +211,7 @@ def select_slots(scores: Tensor, bias: Tensor, n: int, backend: str = "auto") ->
 # --------------------------------------------------------------------------- the reader base
 
 class SparseReader:
-    """Base of the query-aware readers: wraps an inner storage policy (contract of model.DenseCache).
+    """Base of the query-aware readers: wraps an inner storage policy (contract: cache/contract.py).
 
     Subclasses implement `build(layer)` (index structure from the inner storage after prefill),
     `update(layer, k, slot)` (the decode token's entry) and `select(layer, q)` -> (idx, valid)
