@@ -226,7 +226,6 @@ class DenseCache:
     """
 
     name = "full"
-    params: dict = {}
     renamed: dict = {}              # old parameter name -> new one (refused with a message naming it)
     prefill_in_one_pass = False     # prompts may come in chunks
     is_sparse_reader = False
@@ -257,15 +256,19 @@ class DenseCache:
 
     def setup(self, args: ModelArgs, max_batch_size: int, max_seq_length: int,
               dtype: torch.dtype, device) -> None:
-        shape = (max_batch_size, args.n_kv_heads, max_seq_length, args.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.k, self.v = self.allocate_kv(args, max_batch_size, max_seq_length, dtype, device)
         self.pos = torch.full((max_batch_size, max_seq_length), -1, dtype=torch.long, device=device)
         self.length = torch.zeros(max_batch_size, dtype=torch.long, device=device)   # slots each row holds
         self.rows = torch.arange(max_batch_size, device=device)
         self.group = args.n_heads // args.n_kv_heads
         self.sliding_window = args.sliding_window
         self.reset()
+
+    def allocate_kv(self, args: ModelArgs, max_batch_size: int, max_seq_length: int, dtype: torch.dtype, device):
+        """Per-layer K and V buffers [B, H_kv, max_seq_length, D] (a storage subclass allocates its own)."""
+        shape = (max_batch_size, args.n_kv_heads, max_seq_length, args.head_dim)
+        return ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)],
+                [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)])
 
     @property
     def capacity(self) -> int:

@@ -1,7 +1,7 @@
 """KV-cache policies: the registry behind `--policy NAME[:k=v,...]` (spec syntax: cache/spec.py).
 
-Every policy follows the contract of cache/contract.py (its one description) and declares its
-hyper-parameters in a `params` dict: name -> (type, default, help).
+Every policy follows the contract of cache/contract.py (its one description); its hyper-parameters
+are the fields of its dataclass, each with help text (cache/params.py).
 
 Composition: `--policy STORAGE+READER` puts a sparse reader (ds, quest, hshare: it replaces decode
 attention) on top of a storage policy (full or an eviction policy: it decides what is kept), e.g.
@@ -22,6 +22,7 @@ from cache.pyramidkv import PyramidKVPolicy
 from cache.quest import QuestPolicy
 from cache.simlayerkv import SimLayerKVPolicy
 from cache.snapkv import SnapKVPolicy
+from cache.params import convert, policy_params
 from cache.spec import PolicyError, PolicySpec, parse_spec, parse_spec_list
 from cache.streaming import StreamingPolicy
 from cache.tova import TOVAPolicy
@@ -33,7 +34,7 @@ POLICIES: dict[str, type] = {}
 def register(cls: type) -> type:
     """Add a policy class (it follows cache/contract.py) under `cls.name`; usable as a decorator.  A
     registered policy is reachable from every command's spec and joins tests/test_policy_matrix.py."""
-    missing = [m for m in ("name", "params", "renamed", "admission", "prefill_in_one_pass", "is_sparse_reader",
+    missing = [m for m in ("name", "renamed", "admission", "prefill_in_one_pass", "is_sparse_reader",
                            "decode_attention", "reader_composable", "kv_bits", "kv_group", "full_cache_args")
                if not hasattr(cls, m)]
     if missing:
@@ -53,24 +54,13 @@ def policy_names() -> list[str]:
     return sorted(POLICIES)
 
 
-def _convert(name: str, value: str, kind: type):
-    try:
-        if kind is bool:
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return value.lower() in ("true", "1")
-        return kind(value)
-    except ValueError:
-        raise PolicyError(f"policy argument {name}={value!r} is not a valid {kind.__name__}") from None
-
-
 def is_sparse_reader(name: str) -> bool:
     return name in POLICIES and POLICIES[name].is_sparse_reader
 
 
 def _build(name: str, given: dict, inner=None):
     cls = POLICIES[name]
-    declared = cls.params
+    declared = policy_params(cls)
     old = sorted(set(given) & set(cls.renamed))
     if old:
         raise PolicyError(f"policy {name!r}: " + "; ".join(f"parameter {k!r} is now {cls.renamed[k]!r}" for k in old))
@@ -78,7 +68,7 @@ def _build(name: str, given: dict, inner=None):
     if unknown:
         valid = ", ".join(f"{k} ({t.__name__}, default {d})" for k, (t, d, _) in declared.items()) or "none"
         raise PolicyError(f"policy {name!r} has no parameter(s) {', '.join(unknown)}; valid: {valid}")
-    kwargs = {k: _convert(k, v, declared[k][0]) if isinstance(v, str) else v for k, v in given.items()}
+    kwargs = {k: convert(k, v, declared[k][0]) if isinstance(v, str) else v for k, v in given.items()}
     if inner is not None:
         kwargs["inner"] = inner
     try:
@@ -97,7 +87,7 @@ def _route(names: list[str], given: dict) -> dict[str, dict]:
                 raise PolicyError(f"argument {key!r}: {prefix!r} is not one of {' + '.join(names)}")
             routed[prefix][bare] = value
             continue
-        owners = [n for n in names if key in POLICIES[n].params or key in POLICIES[n].renamed]
+        owners = [n for n in names if key in policy_params(POLICIES[n]) or key in POLICIES[n].renamed]
         if len(owners) > 1:
             raise PolicyError(f"argument {key!r} is a parameter of both {owners[0]} and {owners[1]}: "
                               f"write {owners[0]}.{key}=... or {owners[1]}.{key}=...")

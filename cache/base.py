@@ -32,11 +32,13 @@ if the cache briefly held C_l + 1 tokens, without copying it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cache.params import param, param_values, policy_params  # noqa: F401  (param, policy_params: for policies)
 from kernels.cpu import decode_attention
 from model import ModelArgs, attention_mask, grouped_attention
 
@@ -83,16 +85,27 @@ def reduce_heads(probs: Tensor, agg: str) -> Tensor:
     return probs.flatten(1, 2)
 
 
-HEAD_AGG_PARAM = {"head_agg": (str, "mean", "how a KV head's query heads score a token: mean, max (per query), "
-                                             "or query (each query head keeps its own tokens: G x the KV memory)")}
+def sink_param(default: int):
+    """The n_sink parameter of the base's sinks-and-recent-window option, with a policy's default."""
+    return param(default, "first tokens of the sequence, always kept (attention sinks)")
 
 
-def window_params(n_sink: int, n_recent: int | None = None) -> dict:
-    """The parameters of the base's sinks-and-recent-window option (EvictionPolicy.recent_window) with a
-    policy's defaults; n_recent None: the policy derives its window instead of taking n_recent."""
-    sink = {"n_sink": (int, n_sink, "first tokens of the sequence, always kept (attention sinks)")}
-    recent = {"n_recent": (int, n_recent, "most recent tokens, always kept (in decode the new token is one)")}
-    return sink if n_recent is None else {**sink, **recent}
+def recent_param(default: int, help: str = "most recent tokens, always kept (in decode the new token is one)"):
+    """The n_recent parameter of the same option (EvictionPolicy.recent_window), with a policy's default."""
+    return param(default, help)
+
+
+@dataclass(eq=False)
+class HeadAgg:
+    """Parameter of the policies and readers that reduce a KV head's query heads to one score per token."""
+    head_agg: str = param("mean", "how a KV head's query heads score a token: mean, max (per query), "
+                                  "or query (each query head keeps its own tokens: G x the KV memory)")
+
+
+@dataclass(eq=False)
+class Budget:
+    """Parameter of the policies that keep a token budget per layer and KV head."""
+    budget: int = param(256, "tokens kept per layer and KV head, window included")
 
 
 def column_scores(q: Tensor, k: Tensor, q_pos: Tensor, rows: int | None = None, sliding_window=None,
@@ -327,20 +340,22 @@ class DenseSlots:
 
 # --------------------------------------------------------------------------- the policy base
 
+@dataclass(eq=False)
 class EvictionPolicy:
-    """Base class.  A policy declares `params` (name -> (type, default, help)) and either scores each
-    token by its own K/V (`token_scores`: prefill and decode) or overrides `keep_scores` (which prompt
-    tokens to keep) and, for evicting layers, `decode_victim` or `observe`.  The first `n_sink` and the
-    last `recent_window(layer)` tokens are always kept (window_params).  Optional hooks: `prefill_stats`,
+    """Base class.  A policy is a dataclass whose fields are its parameters (cache/params.py; groups:
+    Budget, HeadAgg, sink_param/recent_param) and either scores each token by its own K/V
+    (`token_scores`: prefill and decode) or overrides `keep_scores` (which prompt tokens to keep) and,
+    for evicting layers, `decode_victim` or `observe`.  The first `n_sink` and the last
+    `recent_window(layer)` tokens are always kept.  Optional hooks: `prefill_stats`,
     `plan` (with defer_compression), `layer_budget`, `on_evict`, `on_compress`.  docs/adding-a-policy.md."""
 
     name = "eviction"
-    params: dict = {"budget": (int, 256, "tokens kept per layer and KV head, window included")}
-    renamed: dict = {}              # old parameter name -> new one (refused with a message naming it)
+    renamed = {}                   # old parameter name -> new one (refused with a message naming it)
+    budget = None                  # tokens kept per layer and KV head (the Budget parameter; None: no budget)
     prefill_in_one_pass = True
     is_sparse_reader = False
     decode_attention = False       # decode needs the step's attention probabilities
-    head_agg = "mean"              # how the query heads of a KV head score a token (HEAD_AGG_PARAM)
+    head_agg = "mean"              # how the query heads of a KV head score a token (the HeadAgg parameter)
     head_aggs = HEAD_AGG           # the values head_agg may take
     defer_compression = False      # budgets need every layer's statistics (see module doc)
     appending = False              # default layer mode: append decode tokens instead of evicting
@@ -361,17 +376,15 @@ class EvictionPolicy:
         over per-query-head storage (readers read KV heads)."""
         return not self.decode_attention and self.head_agg != "query"
 
-    def __init__(self, **kwargs):
+    def __post_init__(self):
         self.slots = DenseSlots()       # K/V format (with_kv_bits: KIVISlots)
-        for key, (kind, default, _) in self.params.items():
-            setattr(self, key, kind(kwargs.pop(key, default)))
-        if kwargs:
-            raise ValueError(f"unknown parameter(s) {sorted(kwargs)} for policy {self.name!r}")
         self.validate()
 
     def validate(self) -> None:
         if self.head_agg not in self.head_aggs:
             raise ValueError(f"head_agg must be one of {', '.join(self.head_aggs)}, got {self.head_agg!r}")
+        if self.budget is None:
+            return
         if self.budget < 1:
             raise ValueError(f"budget must be positive, got {self.budget}")
         if self.n_sink < 0 or self.n_recent < 0 or self.budget < self.n_sink + self.n_recent:
@@ -721,7 +734,7 @@ class EvictionPolicy:
         return {"allocated": allocated, "live": live, "read_per_step": allocated}
 
     def describe(self) -> dict:
-        d = {"policy": self.name, **{k: getattr(self, k) for k in self.params}, **self.slots.describe()}
+        d = {"policy": self.name, **param_values(self), **self.slots.describe()}
         if self.prompt_length and any(k is not None for k in self.k):
             d["kept_prompt_tokens_per_layer"] = list(self.kept)
             if self.prompt_length <= min(self.layer_budget(i) for i in range(len(self.k))):

@@ -69,8 +69,8 @@ from model import ModelArgs
 
 @runtime_checkable
 class CachePolicy(Protocol):
-    name: str                       # registry name (--policy NAME)
-    params: dict                    # parameter -> (type, default, help): the spec arguments it takes
+    name: str                       # registry name (--policy NAME); its parameters (the spec's arguments)
+                                    # are its dataclass fields made by cache.params.param (none: not a dataclass)
     prefill_in_one_pass: bool
     is_sparse_reader: bool
     decode_attention: bool

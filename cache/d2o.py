@@ -19,29 +19,31 @@ with weights from exp(similarity) (the kept token's own weight is e = exp(1), it
 This happens at prefill compression and at every decode eviction (`merge=false` skips it: an ablation).
 """
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from cache.base import (HEAD_AGG_PARAM, NEVER, EvictionPolicy, column_scores, cosine, reduce_heads, split_integer,
-                        window_params)
+from cache.base import (NEVER, Budget, EvictionPolicy, HeadAgg, column_scores, cosine, param, reduce_heads, sink_param,
+                        split_integer)
 from cache.shard import shard_of
 
 
-class D2OPolicy(EvictionPolicy):
+@dataclass(eq=False)
+class D2OPolicy(HeadAgg, Budget, EvictionPolicy):
     admission = "batch"     # layer budgets come from the batch's prompt attention variances
     name = "d2o"
-    params = {**EvictionPolicy.params, **HEAD_AGG_PARAM, **window_params(n_sink=4),
-              "gate": (float, -1.0, "the paper's g: layers whose variance is at or below it are dense and get "
-                                    "dense_factor * S (the paper uses 100; -1: dense_share decides)"),
-              "dense_share": (float, 0.1, "portable gate: the lowest-variance share of the layers is dense (0.1: "
-                                          "the paper's Figure 4, its 3 shallowest of 32 layers)"),
-              "dense_factor": (float, 2.0, "the paper's alpha: budget factor of the dense layers (paper: 2 to 4)"),
-              "ema_beta": (float, 0.7, "the paper's beta: EMA smoothing of the merge threshold (paper: 0.5 to 0.9)"),
-              "recent_share": (float, 0.25, "share of the non-sink budget for the recent window (N:M = 3:1)"),
-              "conserve_total": (bool, True, "budgets sum to n_layers * budget (else S = budget)"),
-              "merge": (bool, True, "merge evicted tokens into their most similar kept token (false: the layer "
-                                    "budgets with H2O's token eviction, an ablation)")}
+    n_sink: int = sink_param(4)
+    gate: float = param(-1.0, "the paper's g: layers whose variance is at or below it are dense and get "
+                              "dense_factor * S (the paper uses 100; -1: dense_share decides)")
+    dense_share: float = param(0.1, "portable gate: the lowest-variance share of the layers is dense (0.1: the "
+                                    "paper's Figure 4, its 3 shallowest of 32 layers)")
+    dense_factor: float = param(2.0, "the paper's alpha: budget factor of the dense layers (paper: 2 to 4)")
+    ema_beta: float = param(0.7, "the paper's beta: EMA smoothing of the merge threshold (paper: 0.5 to 0.9)")
+    recent_share: float = param(0.25, "share of the non-sink budget for the recent window (N:M = 3:1)")
+    conserve_total: bool = param(True, "budgets sum to n_layers * budget (else S = budget)")
+    merge: bool = param(True, "merge evicted tokens into their most similar kept token (false: the layer budgets "
+                              "with H2O's token eviction, an ablation)")
     renamed = {"alpha": "dense_factor", "beta": "ema_beta"}
     decode_attention = True
     defer_compression = True

@@ -9,14 +9,17 @@ lowest accumulated score makes room for the new token.  The budget never grows.
 """
 from torch import Tensor
 
-from cache.base import HEAD_AGG_PARAM, EvictionPolicy, column_scores, reduce_heads, window_params
+from dataclasses import dataclass
+
+from cache.base import Budget, EvictionPolicy, HeadAgg, column_scores, recent_param, reduce_heads, sink_param
 
 
-class H2OPolicy(EvictionPolicy):
+@dataclass(eq=False)
+class H2OPolicy(HeadAgg, Budget, EvictionPolicy):
     name = "h2o"
-    params = {**EvictionPolicy.params, **HEAD_AGG_PARAM, **window_params(n_sink=4),
-              "n_recent": (int, -1, "recent tokens always kept (-1: half of budget - n_sink, the "
-                                  "paper's equal heavy/recent split)")}
+    n_sink: int = sink_param(4)
+    n_recent: int = recent_param(-1, "recent tokens always kept (-1: half of budget - n_sink, the paper's "
+                                     "equal heavy/recent split)")
     renamed = {"window": "n_recent"}
     decode_attention = True
 

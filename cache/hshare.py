@@ -46,12 +46,14 @@ slots through a position -> slot table (a position a layer no longer holds is si
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from cache.labels import LabelReader, gather_channels
 from cache.shard import shard_of
-from cache.sparse_read import INF, n_sources, parse_ratios, ratio, select_slots
+from cache.sparse_read import INF, n_sources, param, parse_ratios, policy_params, ratio, select_slots
 
 
 # --------------------------------------------------------------------------- Algorithm 1
@@ -124,29 +126,28 @@ def own_tensors(t: Tensor) -> list[Tensor]:
 
 # --------------------------------------------------------------------------- the policy
 
+@dataclass(eq=False)
 class HSharePolicy(LabelReader):
     admission = "batch"     # the sharing configuration is computed once per batch from its prompts
     name = "hshare"
-    params = {**LabelReader.params,
-              "layer_ratio": (ratio, 0.75, "share of layers that select their own tokens (1 = no layer sharing)"),
-              "head_ratio": (ratio, 0.75, "share of KV heads per layer that select (1 = no head sharing)"),
-              "query_ratio": (ratio, 0.5, "1/a: indices are selected every a-th decode step (1 = every step)"),
-              "ratios": (str, "", "layer-head-query in one, e.g. 3/4-3/4-1/2 (instead of the three above)"),
-              "sharing": (str, "greedy", "greedy (Algorithm 1 on critical-set similarity) or random (ablation)"),
-              "seed": (int, 0, "seed of sharing=random"),
-              "sim_queries": (int, 16, "last prompt queries whose critical sets define the similarities")}
+    layer_ratio: float = param(0.75, "share of layers that select their own tokens (1 = no layer sharing)", ratio)
+    head_ratio: float = param(0.75, "share of KV heads per layer that select (1 = no head sharing)", ratio)
+    query_ratio: float = param(0.5, "1/a: indices are selected every a-th decode step (1 = every step)", ratio)
+    ratios: str = param("", "layer-head-query in one, e.g. 3/4-3/4-1/2 (instead of the three above)")
+    sharing: str = param("greedy", "greedy (Algorithm 1 on critical-set similarity) or random (ablation)")
+    seed: int = param(0, "seed of sharing=random")
+    sim_queries: int = param(16, "last prompt queries whose critical sets define the similarities")
     head_aggs = ("mean", "max")     # sharing is per KV head list: no per-query-head lists (head_agg=query)
-
-    def __init__(self, inner=None, **kwargs):
-        if kwargs.get("ratios") and any(k in kwargs for k in ("layer_ratio", "head_ratio", "query_ratio")):
-            raise ValueError("give either ratios=layer-head-query or layer_ratio/head_ratio/query_ratio, not both")
-        super().__init__(inner, **kwargs)
 
     def resolve(self) -> None:
         super().resolve()
+        names = ("layer_ratio", "head_ratio", "query_ratio")
         if self.ratios:
+            if any(getattr(self, k) != policy_params(type(self))[k][1] for k in names):
+                raise ValueError("give either ratios=layer-head-query or layer_ratio/head_ratio/query_ratio, not both")
             self.layer_ratio, self.head_ratio, self.query_ratio = parse_ratios(self.ratios)
             self.ratios = ""
+        self.layer_ratio, self.head_ratio, self.query_ratio = (ratio(getattr(self, k)) for k in names)
         self.a = max(1, round(1 / self.query_ratio))
 
     def validate(self) -> None:

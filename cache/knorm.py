@@ -11,14 +11,18 @@ n_recent=0; both available through the eviction base) and every layer compressed
 (docs/policies.md): a fixed budget per layer and head instead of a keep ratio, and a slot cache always
 stores the new token, even when its key norm is the highest.
 """
+from dataclasses import dataclass
+
 from torch import Tensor
 
-from cache.base import EvictionPolicy, window_params
+from cache.base import Budget, EvictionPolicy, recent_param, sink_param
 
 
-class KnormPolicy(EvictionPolicy):
+@dataclass(eq=False)
+class KnormPolicy(Budget, EvictionPolicy):
     name = "knorm"
-    params = {**EvictionPolicy.params, **window_params(n_sink=0, n_recent=0)}
+    n_sink: int = sink_param(0)
+    n_recent: int = recent_param(0)
 
     def token_scores(self, layer: int, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
         """-||k||_2 [B, H_kv, T] of each key k [B, H_kv, T, D]: the lowest norms are kept."""

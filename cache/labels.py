@@ -12,6 +12,7 @@ prefill ("prompt" source; describe() says which was used).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from cache.calibration import channel_importance, channels_path, ensure_channels, rank_channels, read_channels_file
-from cache.sparse_read import SparseReader, select_slots
+from cache.sparse_read import SparseReader, param, select_slots
 from kernels import approx_scores, dequantize_labels_4bit, quantize_labels_4bit, resolve_backend
 
 
@@ -109,15 +110,15 @@ class LabelCache:
         return total
 
 
+@dataclass(eq=False)
 class LabelReader(SparseReader):
     """Double Sparsity's selection: label cache + approximate scores (see module docstring)."""
 
-    params = {**SparseReader.params,
-              "heavy_channels": (int, 0, "C, heavy channels per KV head in the label cache (0 = head_dim / 8)"),
-              "label_bits": (int, 4, "label precision: 4 (packed, per-token scale/min: the HShare and Double Sparsity "
-                                   "papers' setting) or 16 (the key dtype)"),
-              "channels": (str, "auto", "heavy-channel source: auto (the checkpoint's heavy_channels.json, calibrated "
-                                        "on first use), prompt, or a path to a calibration JSON")}
+    heavy_channels: int = param(0, "C, heavy channels per KV head in the label cache (0 = head_dim / 8)")
+    label_bits: int = param(4, "label precision: 4 (packed, per-token scale/min: the HShare and Double Sparsity "
+                               "papers' setting) or 16 (the key dtype)")
+    channels: str = param("auto", "heavy-channel source: auto (the checkpoint's heavy_channels.json, calibrated on "
+                                  "first use), prompt, or a path to a calibration JSON")
 
     def validate(self) -> None:
         super().validate()

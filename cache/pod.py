@@ -70,6 +70,7 @@ must offer exactly these two reads; KIVI's `attend` fuses them, so it needs spli
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -79,6 +80,7 @@ from torch import Tensor
 from cache.base import NEVER, EvictionPolicy, column_scores, pool1d, select_top
 from cache.calibration import (POD_FILE, attention_rows, ensure_pod, group_heads, key_saving, pod_path, read_pod_file,
                                similarity_sums)
+from cache.params import param, param_values
 from model import ModelArgs, grouped_attention
 
 # --------------------------------------------------------------------------- attention pieces
@@ -101,28 +103,27 @@ def gather_rows(x: Tensor, idx: Tensor) -> Tensor:
 
 # --------------------------------------------------------------------------- the policy
 
+@dataclass(eq=False)
 class PODPolicy:
     """POD as a cache policy (contract: cache/contract.py); see the module docstring."""
     admission = "batch"     # layer blocks and distant-token storage are set per batch
     decode_room = None      # (admission "batch": storage follows each batch's prompt)
 
     name = "pod"
-    params = {
-        "n_sink": (int, 16, "n_s: first tokens always attended by every layer (proximal)"),
-        "n_recent": (int, -1, "n_r: last tokens attended by every layer, the current one included "
-                              "(-1: context/8 - n_sink, the paper's 16 + 4080 of 32K scaled)"),
-        "sim_threshold": (float, 0.5, "the paper's delta: layer-similarity threshold of the greedy grouping (> 1: every "
-                                         "layer its own block)"),
-        "tau": (float, -1.0, "skip distant attention in non-first layers when the gate g >= tau (-1: off)"),
-        "blocks": (str, "auto", f"auto ({POD_FILE} next to the checkpoint, calibrated on first use), prompt, "
-                                f"layers (no sharing), or a path to a calibration JSON"),
-        "cal_queries": (int, 16, "last prompt queries whose attention rows calibrate blocks=prompt"),
-        "budget": (int, 0, "POD+SnapKV: prompt tokens kept per layer and KV head, proximal included "
-                           "(0: keep every token)"),
-        "obs_window": (int, 32, "SnapKV observation window (with budget)"),
-        "kernel": (int, 7, "SnapKV pooling kernel (odd; with budget)"),
-        "pooling": (str, "max", "SnapKV pooling: max or avg (with budget)"),
-    }
+    n_sink: int = param(16, "n_s: first tokens always attended by every layer (proximal)")
+    n_recent: int = param(-1, "n_r: last tokens attended by every layer, the current one included (-1: context/8 - "
+                              "n_sink, the paper's 16 + 4080 of 32K scaled)")
+    sim_threshold: float = param(0.5, "the paper's delta: layer-similarity threshold of the greedy grouping (> 1: "
+                                      "every layer its own block)")
+    tau: float = param(-1.0, "skip distant attention in non-first layers when the gate g >= tau (-1: off)")
+    blocks: str = param("auto", f"auto ({POD_FILE} next to the checkpoint, calibrated on first use), prompt, layers "
+                                f"(no sharing), or a path to a calibration JSON")
+    cal_queries: int = param(16, "last prompt queries whose attention rows calibrate blocks=prompt")
+    budget: int = param(0, "POD+SnapKV: prompt tokens kept per layer and KV head, proximal included (0: keep every "
+                           "token)")
+    obs_window: int = param(32, "SnapKV observation window (with budget)")
+    kernel: int = param(7, "SnapKV pooling kernel (odd; with budget)")
+    pooling: str = param("max", "SnapKV pooling: max or avg (with budget)")
     renamed = {"window": "obs_window", "delta": "sim_threshold"}
     prefill_in_one_pass = True
     is_sparse_reader = False
@@ -138,11 +139,7 @@ class PODPolicy:
 
     defer_compression = True     # EvictionPolicy.before_prefill/begin (reused) leave allocation to us
 
-    def __init__(self, **kwargs):
-        for key, (kind, default, _) in self.params.items():
-            setattr(self, key, kind(kwargs.pop(key, default)))
-        if kwargs:
-            raise ValueError(f"unknown parameter(s) {sorted(kwargs)} for policy {self.name!r}")
+    def __post_init__(self):
         if self.n_sink < 0 or self.n_recent == 0 or self.n_recent < -1:
             raise ValueError(f"need n_sink >= 0 and n_recent >= 1 (or -1), got {self.n_sink}, {self.n_recent}")
         if self.tau > 1:
@@ -484,7 +481,7 @@ class PODPolicy:
         return None if self.tau < 0 or not gated else int(self.skipped) / gated
 
     def describe(self) -> dict:
-        d = {"policy": self.name, **{k: getattr(self, k) for k in self.params}}
+        d = {"policy": self.name, **param_values(self)}
         if not hasattr(self, "args"):
             return d
         L = self.args.n_layers

@@ -9,22 +9,24 @@ min(n_layers * budget, n_layers * prompt length), the reference code's total too
 uniform budgets for short prompts instead: docs/policies.md).  Each layer allocates only its own
 capacity, fixed when the prompt arrives.
 """
-from cache.base import fill_to_cap, pyramid_budgets
+from dataclasses import dataclass
+
+from cache.base import fill_to_cap, param, policy_params, pyramid_budgets
 from cache.snapkv import SnapKVPolicy
 
 
+@dataclass(eq=False)
 class PyramidKVPolicy(SnapKVPolicy):
     admission = "batch"     # layer budgets follow the batch's prompt length (fill_to_cap)
     name = "pyramidkv"
-    params = {**SnapKVPolicy.params,
-              "obs_window": (int, 8, "observation window (the paper's alpha), kept in every layer"),
-              "pyramid_beta": (float, 20.0, "the paper's beta: the top layer gets (budget - obs_window) / pyramid_beta")}
+    obs_window: int = param(8, "observation window (the paper's alpha), kept in every layer")
+    pyramid_beta: float = param(20.0, "the paper's beta: the top layer gets (budget - obs_window) / pyramid_beta")
     renamed = {"window": "obs_window", "beta": "pyramid_beta"}
 
     @classmethod
     def full_cache_args(cls, n_tokens: int):
         """A budget whose smallest (top) layer still holds every token: obs_window + pyramid_beta (n - obs_window)."""
-        w, beta = cls.params["obs_window"][1], cls.params["pyramid_beta"][1]
+        w, beta = policy_params(cls)["obs_window"][1], policy_params(cls)["pyramid_beta"][1]
         return {"budget": w + int(beta * max(n_tokens - w, 1)) + 1}
 
     def validate(self) -> None:

@@ -364,20 +364,15 @@ class KIVIDenseCache(DenseCache):
         check_format(None, bits, group, residual)
         self.kv_bits, self.kv_group, self.kv_residual, self.backend = bits, group, residual, backend
 
-    def setup(self, args, max_batch_size: int, max_seq_length: int, dtype: torch.dtype, device) -> None:
+    def allocate_kv(self, args, max_batch_size: int, max_seq_length: int, dtype: torch.dtype, device):
+        """One packed SlotStore per layer, as both K and V (model.DenseCache.setup keeps the rest)."""
         # one spare group: reads go over whole groups of the live length, which then never reaches
         # the buffers' size (compiled graphs would otherwise change when it does)
         spare = max_seq_length + self.kv_group
         self.stores = [SlotStore(max_batch_size, args.n_kv_heads, args.head_dim, spare, self.kv_bits,
                                  self.kv_group, self.kv_residual, dtype, device, self.backend)
                        for _ in range(args.n_layers)]
-        self.k = self.v = self.stores
-        self.pos = torch.full((max_batch_size, max_seq_length), -1, dtype=torch.long, device=device)
-        self.length = torch.zeros(max_batch_size, dtype=torch.long, device=device)
-        self.rows = torch.arange(max_batch_size, device=device)
-        self.group = args.n_heads // args.n_kv_heads
-        self.sliding_window = args.sliding_window
-        self.reset()
+        return self.stores, self.stores
 
     def begin(self, input_pos: Tensor) -> None:
         super().begin(input_pos)

@@ -18,18 +18,20 @@ Pages are in slot space: for the full cache slot order is arrival order, as in Q
 
     python engine.py --checkpoint C --policy quest --policy-args preset=long
 """
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from cache.sparse_read import SparseReader, select_slots
+from cache.sparse_read import SparseReader, param, select_slots
 
 BIG = float("inf")
 
 
+@dataclass(eq=False)
 class QuestPolicy(SparseReader):
     name = "quest"
-    params = {**SparseReader.params,
-              "page_size": (int, 16, "slots per page")}
+    page_size: int = param(16, "slots per page")
 
     def validate(self) -> None:
         super().validate()

@@ -14,10 +14,12 @@ token leaves); the other layers keep everything.
 lazy_threshold defaults per model family as in the paper: Llama-3 0.9, Llama-2 0.65, Mistral 0.8,
 Qwen 0.85, otherwise 0.9 (see model_family).
 """
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from cache.base import EvictionPolicy, attention_probs, last_rows, window_params
+from cache.base import EvictionPolicy, attention_probs, last_rows, param, recent_param, sink_param
 from cache.shard import shard_of
 
 DELTA_BY_FAMILY = {"llama3": 0.9, "llama2": 0.65, "mistral": 0.8, "qwen": 0.85, "other": 0.9}
@@ -56,15 +58,17 @@ def lazy_mass(probs: Tensor, q_pos: Tensor, k_pos: Tensor, n_sink: int, n_recent
     return (mass * valid).sum(-1) / valid.sum(-1).clamp(min=1)
 
 
+@dataclass(eq=False)
 class SimLayerKVPolicy(EvictionPolicy):
     admission = "batch"     # lazy layers are decided once for the whole batch
     name = "simlayerkv"
-    params = {"strategy": (str, "decode", "where lazy layers are found: decode (the first generated token's "
-                                          "query, the paper's experiments) or prefill (the last prompt queries)"),
-              "lazy_threshold": (float, -1.0, "the paper's delta: laziness threshold (-1: the paper's value for the "
-                                                 "model family)"),
-              **window_params(n_sink=4, n_recent=1024),     # what a lazy layer keeps, and its laziness measure
-              "obs_window": (int, 32, "last prompt queries measured by the prefill strategy")}
+    strategy: str = param("decode", "where lazy layers are found: decode (the first generated token's query, "
+                                    "the paper's experiments) or prefill (the last prompt queries)")
+    lazy_threshold: float = param(-1.0, "the paper's delta: laziness threshold (-1: the paper's value for the "
+                                        "model family)")
+    n_sink: int = sink_param(4)             # what a lazy layer keeps, and its laziness measure
+    n_recent: int = recent_param(1024)
+    obs_window: int = param(32, "last prompt queries measured by the prefill strategy")
     renamed = {"delta": "lazy_threshold", "n_initial": "n_sink", "window": "n_recent", "w_last": "obs_window"}
     appending = True
     defer_compression = True

@@ -8,15 +8,17 @@ Generated tokens are appended (the cache grows by one slot per step; nothing is 
 import torch
 from torch import Tensor
 
-from cache.base import HEAD_AGG_PARAM, EvictionPolicy, column_scores, pool1d
+from dataclasses import dataclass
+
+from cache.base import Budget, EvictionPolicy, HeadAgg, column_scores, param, pool1d
 
 
-class SnapKVPolicy(EvictionPolicy):
+@dataclass(eq=False)
+class SnapKVPolicy(HeadAgg, Budget, EvictionPolicy):
     name = "snapkv"
-    params = {**EvictionPolicy.params, **HEAD_AGG_PARAM,
-              "obs_window": (int, 32, "observation window w: the last prompt queries, always kept"),
-              "kernel": (int, 7, "pooling kernel (odd; 1 = no pooling)"),
-              "pooling": (str, "max", "pooling kind: max or avg")}
+    obs_window: int = param(32, "observation window w: the last prompt queries, always kept")
+    kernel: int = param(7, "pooling kernel (odd; 1 = no pooling)")
+    pooling: str = param("max", "pooling kind: max or avg")
     renamed = {"window": "obs_window"}
     appending = True
 

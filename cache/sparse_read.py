@@ -28,6 +28,7 @@ group, `kernels.approx_scores(group="kv")`), and attention reads each selected r
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Optional
 
@@ -35,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cache.base import HEAD_AGG, HEAD_AGG_PARAM, EvictionPolicy
+from cache.base import HEAD_AGG, EvictionPolicy, HeadAgg
+from cache.params import param, param_values, policy_params  # noqa: F401  (param, policy_params: for readers)
 from kernels import sparse_decode_attention
 from kernels.cpu import cpu_kernels_available, select_top_cpu, use_cpu_kernel
 from kernels.kivi_attention import kivi_attention
@@ -210,7 +212,8 @@ def select_slots(scores: Tensor, bias: Tensor, n: int, backend: str = "auto") ->
 
 # --------------------------------------------------------------------------- the reader base
 
-class SparseReader:
+@dataclass(eq=False)
+class SparseReader(HeadAgg):
     """Base of the query-aware readers: wraps an inner storage policy (contract: cache/contract.py).
 
     Subclasses implement `build(layer)` (index structure from the inner storage after prefill),
@@ -218,18 +221,16 @@ class SparseReader:
     [B, H_kv, N] slots to read.  The rest (delegation, sink/recent bias, attention) lives here."""
 
     name = "sparse"
-    params: dict = {
-        "preset": (str, "long", "paper preset: short (N_c=128: 8 sinks/32 recent/88 middle) or long "
-                                "(N_c=512: 16/64/432)"),
-        "n_critical": (int, 0, "N_c, tokens read per attention (0 = from preset)"),
-        "n_sink": (int, -1, "x, first tokens always read (-1 = from preset)"),
-        "n_recent": (int, -1, "y, most recent tokens always read, the current one included (-1 = from preset)"),
-        "backend": (str, "auto", "kernels: auto (Triton on CUDA, C++ on CPU when built, else torch), torch, "
-                                 "triton or cpp"),
-        **HEAD_AGG_PARAM,
-    }
+    inner: object = field(default=None, repr=False)     # storage policy read (None: a DenseCache)
+    preset: str = param("long", "paper preset: short (N_c=128: 8 sinks/32 recent/88 middle) or long "
+                                "(N_c=512: 16/64/432)")
+    n_critical: int = param(0, "N_c, tokens read per attention (0 = from preset)")
+    n_sink: int = param(-1, "x, first tokens always read (-1 = from preset)")
+    n_recent: int = param(-1, "y, most recent tokens always read, the current one included (-1 = from preset)")
+    backend: str = param("auto", "kernels: auto (Triton on CUDA, C++ on CPU when built, else torch), torch, "
+                                 "triton or cpp")
     head_aggs = HEAD_AGG            # the head aggregations a reader supports
-    renamed: dict = {}
+    renamed = {}
     is_sparse_reader = True
     decode_attention = False
     reader_composable = False       # one reader per policy
@@ -248,13 +249,9 @@ class SparseReader:
     def kv_group(self) -> int:
         return self.inner.kv_group
 
-    def __init__(self, inner=None, **kwargs):
-        self.inner = inner if inner is not None else DenseCache()
+    def __post_init__(self):
+        self.inner = self.inner if self.inner is not None else DenseCache()
         check_composable(self.inner)
-        for key, (kind, default, _) in self.params.items():
-            setattr(self, key, kind(kwargs.pop(key, default)))
-        if kwargs:
-            raise ValueError(f"unknown parameter(s) {sorted(kwargs)} for policy {self.name!r}")
         self.resolve()
         self.validate()
         self.storage_ = InnerStorage(self.inner)
@@ -495,7 +492,7 @@ class SparseReader:
         return self.storage_.row_bytes()
 
     def describe(self) -> dict:
-        d = {"policy": self.name, **{k: getattr(self, k) for k in self.params},
+        d = {"policy": self.name, **param_values(self),
              "n_middle": self.n_critical - self.n_sink - self.n_recent}
         if not hasattr(self, "args"):                       # not set up yet
             d["inner"] = getattr(self.inner, "name", type(self.inner).__name__)

@@ -6,12 +6,15 @@ so memory stays flat for any generation length.  Keys keep their original positi
 The rule is the eviction base's defaults: the sinks and the recent window (n_recent = budget - n_sink)
 are always kept, and a token's score is its position (the oldest unprotected one leaves).
 """
-from cache.base import EvictionPolicy, window_params
+from dataclasses import dataclass
+
+from cache.base import Budget, EvictionPolicy, sink_param
 
 
-class StreamingPolicy(EvictionPolicy):
+@dataclass(eq=False)
+class StreamingPolicy(Budget, EvictionPolicy):
     name = "streaming"
-    params = {**EvictionPolicy.params, **window_params(n_sink=4)}
+    n_sink: int = sink_param(4)
 
     def validate(self) -> None:
         if self.n_sink < 0 or self.budget <= self.n_sink:

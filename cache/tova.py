@@ -7,15 +7,17 @@ token with the lowest attention averaged over the layer's heads makes room for t
 current step's attention counts (H2O accumulates it).  Deviation: TOVA may drop the new token itself
 when its own attention is the lowest; a slot cache always stores it (docs/policies.md).
 """
+from dataclasses import dataclass
+
 from torch import Tensor
 
-from cache.base import EvictionPolicy, column_scores
+from cache.base import Budget, EvictionPolicy, column_scores
 from cache.shard import shard_of
 
 
-class TOVAPolicy(EvictionPolicy):
+@dataclass(eq=False)
+class TOVAPolicy(Budget, EvictionPolicy):
     name = "tova"
-    params = dict(EvictionPolicy.params)
     decode_attention = True
 
     def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:

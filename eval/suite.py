@@ -70,13 +70,13 @@ from typing import Callable, Optional, Sequence  # noqa: E402
 
 import atomic_io  # noqa: E402
 import engine  # noqa: E402
-from cache import POLICIES, PolicyError, parse_spec  # noqa: E402
+from cache import POLICIES, PolicyError, parse_spec, policy_params  # noqa: E402
 from cache.base import EvictionPolicy  # noqa: E402
 from eval import agreement, common, longbench, needle, passkey, perplexity, ruler  # noqa: E402
 from eval.common import UsageError  # noqa: E402
 
 # every registered eviction policy that takes a token budget (a policy registered later joins the presets)
-BUDGETED = tuple(name for name, cls in POLICIES.items() if issubclass(cls, EvictionPolicy) and "budget" in cls.params)
+BUDGETED = tuple(name for name, cls in POLICIES.items() if issubclass(cls, EvictionPolicy) and "budget" in policy_params(cls))
 QUICK_POLICIES = "; ".join(["full", *(f"{name}:budget=256" for name in BUDGETED), "simlayerkv:n_recent=252",
                             "ds:n_critical=256", "hshare:n_critical=256", "pod:n_recent=240", "full:kv_bits=4"])
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import engine
-from cache import make_policy
+from cache import POLICIES, make_policy, policy_params
+from cache.base import EvictionPolicy
 from cache.h2o import H2OPolicy
 from cache.quantized import KIVIDenseCache, KIVISlots, SlotStore, check_format, with_kv_bits
 from cache.snapkv import SnapKVPolicy
@@ -25,9 +26,15 @@ from tests.helpers import greedy_logits, kept, left_padded, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
 BUFFERS = ("k_packed", "k_scale", "k_min", "v_packed", "v_scale", "v_min", "k_ring", "v_ring")
-EVICTION = {"streaming": "budget=12,n_sink=2", "h2o": "budget=12,n_sink=2,n_recent=4", "snapkv": "budget=12,obs_window=4",
-            "pyramidkv": "budget=12,obs_window=4", "d2o": "budget=14,n_sink=2", "simlayerkv": "n_recent=6",
-            "simlayerkv@decode": "strategy=decode,n_recent=6"}
+def small_args(name: str) -> str:
+    """Arguments under which a registered eviction policy evicts on the short prompts of these tests."""
+    declared = policy_params(POLICIES[name])
+    sizes = {"budget": 12, "n_sink": 2, "obs_window": 4, "n_recent": 4 if "budget" in declared else 6}
+    return ",".join(f"{k}={v}" for k, v in sizes.items() if k in declared)
+
+
+EVICTION = {**{n: small_args(n) for n in POLICIES if issubclass(POLICIES[n], EvictionPolicy)},
+            "simlayerkv@prefill": small_args("simlayerkv") + ",strategy=prefill"}
 
 
 def kivi(name, args, bits=4, group=8, residual=16):

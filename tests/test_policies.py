@@ -9,7 +9,7 @@ import torch
 
 import checkpoint
 import engine
-from cache import POLICIES, PolicyError, make_policy
+from cache import POLICIES, PolicyError, make_policy, policy_params
 from cache.base import EvictionPolicy, column_scores, fill_to_cap, pool1d, pyramid_budgets, split_integer
 from cache.simlayerkv import DELTA_BY_FAMILY, model_family
 from model import ModelArgs
@@ -22,7 +22,7 @@ def small_args(name: str, n: int) -> dict:
     """Arguments that keep about n prompt tokens per layer and head: a budget of n, or, for a policy without
     one, its full-cache arguments for n tokens (SimLayerKV: what its lazy layers keep)."""
     cls = POLICIES[name]
-    return {"budget": n} if "budget" in cls.params else cls.full_cache_args(n)
+    return {"budget": n} if "budget" in policy_params(cls) else cls.full_cache_args(n)
 
 
 def bare_policy(name, args_text, n_heads=4, n_kv_heads=2, head_dim=8, T=20, max_seq=64, layers=1, batch=1):
@@ -510,7 +510,7 @@ def test_bad_policy_arguments_are_clear_errors(name, args, message):
 def test_registry_lists_every_policy_with_declared_parameters():
     assert set(EVICTION) | {"full"} <= set(POLICIES)
     for name in EVICTION:
-        for key, (kind, default, help_text) in POLICIES[name].params.items():
+        for key, (kind, default, help_text) in policy_params(POLICIES[name]).items():
             assert isinstance(default, kind) and help_text
 
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import engine
-from cache import POLICIES, PolicyError, make_policy
+from cache import POLICIES, PolicyError, make_policy, policy_params
 from cache.quantized import with_kv_bits
 from model import DenseCache, ModelArgs, Transformer
 from tests.helpers import left_padded
@@ -58,8 +58,8 @@ def pytest_generate_tests(metafunc):
         cells = [(n, s) for n in names for s in ("kv16", "kv4") if s == "kv16" or storage_ok(n, STORAGES[s])]
         metafunc.parametrize("admission_cell", cells, ids=[f"{n}-{s}" for n, s in cells])
     elif "variant" in metafunc.fixturenames:     # head aggregations other than the default
-        cells = [(n, s, f"head_agg={agg}") for n in names if "head_agg" in POLICIES[n].params
-                 for agg in POLICIES[n].head_aggs if agg != POLICIES[n].params["head_agg"][1] for s in ("kv16", "kv4")]
+        cells = [(n, s, f"head_agg={agg}") for n in names if "head_agg" in policy_params(POLICIES[n])
+                 for agg in POLICIES[n].head_aggs if agg != policy_params(POLICIES[n])["head_agg"][1] for s in ("kv16", "kv4")]
         metafunc.parametrize("variant", cells, ids=[f"{n}-{s}-{a}" for n, s, a in cells])
     elif "policy_name" in metafunc.fixturenames:
         metafunc.parametrize("policy_name", names)
@@ -154,7 +154,7 @@ def test_cell(model, cell):
     policy = build(name, storage)
     first = run(model, policy, lengths, watch)
     assert torch.isfinite(first).all()
-    if "budget" in cls.params and getattr(policy, "budget", 0) > 0:
+    if "budget" in policy_params(cls) and getattr(policy, "budget", 0) > 0:
         assert kept_prompt_tokens(policy, lengths) <= ARGS.n_layers * policy.budget
     again = run(model, build(name, storage), lengths)
     assert torch.equal(first, again), "greedy decoding is not deterministic"
@@ -300,7 +300,7 @@ def test_bad_parameters_are_clear_errors(policy_name):
     cls = POLICIES[policy_name]
     with pytest.raises(PolicyError, match="no parameter"):
         make_policy(policy_name, {"no_such_parameter": "1"})
-    for key, (kind, default, help_text) in cls.params.items():
+    for key, (kind, default, help_text) in policy_params(cls).items():
         assert help_text, f"{policy_name}.{key} has no help text"
         if kind in (int, float, bool):
             with pytest.raises(PolicyError, match=key):
@@ -318,13 +318,16 @@ def test_every_policy_follows_the_contract(policy_name):
 # --------------------------------------------------------------------------- joining the matrix
 
 TRIVIAL = '''
+from dataclasses import dataclass
+
 import torch
 from cache import register
-from cache.base import EvictionPolicy, NEVER
+from cache.base import Budget, EvictionPolicy, NEVER
 
 
 @register
-class KeepFirst(EvictionPolicy):
+@dataclass(eq=False)
+class KeepFirst(Budget, EvictionPolicy):
     """Keeps the first `budget` prompt tokens, evicts the oldest non-first token in decode."""
     name = "keep-first-test"
 
