@@ -378,6 +378,7 @@ def test_compiled_decode_has_two_variants_and_serves_every_configuration(tiny_mo
     """Select and reuse steps are the only graphs; new requests with other sharing configurations
     (different prompts, random sharing seeds) run without recompiling, with the eager logits."""
     from torch._dynamo.utils import counters
+    torch._dynamo.reset()       # graphs of engine.decode_step compiled by earlier tests in this process would be reused
     torch.manual_seed(7)
     args = made_up_args(layers=3, n_heads=6, n_kv_heads=3, head_dim=16)
     model = Transformer(args)
