@@ -282,7 +282,7 @@ def test_compiled_server_equals_eager_alone(tiny_dir):
         assert counters["stats"]["unique_graphs"] >= 1           # compiled before the first request
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda item: complete(client, *item), prompts.items()))
-    for out, ref in zip(got, alone(tiny_dir, ["--max-seq-length", "256"], prompts)):
+    for out, ref in zip(got, alone(tiny_dir, ["--max-seq-length", "256"], prompts, "full")):
         assert out["choices"][0]["text"] == ref.texts[0]
 
 
