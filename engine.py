@@ -1,6 +1,7 @@
 """Generate text with a Llama-family model and a pluggable KV-cache policy.
 
-    python engine.py --checkpoint checkpoints/SmolLM2-135M-Instruct --chat --prompt "Hi"
+    python engine.py --checkpoint checkpoints/SmolLM2-135M-Instruct --chat --prompt "Hi"   # printed as generated
+    python engine.py --checkpoint checkpoints/SmolLM2-135M-Instruct --interactive          # a chat in the terminal
 
 Run as a script, this sets OMP_WAIT_POLICY=ACTIVE unless you set it: PyTorch's OpenMP
 threads otherwise sleep between ops, which costs milliseconds per op on small CPUs.
@@ -18,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, TextIO
 
 import torch
 
@@ -27,7 +28,7 @@ from cache.kv_dtype import kv_storage
 from cache.quantized import GROUP, RESIDUAL, check_format
 from checkpoint import WEIGHTS, CheckpointError, build_model, read_checkpoint, release_freed_memory
 from model import Transformer
-from tokenizer import Tokenizer
+from tokenizer import TextStream, Tokenizer
 import tp as tensor_parallel
 from tp import TPError
 
@@ -291,20 +292,26 @@ class Sampler:
 
 
 def decode_loop(model: Transformer, first: torch.Tensor, pos: torch.Tensor, max_new_tokens: int, sampler: Sampler,
-                eos: torch.Tensor, pad: int, decode, stop_check_every: int) -> tuple[torch.Tensor, int]:
+                eos: torch.Tensor, pad: int, decode, stop_check_every: int,
+                on_token: Optional[Callable[[torch.Tensor], None]] = None) -> tuple[torch.Tensor, int]:
     """Greedy/sampled decode after the prompt: first [B] (the prefill's token), pos [B, 1] its position
     -> (tokens [B, max_new_tokens] with pad after each sequence's EOS, decode steps run).  A sequence
     stops at its own EOS; the loop ends when all have (checked every `stop_check_every` steps, the
-    loop's only host sync)."""
+    loop's only host sync).  on_token, if given, gets each step's tokens [B] (first included) as they
+    are sampled (reading them is a host sync per step)."""
     B = first.shape[0]
     out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=first.device)
     out[:, 0] = token = first
+    if on_token is not None:
+        on_token(token)
     done = torch.isin(token, eos)
     steps = 0
     for i in range(1, max_new_tokens):
         logits = run_decode(model, token[:, None], pos, i - 1, decode)
         token = torch.where(done, pad, sampler(logits))
         out[:, i] = token
+        if on_token is not None:
+            on_token(token)
         done |= torch.isin(token, eos)
         pos = pos + 1
         steps += 1
@@ -317,7 +324,8 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
              temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
              seed: Optional[int] = None, policy=None, max_seq_length: Optional[int] = None,
              chat: bool = False, compile: bool = False, prefill_chunk: int = 1024,
-             stop_check_every: int = 8, compile_prefill: bool = False) -> GenerationResult:
+             stop_check_every: int = 8, compile_prefill: bool = False,
+             on_token: Optional[Callable[[torch.Tensor], None]] = None) -> GenerationResult:
     """Generate for a batch of prompts (str or token-id lists, any lengths).
 
     Prompts are left-padded to a common length; every sequence keeps its own positions
@@ -325,7 +333,8 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
     own EOS; the loop ends when all have (checked every `stop_check_every` steps, the only
     host sync of the decode loop).  `policy` is a cache policy object (DenseCache if None).
     compile=True runs the compiled decode step (`compiled_steps`, warmed up first); compile_prefill=True
-    compiles the prefill step as well.
+    compiles the prefill step as well.  on_token(tokens [B]) is called as each step's tokens are sampled
+    (the CLI streams with it: `stream_printer`); after a sequence's EOS its entries are padding.
     """
     if compile_prefill and not compile:
         raise UsageError("compile_prefill needs compile (--compile-prefill needs --compile)")
@@ -352,7 +361,8 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
         sync()
         t1 = time.perf_counter()
         out, steps = decode_loop(model, first, input_pos[:, -1:] + 1, max_new_tokens, sampler,
-                                 torch.tensor(tokenizer.eos_ids, device=device), pad, decode, stop_check_every)
+                                 torch.tensor(tokenizer.eos_ids, device=device), pad, decode, stop_check_every,
+                                 on_token)
         sync()
         t2 = time.perf_counter()
     eos_set = set(tokenizer.eos_ids)
@@ -505,6 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch of different prompts)")
     p.add_argument("--prompt-file", action="append", help="file whose whole text is one prompt (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
+    p.add_argument("--interactive", action="store_true",
+                   help="a multi-turn chat in the terminal: each line read is a user turn, answered with the "
+                        "checkpoint's chat template (the whole conversation is prefilled each turn); "
+                        "/reset forgets it, /exit or end of input ends")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, help="default: the number of prompts; a single prompt is repeated")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -605,10 +619,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """main() after parsing: generate, then print (rank 0 only under --tp)."""
+    """main() after parsing: generate, then print (rank 0 only under --tp).  A single sequence is printed as
+    it is generated; a batch once it is done, each text after a `--- [i]` line."""
     if args.compile_prefill and not args.compile:
         raise UsageError("--compile-prefill needs --compile")
-    prompts = collect_prompts(args)
+    if args.interactive and (args.prompt or args.prompt_file or args.batch_size or args.tp > 1):
+        raise UsageError("--interactive reads its prompts from the terminal, one sequence in one process: "
+                         "drop --prompt/--prompt-file/--batch-size/--tp")
+    prompts = [] if args.interactive else collect_prompts(args)
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
     Sampler(args.temperature, args.top_k, args.top_p)            # bad sampling flags fail before loading
@@ -616,20 +634,72 @@ def run_cli(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.checkpoint, device, args.dtype, args.weights, args.tp, args.tp_head)
     check_kv_fits(args, model.args)
+    if args.interactive:
+        return chat_loop(model, tokenizer, policy, args, sys.stdin, sys.stdout)
     seed = args.seed
     if seed is None and model.args.shard is not None:             # every process must sample alike
         seed = model.args.shard.shared_seed()
+    streamed = len(prompts) == 1 and tensor_parallel.is_leader()
+    on_token, stream = stream_printer(tokenizer, sys.stdout) if streamed else (None, None)
     result = generate(model, tokenizer, prompts, args.max_new_tokens, args.temperature, args.top_k,
                       args.top_p, seed, policy, args.max_seq_length, args.chat, args.compile,
-                      compile_prefill=args.compile_prefill)
+                      compile_prefill=args.compile_prefill, on_token=on_token)
     if not tensor_parallel.is_leader():
         return 0
-    for i, text in enumerate(result.texts):
-        if len(result.texts) > 1:
-            print(f"--- [{i}]")
+    if streamed:
+        print(stream.flush(), flush=True)
+    for i, text in enumerate(result.texts if len(result.texts) > 1 else []):
+        print(f"--- [{i}]")
         print(text)
     print(format_stats(result.stats), file=sys.stderr)
     return 0
+
+
+def stream_printer(tokenizer: Tokenizer, out: TextIO) -> tuple[Callable[[torch.Tensor], None], TextStream]:
+    """(on_token for generate, its TextStream): writes the first sequence's text to `out` as it is generated
+    (flushed, a partial character held back), up to its EOS; `stream.flush()` is what is left to print."""
+    stream, eos, ended = TextStream(tokenizer), set(tokenizer.eos_ids), []
+
+    def on_token(tokens: torch.Tensor) -> None:
+        token = int(tokens[0])
+        if ended or token in eos:
+            ended.append(True)
+            return
+        out.write(stream.push(token))
+        out.flush()
+    return on_token, stream
+
+
+def chat_loop(model: Transformer, tokenizer: Tokenizer, policy, args, lines: TextIO, out: TextIO) -> int:
+    """--interactive: each line of `lines` is a user turn; the answer (generate on the whole conversation in the
+    chat template, streamed) goes to `out`, one line per answer; the prompt "> " goes to stderr.  A turn that
+    does not fit the context is refused with a message and forgotten."""
+    if tokenizer.chat_template is None:
+        raise UsageError(f"--interactive needs a chat template; {args.checkpoint} has none")
+    messages = []
+    while True:
+        print("> ", end="", file=sys.stderr, flush=True)
+        line = lines.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                               add_special_tokens=False)
+        on_token, stream = stream_printer(tokenizer, out)
+        try:
+            result = generate(model, tokenizer, [ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                              args.seed, policy, args.max_seq_length, compile=args.compile, on_token=on_token)
+        except UsageError as e:
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        print(stream.flush(), file=out, flush=True)
+        messages.append({"role": "assistant", "content": result.texts[0]})
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
-"""An OpenAI-compatible HTTP server with continuous batching (engine.RowBatch).
+"""An OpenAI-compatible HTTP server with continuous batching (engine.RowBatch), one batch per started policy.
 
     pip install -e '.[serve]'
-    python serve.py --checkpoint checkpoints/SmolLM2-135M-Instruct --policy snapkv:budget=256 --port 8000
+    python serve.py --checkpoint checkpoints/SmolLM2-135M-Instruct --policies 'full; snapkv:budget=256' --port 8000
 
 POST /v1/completions and /v1/chat/completions (non-streaming and `stream: true`, server-sent events ending
-with `data: [DONE]`), GET /v1/models, GET /health.  One engine thread owns the model and the batch: request
-handlers only validate, enqueue and await what the engine sends back.  A request joins the running batch at
-the next step boundary (its prompt prefilled whole), leaves at EOS, `max_tokens`, a `stop` string or its
-client's disconnect; at most --max-batch rows run, --max-queue more wait, beyond that the answer is 429.
+with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).  One engine thread owns the
+model and the batches: request handlers only validate, enqueue and await what the engine sends back.  Each
+started policy (--policies) has its own RowBatch; a request's `kv_policy` field picks one (default: the first).
+A request joins its policy's running batch at the next step boundary (its prompt prefilled whole), leaves at
+EOS, `max_tokens`, a `stop` string or its client's disconnect; at most --max-batch rows run per policy,
+--max-queue more wait (all policies together), beyond that the answer is 429.  docs/serving.md: the API.
 """
 from __future__ import annotations
 
@@ -26,20 +28,22 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import jinja2
 import torch
 
 import engine
-from cache import PolicyError, make_policy
+from cache import PolicyError, make_policy, parse_spec_list
 from checkpoint import CheckpointError
+from serve_metrics import Family, Histogram, exposition
+from tokenizer import unfinished_tail
 
 try:
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request as HTTPRequest
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 except ImportError:         # the server's own dependencies are an extra
     uvicorn = None
@@ -66,11 +70,15 @@ class Job:
     max_tokens: int
     sampler: engine.Sampler
     stop: list[str]
+    lane: str                         # the name of the started policy that serves it
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue = field(default_factory=asyncio.Queue)   # ("text", str)... ("done", reason) or ("error", msg)
     tokens: list[int] = field(default_factory=list)
     sent: int = 0                     # characters of the text already sent
     cancelled: bool = False           # set by the handler when its client goes away
+    row: int = -1                     # its row in the lane's RowBatch, once admitted
+    submitted: float = field(default_factory=time.monotonic)
+    last: Optional[float] = None      # when its latest token was sampled (time.monotonic)
 
     def send(self, *item) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -79,36 +87,66 @@ class Job:
 def hold_back(text: str, stop: list[str]) -> int:
     """Characters at the end of `text` that must not be sent yet: a partial UTF-8 character or the start of a
     stop string."""
-    partial = len(text) - len(text.rstrip("\ufffd"))
-    return max([partial] + [k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])])
+    return max([unfinished_tail(text)] + [k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])])
 
 
 # --------------------------------------------------------------------------- the engine thread
 
-class Engine:
-    """Owns the model, the tokenizer and one RowBatch; `run` (its own thread) admits waiting jobs (first come,
-    first served) into free rows, decodes one step of every active row, samples each row with its own settings
-    and streams the text back to the handlers."""
+@dataclass
+class Lane:
+    """One started policy: its own RowBatch (at most --max-batch rows), the requests waiting for one of its rows
+    (first come, first served) and those in its rows."""
+    name: str                         # the spec's NAME[@LABEL]: what a request's kv_policy names
+    spec: str                         # the whole spec, as started
+    make_policy: Callable
+    batch: engine.RowBatch
+    waiting: list = field(default_factory=list)          # [Job], guarded by Engine.wake
+    rows: dict = field(default_factory=dict)             # row -> Job (the engine thread's own)
+    kv: dict = field(default_factory=dict)               # the policy's latest kv_bytes(), read by /metrics
+    kv_at: float = 0.0                                   # when it was read (time.monotonic)
 
-    def __init__(self, model, tokenizer, make_policy, max_batch: int, max_queue: int, max_seq_length: int,
-                 max_new_tokens: int):
+
+class Engine:
+    """Owns the model, the tokenizer and one Lane per started policy; `run` (its own thread) goes round the
+    lanes: each admits its waiting jobs into free rows, decodes one step of its active rows, samples each row
+    with its own settings and streams the text back to the handlers.  The lanes share the model: before a
+    lane runs, the model's cache is pointed at that lane's policy."""
+
+    TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)       # seconds
+    ITL_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+    def __init__(self, model, tokenizer, policies: dict, max_batch: int, max_queue: int, max_seq_length: int,
+                 max_new_tokens: int, steps=(engine.prefill_step, engine.decode_step)):
+        """policies: {name: (spec text, a function making a fresh policy instance)}, the first the default;
+        steps: the (prefill, decode) step functions (engine.compiled_steps for --compile)."""
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
-        self.batch = engine.RowBatch(model, make_policy, max_batch, max_seq_length, max_new_tokens)
+        self.steps = steps
+        self.lanes = {name: Lane(name, spec, make, self.new_batch(make)) for name, (spec, make) in policies.items()}
         self.eos = set(tokenizer.eos_ids)
-        self.waiting: list[Job] = []
-        self.rows: dict[int, Job] = {}
-        self.outcomes: Counter = Counter()          # finished requests by finish reason / "cancelled" / "error"
-        self.wake = threading.Condition()
+        self.finished: Counter = Counter()          # (lane, "stop"/"length"/"cancelled"/"error") -> requests
+        self.tokens: Counter = Counter()            # (lane, "prompt"/"completion") -> tokens
+        self.http: Counter = Counter()              # HTTP status of the generation requests -> count
+        self.ttft = {name: Histogram(self.TTFT_BOUNDS) for name in self.lanes}
+        self.itl = {name: Histogram(self.ITL_BOUNDS) for name in self.lanes}
+        self.wake = threading.Condition()           # guards the queues and the counters above
         self.stopping = False
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        for lane in self.lanes.values():
+            self.read_kv(lane)
+
+    def new_batch(self, make_policy) -> engine.RowBatch:
+        prefill, decode = self.steps
+        return engine.RowBatch(self.model, make_policy, self.max_batch, self.max_seq_length, self.max_new_tokens,
+                               prefill=prefill, decode=decode)
 
     def submit(self, job: Job) -> None:
         with self.wake:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests already wait for a row; try again later")
-            self.waiting.append(job)
+            waiting = sum(len(lane.waiting) for lane in self.lanes.values())
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests already wait for a row; try again later")
+            self.lanes[job.lane].waiting.append(job)
             self.wake.notify()
 
     def stop(self) -> None:
@@ -119,94 +157,151 @@ class Engine:
 
     def health(self) -> dict:
         with self.wake:
-            return {"status": "ok", "rows_in_use": len(self.rows), "max_batch": self.max_batch,
-                    "queue_depth": len(self.waiting), "max_queue": self.max_queue, "requests": dict(self.outcomes)}
-
-    def count(self, outcome: str) -> None:
-        with self.wake:
-            self.outcomes[outcome] += 1
+            lanes = {name: {"spec": lane.spec, "rows_in_use": len(lane.rows), "queue_depth": len(lane.waiting)}
+                     for name, lane in self.lanes.items()}
+            requests = Counter()
+            for (_, outcome), n in self.finished.items():
+                requests[outcome] += n
+            return {"status": "ok", "rows_in_use": sum(p["rows_in_use"] for p in lanes.values()),
+                    "max_batch": self.max_batch, "queue_depth": sum(p["queue_depth"] for p in lanes.values()),
+                    "max_queue": self.max_queue, "requests": dict(requests), "policies": lanes}
 
     def run(self) -> None:
         with torch.inference_mode():
             while True:
                 with self.wake:
-                    while not (self.stopping or self.waiting or self.rows):
+                    while not (self.stopping or any(lane.waiting or lane.rows for lane in self.lanes.values())):
                         self.wake.wait()
                     if self.stopping:
                         break
-                    for job in [j for j in self.waiting if j.cancelled]:
-                        self.waiting.remove(job)
-                        self.outcomes["cancelled"] += 1     # (under the lock already)
-                    waiting = list(self.waiting)
-                try:
-                    self.iterate(waiting)
-                except Exception as e:              # noqa: BLE001 -- fail the requests in flight, keep serving
-                    self.fail_all(f"{type(e).__name__}: {e}")
-                    self.batch = engine.RowBatch(self.model, self.batch.make_policy, self.max_batch,
-                                                 self.max_seq_length, self.max_new_tokens)   # a clean one
-        self.fail_all("the server is shutting down")
+                    waiting = {name: self.drop_cancelled(lane) for name, lane in self.lanes.items()}
+                for lane in self.lanes.values():
+                    if waiting[lane.name] or lane.rows:
+                        self.run_lane(lane, waiting[lane.name])
+        for lane in self.lanes.values():
+            self.fail(lane, "the server is shutting down")
 
-    def iterate(self, waiting: list[Job]) -> None:
-        """Admit what fits, then one decode step of every active row."""
-        for job in list(self.rows.values()):
+    def drop_cancelled(self, lane: Lane) -> list:
+        """(Under the lock) forget the waiting jobs whose clients went away -> the lane's waiting jobs."""
+        for job in [j for j in lane.waiting if j.cancelled]:
+            lane.waiting.remove(job)
+            self.finished[lane.name, "cancelled"] += 1
+        return list(lane.waiting)
+
+    def run_lane(self, lane: Lane, waiting: list) -> None:
+        """One iteration of a lane; a failure fails the lane's requests and the lane goes on with a fresh
+        RowBatch (the other lanes are not touched)."""
+        try:
+            self.iterate(lane, waiting)
+        except Exception as e:                      # noqa: BLE001 -- fail the requests in flight, keep serving
+            self.fail(lane, f"{type(e).__name__}: {e}")
+            lane.batch = self.new_batch(lane.make_policy)       # a clean one
+        self.read_kv(lane)
+
+    def iterate(self, lane: Lane, waiting: list) -> None:
+        """Drop the rows whose clients went away, admit what fits, then one decode step of every active row."""
+        self.model.cache = lane.batch.policy        # the lanes share the model: this lane's cache
+        for job in list(lane.rows.values()):
             if job.cancelled:
-                self.finish(job, "cancelled")
-        admitted = self.batch.admit([job.ids for job in waiting]) if waiting else []
-        with self.wake:
-            del self.waiting[:len(admitted)]        # admit takes a prefix of the queue, in order
-        for (row, logits), job in zip(admitted, waiting):
-            self.rows[row] = job
-            self.emit(job, logits)
-        if self.rows:
-            logits = self.batch.step({row: job.tokens[-1] for row, job in self.rows.items()})
-            for row, job in list(self.rows.items()):
-                self.emit(job, logits[row])
+                self.finish(lane, job, "cancelled")
+        self.admit(lane, waiting)
+        if lane.rows:
+            logits = lane.batch.step({row: job.tokens[-1] for row, job in lane.rows.items()})
+            for row, job in list(lane.rows.items()):
+                self.emit(lane, job, logits[row])
 
-    def emit(self, job: Job, logits: torch.Tensor) -> None:
+    def admit(self, lane: Lane, waiting: list) -> None:
+        """Admission, the one place prompts are prefilled: RowBatch.admit prefills each admitted prompt whole
+        (the lane's rows wait meanwhile) and gives its last logits, from which its first token is sampled.
+        A RowBatch that prefills in chunks interleaved with decode steps advances one chunk here per iteration."""
+        admitted = lane.batch.admit([job.ids for job in waiting]) if waiting else []
+        with self.wake:
+            del lane.waiting[:len(admitted)]        # admit takes a prefix of the queue, in order
+            self.tokens[lane.name, "prompt"] += sum(len(job.ids) for job in waiting[:len(admitted)])
+        for (row, logits), job in zip(admitted, waiting):
+            job.row = row
+            lane.rows[row] = job
+            self.emit(lane, job, logits)
+
+    def emit(self, lane: Lane, job: Job, logits: torch.Tensor) -> None:
         """Sample job's next token from logits [V], send the new text, finish it at EOS/stop/max_tokens."""
         token = int(job.sampler(logits[None])[0])
+        self.observe(lane, job, token not in self.eos)
         if token in self.eos:
-            return self.finish(job, "stop", self.tokenizer.decode(job.tokens) if job.tokens else "")
+            return self.finish(lane, job, "stop", self.tokenizer.decode(job.tokens) if job.tokens else "")
         job.tokens.append(token)
         text = self.tokenizer.decode(job.tokens)
         cut = min([i for i in (text.find(s, max(job.sent - len(s), 0)) for s in job.stop) if i >= 0], default=-1)
         if cut >= 0:
-            return self.finish(job, "stop", text[:cut])
+            return self.finish(lane, job, "stop", text[:cut])
         if len(job.tokens) >= job.max_tokens:
-            return self.finish(job, "length", text)
+            return self.finish(lane, job, "length", text)
         end = len(text) - hold_back(text, job.stop)
         if end > job.sent:
             job.send("text", text[job.sent:end])
             job.sent = end
 
-    def finish(self, job: Job, reason: str, text: str = "") -> None:
+    def observe(self, lane: Lane, job: Job, generated: bool) -> None:
+        """Time a sampled token (TTFT for the first, inter-token latency after) and count it if it is text."""
+        now = time.monotonic()
+        with self.wake:
+            if job.last is None:
+                self.ttft[lane.name].observe(now - job.submitted)
+            else:
+                self.itl[lane.name].observe(now - job.last)
+            self.tokens[lane.name, "completion"] += generated
+        job.last = now
+
+    def finish(self, lane: Lane, job: Job, reason: str, text: str = "") -> None:
         if len(text) > job.sent:
             job.send("text", text[job.sent:])
         job.send("done", reason)
-        self.release(job)
-        self.count(reason)
-
-    def release(self, job: Job) -> None:
-        row = next(r for r, j in self.rows.items() if j is job)
-        del self.rows[row]
-        self.batch.release(row)
-
-    def fail_all(self, message: str) -> None:
-        """Send the error to every request in flight or waiting; their rows are forgotten (the batch is rebuilt
-        after a failed step, dropped at shutdown)."""
+        del lane.rows[job.row]
+        lane.batch.release(job.row)
         with self.wake:
-            jobs, self.waiting = list(self.rows.values()) + self.waiting, []
-            self.outcomes["error"] += len(jobs)
+            self.finished[lane.name, reason] += 1
+
+    def fail(self, lane: Lane, message: str) -> None:
+        """Send the error to every request of the lane, in flight or waiting; its rows are forgotten (its batch
+        is rebuilt after a failed step, dropped at shutdown)."""
+        with self.wake:
+            jobs, lane.waiting = list(lane.rows.values()) + lane.waiting, []
+            self.finished[lane.name, "error"] += len(jobs)
         for job in jobs:
             job.send("error", message)
-        self.rows.clear()
+        lane.rows.clear()
+
+    def read_kv(self, lane: Lane) -> None:
+        """Refresh the lane's KV byte counts for /metrics (here, on the engine thread: the buffers are its own),
+        at most every quarter second while rows run."""
+        now = time.monotonic()
+        if lane.rows and now - lane.kv_at < 0.25:
+            return
+        kv = lane.batch.policy.kv_bytes()
+        with self.wake:
+            lane.kv, lane.kv_at = kv, now
+
+    def warm_up(self) -> None:
+        """Run every lane through a few decode steps of --max-batch short requests, so that a compiled step
+        (--compile) is compiled before the first request."""
+        with torch.inference_mode():
+            for lane in self.lanes.values():
+                self.model.cache = lane.batch.policy
+                ids = [0] * engine.warmup_length(lane.batch.policy)
+                rows = {row: int(logits.argmax()) for row, logits in lane.batch.admit([ids] * self.max_batch)}
+                for _ in range(3):
+                    logits = lane.batch.step(rows)
+                    rows = {row: int(logits[row].argmax()) for row in rows}
+                for row in rows:
+                    lane.batch.release(row)
 
 
 # --------------------------------------------------------------------------- request parsing
 
 FIELDS = {"model": str, "prompt": str, "messages": list, "max_tokens": int, "max_completion_tokens": int,
           "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int, "stop": (str, list),
-          "n": int, "stream": bool, "stream_options": dict, "user": str}
+          "n": int, "stream": bool, "stream_options": dict, "user": str,
+          "kv_policy": str}             # the extension field: which started policy serves the request
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "echo": False, "best_of": 1,
            "logit_bias": {}, "suffix": ""}     # accepted only at their no-op values
 
@@ -227,15 +322,24 @@ def check_fields(body) -> dict:
     return body
 
 
+def message_text(i: int, m) -> dict:
+    """messages[i] -> {"role", "content"}: content a string or a list of text parts ({"type": "text", "text"})."""
+    content = m.get("content") if isinstance(m, dict) else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
+                                         isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, str)):
+        raise BadRequest(f"messages[{i}] must be an object with a string 'role' and a 'content' that is a string "
+                         f"or a list of text parts", "messages")
+    return {"role": m["role"], "content": content}
+
+
 def chat_text(tokenizer, messages: list) -> str:
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise BadRequest(f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
+    messages = [message_text(i, m) for i, m in enumerate(messages)]
     if not messages:
         raise BadRequest("messages must not be empty", "messages")
     try:
-        return tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except (ValueError, jinja2.TemplateError) as e:        # no template, or its raise_exception(...)
         raise BadRequest(f"the chat template refuses these messages: {e}", "messages") from None
 
@@ -262,6 +366,10 @@ def parse(srv: Engine, body, chat: bool, model_id: str, loop) -> tuple[Job, dict
         raise BadRequest(f"model {body['model']!r} is not served here; this server serves {model_id!r}", "model")
     if body.get("n", 1) != 1:
         raise BadRequest("only n=1 is supported", "n")
+    lane = body.get("kv_policy", next(iter(srv.lanes)))
+    if lane not in srv.lanes:
+        raise BadRequest(f"kv_policy {lane!r} is not started on this server; choose one of: {', '.join(srv.lanes)}",
+                         "kv_policy")
     key = "messages" if chat else "prompt"
     if key not in body:
         raise BadRequest(f"'{key}' is required", key)
@@ -283,7 +391,7 @@ def parse(srv: Engine, body, chat: bool, model_id: str, loop) -> tuple[Job, dict
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop must be a non-empty string or a list of at most 4 of them", "stop")
-    job = Job(ids, max_tokens, sampler_from(body, srv.model.output.weight.device), stop, loop)
+    job = Job(ids, max_tokens, sampler_from(body, srv.model.output.weight.device), stop, lane, loop)
     return job, {"stream": body.get("stream", False), "chat": chat}
 
 
@@ -306,6 +414,12 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
     """The Starlette app: its handlers validate and enqueue, the engine thread generates."""
 
     async def generate(request: HTTPRequest, chat: bool):
+        response = await answer(request, chat)
+        with srv.wake:
+            srv.http[response.status_code] += 1
+        return response
+
+    async def answer(request: HTTPRequest, chat: bool):
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -318,7 +432,7 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
         except QueueFull as e:
             return error(429, str(e), "rate_limit_error", headers={"Retry-After": "1"})
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
-                "model": model_id}
+                "model": model_id, "kv_policy": job.lane}
         usage = lambda: {"prompt_tokens": len(job.ids), "completion_tokens": len(job.tokens),    # noqa: E731
                          "total_tokens": len(job.ids) + len(job.tokens)}
         if how["stream"]:
@@ -338,6 +452,8 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
         finally:
             watcher.cancel()
             job.cancelled = reason is None          # an error
+        if reason == "cancelled":                   # (nobody reads it: the client went away)
+            return error(499, "the client closed the request", "client_closed_request")
         choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(text)}} if chat else
                   {"index": 0, "text": "".join(text), "logprobs": None})
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
@@ -382,14 +498,48 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
 
     async def models(request):
         return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
-                                                         "owned_by": "kvpolicy-engine"}]})
+                                                         "owned_by": "kvpolicy-engine",
+                                                         "kv_policies": list(srv.lanes)}]})
 
     async def health(request):
         return JSONResponse(srv.health())
 
+    async def metrics(request):
+        return PlainTextResponse(exposition(metric_families(srv)), media_type="text/plain; version=0.0.4")
+
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-                             Route("/v1/models", models), Route("/health", health)])
+                             Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)])
+
+
+def metric_families(srv: Engine) -> list[Family]:
+    """GET /metrics: the server's counters, gauges and histograms (names in docs/serving.md)."""
+    with srv.wake:
+        lanes = srv.lanes.values()
+        by = lambda values: [({"policy": lane.name}, values(lane)) for lane in lanes]     # noqa: E731
+        return [
+            Family("kvserve_http_requests_total", "counter", "generation requests answered, by HTTP status",
+                   [({"status": str(code)}, n) for code, n in sorted(srv.http.items())]),
+            Family("kvserve_requests_finished_total", "counter", "requests ended, by policy and reason "
+                   "(stop, length, cancelled, error)", [({"policy": name, "reason": reason}, n)
+                                                        for (name, reason), n in sorted(srv.finished.items())]),
+            Family("kvserve_queue_depth", "gauge", "requests waiting for a row", by(lambda lane: len(lane.waiting))),
+            Family("kvserve_rows_in_use", "gauge", "rows holding a request", by(lambda lane: len(lane.rows))),
+            Family("kvserve_rows_max", "gauge", "rows of the policy's batch (--max-batch)",
+                   by(lambda lane: srv.max_batch)),
+            Family("kvserve_prompt_tokens_total", "counter", "prompt tokens prefilled",
+                   by(lambda lane: srv.tokens[lane.name, "prompt"])),
+            Family("kvserve_generation_tokens_total", "counter", "tokens generated (EOS not counted)",
+                   by(lambda lane: srv.tokens[lane.name, "completion"])),
+            Family("kvserve_kv_live_bytes", "gauge", "KV cache bytes holding tokens (policy.kv_bytes)",
+                   by(lambda lane: lane.kv["live"])),
+            Family("kvserve_kv_allocated_bytes", "gauge", "KV cache bytes allocated (policy.kv_bytes)",
+                   by(lambda lane: lane.kv["allocated"])),
+            Family("kvserve_time_to_first_token_seconds", "histogram", "from arrival to the first sampled token",
+                   [s for lane in lanes for s in srv.ttft[lane.name].samples({"policy": lane.name})]),
+            Family("kvserve_inter_token_latency_seconds", "histogram", "between a request's sampled tokens",
+                   [s for lane in lanes for s in srv.itl[lane.name].samples({"policy": lane.name})]),
+        ]
 
 
 # --------------------------------------------------------------------------- CLI
@@ -397,7 +547,10 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="HF/converted model directory or .gguf file")
-    p.add_argument("--policy", default="full", help="KV-cache policy spec NAME[:key=value,...] (as engine.py)")
+    p.add_argument("--policies", "--policy", action="append", metavar="SPEC[;SPEC...]",
+                   help="KV-cache policy specs NAME[@LABEL][:key=value,...] separated by ';' or the flag repeated "
+                        "(default: full); each gets its own batch of --max-batch rows, and a request picks one by "
+                        "its kv_policy field (NAME[@LABEL]; default: the first)")
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429")
     p.add_argument("--max-new-tokens-limit", type=int, default=256, help="the largest max_tokens a request may ask")
@@ -409,16 +562,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=list(engine.DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--weights", choices=engine.WEIGHTS, default="auto", help="as engine.py")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (engine.compiled_steps), "
+                                                          "compiled at startup")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism: not supported by the server (only 1)")
     engine.add_kv_flags(p)
     return p
 
 
 def build_engine(args) -> Engine:
-    """Validate the flags, load the model, start nothing yet (UsageError/PolicyError/CheckpointError)."""
+    """Validate the flags, load the model, compile with --compile, start nothing yet
+    (UsageError/PolicyError/CheckpointError)."""
     for flag in ("max_batch", "max_queue", "max_new_tokens_limit"):
         if getattr(args, flag) < 1:
             raise engine.UsageError(f"--{flag.replace('_', '-')} must be at least 1")
-    engine.kv_policy(make_policy(args.policy), args)               # a bad spec fails before loading
+    if args.tp != 1:
+        raise engine.UsageError("serve.py does not support --tp: the server runs the model in one process "
+                                "(engine.py and the benchmark take --tp under torchrun)")
+    specs = parse_spec_list(args.policies or ["full"])
+    for spec in specs:
+        engine.kv_policy(make_policy(spec), args)               # a bad spec fails before loading
     model, tokenizer = engine.load_model(args.checkpoint, args.device, args.dtype, args.weights)
     engine.check_kv_fits(args, model.args)
     max_seq_length = min(args.max_seq_length, model.args.max_position_embeddings)
@@ -426,12 +588,19 @@ def build_engine(args) -> Engine:
         raise engine.UsageError(f"--max-new-tokens-limit {args.max_new_tokens_limit} leaves no room for a prompt "
                                 f"in --max-seq-length {max_seq_length}")
 
-    def fresh():                                # a new policy instance (RowBatch makes its batch's and scratch's)
-        policy = engine.kv_policy(make_policy(args.policy), args)
-        policy.prepare(model, tokenizer)        # calibration files it needs, made on first use
-        return policy
-    return Engine(model, tokenizer, fresh, args.max_batch, args.max_queue, max_seq_length,
-                  args.max_new_tokens_limit)
+    def maker(spec):
+        def fresh():                            # a new policy instance (RowBatch makes its batch's and scratch's)
+            policy = engine.kv_policy(make_policy(spec), args)
+            policy.prepare(model, tokenizer)    # calibration files it needs, made on first use
+            return policy
+        return fresh
+    steps = engine.compiled_steps(model.output.weight.device) if args.compile else (engine.prefill_step,
+                                                                                     engine.decode_step)
+    srv = Engine(model, tokenizer, {spec.variant: (str(spec), maker(spec)) for spec in specs}, args.max_batch,
+                 args.max_queue, max_seq_length, args.max_new_tokens_limit, steps)
+    if args.compile:
+        srv.warm_up()
+    return srv
 
 
 def main(argv=None) -> int:

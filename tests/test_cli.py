@@ -123,3 +123,51 @@ def test_kv_bits_32_on_a_float32_model_is_the_policy_as_it_is():
     assert engine.kv_policy(make_policy("full"), args).describe()["kv_dtype"] == "bfloat16"
     with pytest.raises(engine.UsageError, match="only `full`"):
         engine.kv_policy(make_policy("snapkv"), args)
+
+
+def test_one_sequence_is_printed_as_it_is_generated(capsys, tiny_dir):
+    """A single prompt's text is written piece by piece while it is generated, and stdout is still generate's
+    text and a newline; a batch keeps its `--- [i]` blocks."""
+    code, out, err = run_main(capsys, "--checkpoint", tiny_dir, "--prompt", "Hello", "--max-new-tokens", "12")
+    model, tokenizer = engine.load_model(tiny_dir, "cpu")
+    ref = engine.generate(model, tokenizer, ["Hello"], 12)
+    assert code == 0 and out == ref.texts[0] + "\n" and "decode" in err
+
+    class Pieces(list):
+        def write(self, text):
+            self.append((text, len(seen)))             # the text and how many steps had been sampled then
+
+        def flush(self):
+            pass
+    seen, pieces = [], Pieces()
+    on_token, stream = engine.stream_printer(tokenizer, pieces)
+    result = engine.generate(model, tokenizer, ["Hello"], 12,
+                             on_token=lambda tokens: (seen.append(int(tokens[0])), on_token(tokens)))
+    assert result.texts == ref.texts and seen[:len(ref.tokens[0])] == ref.tokens[0]
+    assert [n for _, n in pieces] == list(range(1, len(pieces) + 1))        # one write per step, as sampled
+    assert "".join(t for t, _ in pieces) + stream.flush() == ref.texts[0]
+    code, out, _ = run_main(capsys, "--checkpoint", tiny_dir, "--prompt", "Hello", "--prompt", "Hi",
+                            "--max-new-tokens", "3")
+    assert code == 0 and out.startswith("--- [0]\n") and out.count("--- [") == 2
+
+
+def test_interactive_chat_over_stdin(capsys, tiny_dir):
+    """--interactive reads user turns from stdin and answers each with the whole conversation so far: each
+    answer is generate's on the chat template of the turns before it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, str(ROOT / "engine.py"), "--checkpoint", str(tiny_dir), "--interactive",
+                        "--max-new-tokens", "6"], input="Hi\n\nAnd then?\n", capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("> ") == 4                    # before each line read, and before the end of input
+    model, tokenizer = engine.load_model(tiny_dir, "cpu")
+
+    def answer(messages):
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        return engine.generate(model, tokenizer, [ids], 6).texts[0]
+    first = answer([{"role": "user", "content": "Hi"}])
+    second = answer([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first},
+                     {"role": "user", "content": "And then?"}])
+    assert p.stdout == first + "\n" + second + "\n"
+    code, _, err = run_main(capsys, "--checkpoint", tiny_dir, "--interactive", "--prompt", "hi")
+    assert code == 2 and "--interactive reads its prompts from the terminal" in err

@@ -1,10 +1,7 @@
 """serve.py on the tiny random checkpoint: a real uvicorn server on a free 127.0.0.1 port, driven over HTTP."""
 import contextlib
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -161,12 +158,13 @@ def test_a_failed_step_is_a_500_and_serving_goes_on(served):
 
     def broken(tokens):
         raise RuntimeError("boom")
-    srv.batch.step = broken                                     # the next decode step fails (this batch only)
+    lane = srv.lanes["full"]
+    lane.batch.step = broken                                    # the next decode step fails (this batch only)
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     assert r.status_code == 500 and r.json()["error"] == {"message": "RuntimeError: boom", "type": "server_error",
                                                           "param": None, "code": None}
     assert complete(client, "hi again", 4)["usage"]["completion_tokens"] == 4      # on a fresh batch
-    srv.batch.step = broken
+    lane.batch.step = broken
     chunks = events(client, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
     assert chunks[-2] == {"error": {"message": "RuntimeError: boom", "type": "server_error", "param": None,
                                     "code": None}}
@@ -178,31 +176,114 @@ PROMPTS = {"The quick brown fox jumps over the lazy dog. " * 3: 20, "Hello": 9,
            "Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12": 14, "A short story about a cat": 5}
 
 
-def alone(tiny_dir, flags, prompts) -> list:
-    """engine.generate's greedy answer for each prompt alone, with the server's policy and storage flags."""
-    args = serve.build_parser().parse_args(["--checkpoint", str(tiny_dir), *flags])
-    model, tokenizer = engine.load_model(tiny_dir, "cpu")
-    return [engine.generate(model, tokenizer, [p], n, policy=engine.kv_policy(make_policy(args.policy), args))
+def alone(checkpoint, flags, prompts, spec=None, chat=False) -> list:
+    """engine.generate's greedy answer for each prompt alone (a user message in the chat template with chat=True),
+    with the server's policy (`spec`, default its only one) and storage flags."""
+    args = serve.build_parser().parse_args(["--checkpoint", str(checkpoint), *flags])
+    spec = spec or args.policies[0]
+    model, tokenizer = engine.load_model(checkpoint, "cpu")
+    return [engine.generate(model, tokenizer, [p], n, policy=engine.kv_policy(make_policy(spec), args), chat=chat)
             for p, n in prompts.items()]
 
 
-def complete(client, prompt, max_tokens) -> dict:
-    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+def complete(client, prompt, max_tokens, **extra) -> dict:
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra})
     assert r.status_code == 200, r.text
     return r.json()
 
 
-@pytest.mark.parametrize("policy", ["full", "snapkv:budget=16,obs_window=8"])
-def test_greedy_alongside_others_equals_alone(tiny_dir, policy):
-    """Four requests of different lengths served together (joining and leaving the batch at different steps)
-    give each the greedy answer engine.generate gives it alone, with the same policy."""
-    flags = ["--policy", policy, "--max-batch", "3", "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
+SPECS = {"full": "full", "snapkv": "snapkv:budget=16,obs_window=8"}      # name -> spec, two started policies
+TWO = "; ".join(SPECS.values())
+
+
+def test_greedy_alongside_others_equals_alone(tiny_dir):
+    """Two started policies, four requests of different lengths each, all sent at once (joining and leaving
+    their policy's batch at different steps): each request gets the greedy answer engine.generate gives it
+    alone with the policy its kv_policy names, and says which policy served it."""
+    flags = ["--policies", TWO, "--max-batch", "3", "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
+    work = [(name, p, n) for name in SPECS for p, n in PROMPTS.items()]
+    with running(tiny_dir, *flags) as (client, srv):
+        assert list(srv.lanes) == list(SPECS)
+        with ThreadPoolExecutor(len(work)) as pool:
+            got = list(pool.map(lambda w: complete(client, w[1], w[2], kv_policy=w[0]), work))
+    for name, spec in SPECS.items():
+        outs = [out for out, w in zip(got, work) if w[0] == name]
+        for out, ref in zip(outs, alone(tiny_dir, flags, PROMPTS, spec)):
+            assert out["kv_policy"] == name
+            assert out["choices"][0]["text"] == ref.texts[0]
+            assert out["usage"]["completion_tokens"] == len(ref.tokens[0])
+
+
+def test_kv_policy_choices_and_metrics(tiny_dir):
+    """/v1/models and /health list the started policies; no kv_policy means the first; an unknown one is a 400
+    naming the choices; /metrics counts what was served, per policy."""
+    flags = ["--policies", TWO, "--max-batch", "2", "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
+    with running(tiny_dir, *flags) as (client, srv):
+        assert client.get("/v1/models").json()["data"][0]["kv_policies"] == list(SPECS)
+        assert client.get("/health").json()["policies"] == {
+            name: {"spec": spec, "rows_in_use": 0, "queue_depth": 0} for name, spec in SPECS.items()}
+        before = metrics(client)
+        assert complete(client, "Hello", 5)["kv_policy"] == "full"
+        chunks = events(client, "/v1/completions", {"prompt": "Hello there", "max_tokens": 7, "kv_policy": "snapkv"})
+        assert {c["kv_policy"] for c in chunks[:-1]} == {"snapkv"}
+        r = client.post("/v1/completions", json={"prompt": "hi", "kv_policy": "h2o"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_policy"
+        assert r.json()["error"]["message"] == ("kv_policy 'h2o' is not started on this server; choose one of: "
+                                                "full, snapkv")
+        after = metrics(client)
+
+    def delta(name, **labels):
+        key = (name, frozenset(labels.items()))
+        return after.get(key, 0) - before.get(key, 0)
+    assert delta("kvserve_http_requests_total", status="200") == 2
+    assert delta("kvserve_http_requests_total", status="400") == 1
+    assert delta("kvserve_prompt_tokens_total", policy="snapkv") == len(srv.tokenizer.encode("Hello there"))
+    for policy, n in (("full", 5), ("snapkv", 7)):
+        one = frozenset({"policy": policy}.items())
+        assert delta("kvserve_requests_finished_total", policy=policy, reason="length") == 1
+        assert delta("kvserve_generation_tokens_total", policy=policy) == n
+        assert delta("kvserve_time_to_first_token_seconds_count", policy=policy) == 1
+        assert delta("kvserve_inter_token_latency_seconds_count", policy=policy) == n - 1
+        buckets = sorted((float(dict(k)["le"]), v) for (name, k), v in after.items()
+                         if name == "kvserve_inter_token_latency_seconds_bucket" and dict(k)["policy"] == policy)
+        assert [v for _, v in buckets] == sorted(v for _, v in buckets)          # cumulative
+        assert buckets[-1] == (float("inf"), after["kvserve_inter_token_latency_seconds_count", one])
+        assert after["kvserve_rows_in_use", one] == after["kvserve_queue_depth", one] == 0
+        assert after["kvserve_rows_max", one] == 2
+        assert after["kvserve_kv_allocated_bytes", one] == srv.lanes[policy].batch.policy.kv_bytes()["allocated"] > 0
+
+
+def metrics(client) -> dict:
+    """GET /metrics parsed: {(name, frozenset of label items): value}; every sample's family has HELP and TYPE."""
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    out, typed = {}, set()
+    for line in r.text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+        elif not line.startswith("#"):
+            head, value = line.rsplit(" ", 1)
+            name, _, labels = head.partition("{")
+            assert any(name == t or name.startswith(t + "_") for t in typed), line
+            items = [kv.split("=", 1) for kv in labels.rstrip("}").split(",")] if labels else []
+            out[name, frozenset((k, v.strip('"')) for k, v in items)] = float(value)
+    return out
+
+
+@pytest.mark.slow
+def test_compiled_server_equals_eager_alone(tiny_dir):
+    """--compile: the decode step is compiled at startup (warm-up through each policy's batch) and requests
+    served together give the eager greedy answers."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    flags = ["--compile", "--max-batch", "2", "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
+    prompts = dict(list(PROMPTS.items())[:3])
     with running(tiny_dir, *flags) as (client, _):
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            got = list(pool.map(lambda item: complete(client, *item), PROMPTS.items()))
-    for out, ref in zip(got, alone(tiny_dir, flags, PROMPTS)):
+        assert counters["stats"]["unique_graphs"] >= 1           # compiled before the first request
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda item: complete(client, *item), prompts.items()))
+    for out, ref in zip(got, alone(tiny_dir, ["--max-seq-length", "256"], prompts, "full")):
         assert out["choices"][0]["text"] == ref.texts[0]
-        assert out["usage"]["completion_tokens"] == len(ref.tokens[0])
 
 
 def test_batch_admission_policy(tiny_dir):
@@ -211,7 +292,7 @@ def test_batch_admission_policy(tiny_dir):
     flags = ["--policy", "pyramidkv:budget=24", "--kv-bits", "4", "--max-batch", "2",
              "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
     with running(tiny_dir, *flags) as (client, srv):
-        assert srv.batch.policy.admission == "batch"
+        assert srv.lanes["pyramidkv"].batch.policy.admission == "batch"
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda item: complete(client, *item), PROMPTS.items()))
         assert [out["usage"]["completion_tokens"] for out in got] == list(PROMPTS.values())
@@ -247,48 +328,11 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_row(tiny_dir):
                 b_text = [line for line in b.iter_lines() if line.startswith("data: ")]
         assert b_text[-1] == "data: [DONE]" and '"finish_reason": "length"' in b_text[-2]
         wait_for(client, lambda h: h["rows_in_use"] == 0 and h["requests"].get("cancelled") == 1)
-        assert srv.outcomes["length"] == 1
+        assert srv.finished["full", "length"] == 1
         with pytest.raises(httpx.ReadTimeout):                      # a client that stops waiting for a whole answer
             client.post("/v1/completions", json={**long, "stream": False}, timeout=0.5)
         wait_for(client, lambda h: h["rows_in_use"] == 0 and h["requests"].get("cancelled") == 2)
-        assert srv.outcomes["length"] == 1
-
-
-def test_cli_starts_serves_and_stops_on_sigterm(tiny_dir):
-    """The real command line: a bad flag is a one-line error; SIGTERM lets the request in flight finish,
-    then the server exits 0."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    bad = subprocess.run([sys.executable, "serve.py", "--checkpoint", str(tiny_dir), "--max-batch", "0"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--max-batch must be at least 1" in bad.stderr
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(tiny_dir), "--port", str(port)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout and proc.stdout.read()
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.2)
-            r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
-            body = {"prompt": "Hi", "max_tokens": 200, "temperature": 0, "stream": True}
-            with client.stream("POST", "/v1/completions", json=body) as r:
-                lines = r.iter_lines()
-                next(lines)
-                proc.terminate()                        # SIGTERM: the request in flight still finishes
-                rest = [line for line in lines if line.startswith("data: ")]
-            assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
-            assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
+        assert srv.finished["full", "length"] == 1
 
 
 def test_hold_back_keeps_partial_characters_and_stop_prefixes():
