@@ -310,31 +310,42 @@ static void chunk_values(const Row& r, int64_t t0, int64_t len, const float* pv,
   }
 }
 
-// the ring slots' weights taken out of the scores: ring_p[i * GB + g] = exp(s - m), summed into lring,
-// and their scores set to -inf (the packed values' pass then gives them weight 0)
+// the ring slots' weights taken out of the scores: ring_p[g * np + i] = exp(s - m) of hit i (np: the hits
+// rounded up to 16), summed into lring, and their scores set to -inf (the packed values' pass then
+// gives them weight 0)
 template <int GB>
 static void take_ring_weights(const std::vector<RingHit>& hits, float* s, int64_t npad, const float* m,
                               std::vector<float>& ring_p, float* lring) {
-  ring_p.assign(hits.size() * GB, 0.f);
-  for (int g = 0; g < GB; ++g) lring[g] = 0.f;
-  for (size_t i = 0; i < hits.size(); ++i)
-    for (int g = 0; g < GB; ++g) {
+  const size_t nh = hits.size(), np = (nh + L - 1) / L * L;
+  ring_p.assign(np * GB, -INFINITY);
+  for (int g = 0; g < GB; ++g) {
+    float* rp = ring_p.data() + g * np;
+    for (size_t i = 0; i < nh; ++i) {
       float& x = s[g * npad + hits[i].t];
-      ring_p[i * GB + g] = std::exp(x - m[g]);
-      lring[g] += ring_p[i * GB + g];
+      rp[i] = x;
       x = -INFINITY;
     }
+    v16 acc = {};
+    for (size_t i = 0; i < np; i += L) {
+      const v16 e = vexp(load16(rp + i) - m[g]);
+      store16(rp + i, e);
+      acc += e;
+    }
+    lring[g] = hsum(acc);
+  }
 }
 
 // og[d] (query row g's packed part) plus the ring rows' weighted values, divided by the weights' sum l
-template <int GB>
+template <int GB, int D>
 static void finish_row(const Row& r, const std::vector<RingHit>& hits, const std::vector<float>& ring_p, int g,
                        float l, float* og) {
   const float inv = l > 0.f ? 1.f / l : 0.f;
+  const float* rp = ring_p.data() + g * (ring_p.size() / GB);
+  v16 acc[D / L];
+  for (int c = 0; c < D / L; ++c) acc[c] = load16(og + c * L);
   for (size_t i = 0; i < hits.size(); ++i)
-    for (int c = 0; c < r.D; c += L)
-      store16(og + c, load16(og + c) + ring_p[i * GB + g] * load16(r.vr + hits[i].row * r.r_row + c));
-  for (int d = 0; d < r.D; ++d) og[d] *= inv;
+    for (int c = 0; c < D / L; ++c) acc[c] += rp[i] * load16(r.vr + hits[i].row * r.r_row + c * L);
+  for (int c = 0; c < D / L; ++c) store16(og + c * L, acc[c] * inv);
 }
 
 template <int BITS, int GB, int D>
@@ -361,7 +372,7 @@ static void dense_rows(const float* q, const Row& r, int64_t n, std::vector<floa
   for (int g = 0; g < GB; ++g) {
     float* og = out + g * D;
     for (int d = 0; d < D; ++d) og[d] = hsum(acc[g * D + d]) + hsum(zc[g * NCG + d / r.G]);
-    finish_row<GB>(r, hits, ring_p, g, hsum(lsum[g]) + lring[g], og);
+    finish_row<GB, D>(r, hits, ring_p, g, hsum(lsum[g]) + lring[g], og);
   }
 }
 
@@ -404,6 +415,8 @@ static bool arith_built(int64_t arith) {
 
 static inline v16 as_v16(const void* p) { v16 x; std::memcpy(&x, p, sizeof x); return x; }
 
+typedef uint8_t v64b __attribute__((vector_size(64)));
+
 // 16 int32 lanes in the registers of one ISA
 template <int ISA> struct IV;
 
@@ -419,9 +432,15 @@ template <> struct IV<ARITH_VNNI> {
   IV dot(IV u8, IV s8) const { return {_mm512_dpbusd_epi32(x, u8.x, s8.x)}; }
   v16 to_float() const { const __m512 f = _mm512_cvtepi32_ps(x); return as_v16(&f); }
   static IV round(v16 f) { __m512 m; std::memcpy(&m, &f, 64); return {_mm512_cvtps_epi32(m)}; }
-  void store_bytes(void* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
-  static IV lookup(const int32_t* table32, IV idx) {          // lane l: table32[idx_l], 32 entries
-    return {_mm512_permutex2var_epi32(_mm512_loadu_si512(table32), idx.x, _mm512_loadu_si512(table32 + 16))};
+  // the low bytes of the lanes of r[0 .. n) (n <= 4): lane l of r[j] -> byte 16 j + l (in registers)
+  static v64b low_bytes(const IV* r, int n) {
+    __m512i b = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(r[0].x));
+    if (n > 1) b = _mm512_inserti32x4(b, _mm512_cvtepi32_epi8(r[1].x), 1);
+    if (n > 2) b = _mm512_inserti32x4(b, _mm512_cvtepi32_epi8(r[2].x), 2);
+    if (n > 3) b = _mm512_inserti32x4(b, _mm512_cvtepi32_epi8(r[3].x), 3);
+    v64b out;
+    std::memcpy(&out, &b, 64);
+    return out;
   }
 };
 #endif
@@ -455,17 +474,25 @@ template <> struct IV<ARITH_AVX2> {
     std::memcpy(m, &f, 64);
     return {_mm256_cvtps_epi32(m[0]), _mm256_cvtps_epi32(m[1])};
   }
-  void store_bytes(void* p) const {
-    int32_t t[16];
-    std::memcpy(t, &lo, 32);
-    std::memcpy(t + 8, &hi, 32);
-    for (int l = 0; l < 16; ++l) static_cast<uint8_t*>(p)[l] = (uint8_t)t[l];
-  }
-  static IV lookup(const int32_t* table32, IV idx) {
-    return {_mm256_i32gather_epi32(table32, idx.lo, 4), _mm256_i32gather_epi32(table32, idx.hi, 4)};
+  static v64b low_bytes(const IV* r, int n) {
+    v64b out = {};
+    for (int j = 0; j < n; ++j) {
+      int32_t t[16];
+      std::memcpy(t, &r[j].lo, 32);
+      std::memcpy(t + 8, &r[j].hi, 32);
+      for (int l = 0; l < 16; ++l) out[16 * j + l] = (uint8_t)t[l];
+    }
+    return out;
   }
 };
 #endif
+
+template <int ISA>
+static inline IV<ISA> from_bytes(v64b b) {                     // 64 bytes as 16 int32 lanes
+  IV<ISA> x;
+  std::memcpy(&x, &b, 64);
+  return x;
+}
 
 template <int BITS> constexpr int32_t code_mask() { return BITS == 4 ? 0x0F0F0F0F : 0x03030303; }
 
@@ -482,7 +509,6 @@ static inline IV<ISA> transpose_pattern() {
 template <int BITS, int GB, int D>
 struct IntFold {
   static constexpr int E = 8 / BITS, W = D * BITS / 32, NB = D / 64;
-  typedef uint8_t v64b __attribute__((vector_size(64)));
   int64_t grp = -1;
   alignas(64) int32_t qw[GB][D / 4];
   float a[GB], z[GB];
@@ -508,9 +534,10 @@ struct IntFold {
       const float amax = hmax(mx);
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       a[b] = amax / 127.f;
-      alignas(64) v64b src[NB];
-      for (int c = 0; c < D / L; ++c) IV<ISA>::round(qs[c] * inv).store_bytes(reinterpret_cast<uint8_t*>(src) + c * L);
-      v64b dst[NB];
+      IV<ISA> qi[D / L];
+      for (int c = 0; c < D / L; ++c) qi[c] = IV<ISA>::round(qs[c] * inv);
+      v64b src[NB], dst[NB];
+      for (int k = 0; k < NB; ++k) src[k] = IV<ISA>::low_bytes(qi + 4 * k, 4);
       if constexpr (NB == 1) {
         dst[0] = __builtin_shuffle(src[0], perm[0]);
       } else {
@@ -582,22 +609,19 @@ static void dense_scores_int(const float* q, const Row& r, int64_t n, int64_t np
 constexpr int64_t CHI = 256;           // integer value chunk: slots whose u8 weights stay in L1
 
 // lane tables of the transposed value layout, shift sh: lane (blk, i) = 4 blk + i holds channel plane
-// E i + sh of slots 4 blk .. 4 blk + 3; widx: its weight dword c 4 + blk, cidx: its channel group c
-template <int ISA, int BITS, int D>
+// E i + sh of slots 4 blk .. 4 blk + 3; wsel: its 4 weight bytes, cidx: its channel group c
+template <int BITS, int D>
 struct ValueLanes {
   static constexpr int E = 8 / BITS, W = D * BITS / 32;
-  IV<ISA> widx[E];
+  v64b wsel[E];                        // byte 4 l + m <- byte c 16 + 4 blk + m of the weights' bytes (c * 16 + slot)
   v16i cidx[E];
   explicit ValueLanes(int G) {
-    for (int sh = 0; sh < E; ++sh) {
-      int32_t wi[16];
+    for (int sh = 0; sh < E; ++sh)
       for (int l = 0; l < 16; ++l) {
         const int blk = l / 4, i = l % 4, c = (E * i + sh) * W / G;
-        wi[l] = c * 4 + blk;
+        for (int m = 0; m < 4; ++m) wsel[sh][4 * l + m] = (uint8_t)(c * 16 + 4 * blk + m);
         cidx[sh][l] = c;
       }
-      widx[sh] = IV<ISA>::load(wi);
-    }
   }
 };
 
@@ -612,15 +636,15 @@ static inline v16 block_max(v16 x) {
 // weights of the chunk [t0, t0 + len) (whole slot groups): e = exp(s - m) summed into lsum, zc[g * NCG + c]
 // += e m_v; per slot group j, value channel group c and lane block (the slots t of the group with
 // t % 16 in [4 blk, 4 blk + 4), which the value pass sums in one int32 lane) the u8 weights
-// round(e s_v * 255 / max) in the value pass's layout, wq[(g E + sh) nv + v] (v: the chunk's 16-slot
-// vector), and their scales bq[(g E + sh) ngc + j] (lane (blk, i): max / 255 of its block and channel group)
+// round(e s_v * 255 / max) in the value pass's layout, wq[(v GB + g) E + sh] (v: the chunk's 16-slot
+// vector), and their scales bq[(j GB + g) E + sh] (lane (blk, i): max / 255 of its block and channel group)
 template <int ISA, int BITS, int GB, int D>
 static void chunk_weights_int(const Row& r, const float* s, int64_t npad, const float* m, int64_t t0, int64_t len,
-                              const ValueLanes<ISA, BITS, D>& vl, IV<ISA>* wq, v16* bq, v16* lsum, v16* zc) {
+                              const ValueLanes<BITS, D>& vl, IV<ISA>* wq, v16* bq, v16* lsum, v16* zc) {
   using V = IV<ISA>;
   constexpr int E = 8 / BITS;
   const int G = r.G, VG = G / L, NCG = D / G;
-  const int64_t nv = len / L, ngc = len / G;
+  const int64_t ngc = len / G;
   for (int64_t j = 0; j < ngc; ++j) {
     const int64_t tj = t0 + j * G;
     for (int g = 0; g < GB; ++g) {
@@ -637,21 +661,24 @@ static void chunk_weights_int(const Row& r, const float* s, int64_t npad, const 
           zc[g * NCG + c] += e * load16(r.vm + c * r.v_c + t);
         }
       }
-      v16 bt[8];                                              // per channel group: max / 255, lanes by block
-      alignas(64) uint8_t tab[8][128];                        // [v][c * 16 + slot]: 32 dwords per vector
+      v16 bt[8], inv[8];                                      // per channel group, lanes by block
       const v16 zero = {}, one = zero + 1.f;
       for (int c = 0; c < NCG; ++c) {
         const v16 pmax = block_max(mx[c]);
-        const v16 inv = pmax > zero ? 255.f / (pmax > zero ? pmax : one) : zero;
+        inv[c] = pmax > zero ? 255.f / (pmax > zero ? pmax : one) : zero;
         bt[c] = pmax / 255.f;
-        for (int v = 0; v < VG; ++v) V::round(pv[c * VG + v] * inv).store_bytes(tab[v] + c * 16);
       }
       for (int sh = 0; sh < E; ++sh) {
         v16 b = bt[0];
         for (int c = 1; c < NCG; ++c) b = vl.cidx[sh] == c ? bt[c] : b;
-        bq[(g * E + sh) * ngc + j] = b;
-        for (int v = 0; v < VG; ++v)
-          wq[(g * E + sh) * nv + j * VG + v] = V::lookup(reinterpret_cast<const int32_t*>(tab[v]), vl.widx[sh]);
+        bq[(j * GB + g) * E + sh] = b;
+      }
+      for (int v = 0; v < VG; ++v) {                          // the weights' bytes c * 16 + slot, in registers
+        V rc[8];
+        for (int c = 0; c < NCG; ++c) rc[c] = V::round(pv[c * VG + v] * inv[c]);
+        const v64b lo = V::low_bytes(rc, std::min(NCG, 4)), hi = NCG > 4 ? V::low_bytes(rc + 4, NCG - 4) : lo;
+        for (int sh = 0; sh < E; ++sh)
+          wq[((j * VG + v) * GB + g) * E + sh] = from_bytes<ISA>(__builtin_shuffle(lo, hi, vl.wsel[sh]));
       }
     }
   }
@@ -663,7 +690,7 @@ static void chunk_values_int(const Row& r, int64_t t0, int64_t len, const IV<ISA
   using V = IV<ISA>;
   constexpr int E = 8 / BITS, W = D * BITS / 32;
   const int VG = r.G / L;
-  const int64_t nv = len / L, ngc = len / r.G;
+  const int64_t ngc = len / r.G;
   const V mask = V::set1(code_mask<BITS>()), tr = transpose_pattern<ISA>();
   for (int w = 0; w < W; ++w) {
     const int32_t* vw = r.vp + w * r.vp_w + t0;
@@ -676,14 +703,15 @@ static void chunk_values_int(const Row& r, int64_t t0, int64_t len, const IV<ISA
         const int64_t vi = j * VG + v;
         __builtin_prefetch(vw + vi * L + AHEAD_SLOTS);
         const V x = V::load(vw + vi * L);
+        const V* wv = wq + vi * GB * E;
 #pragma GCC unroll 4
         for (int sh = 0; sh < E; ++sh) {
           const V c = (x.srl(BITS * sh) & mask).bytes(tr);
-          for (int g = 0; g < GB; ++g) ia[g][sh] = ia[g][sh].dot(wq[(g * E + sh) * nv + vi], c);
+          for (int g = 0; g < GB; ++g) ia[g][sh] = ia[g][sh].dot(wv[g * E + sh], c);
         }
       }
       for (int g = 0; g < GB; ++g)
-        for (int sh = 0; sh < E; ++sh) fa[g][sh] += ia[g][sh].to_float() * bq[(g * E + sh) * ngc + j];
+        for (int sh = 0; sh < E; ++sh) fa[g][sh] += ia[g][sh].to_float() * bq[(j * GB + g) * E + sh];
     }
     for (int g = 0; g < GB; ++g)
       for (int sh = 0; sh < E; ++sh)
@@ -706,7 +734,7 @@ static void dense_rows_int(const float* q, const Row& r, int64_t n, std::vector<
   dense_scores_int<ISA, BITS, GB, D>(q, r, n, npad, s, m, hits);
   std::vector<float> ring_p;
   take_ring_weights<GB>(hits, s, npad, m, ring_p, lring);
-  const ValueLanes<ISA, BITS, D> vl(G);
+  const ValueLanes<BITS, D> vl(G);
   std::vector<IV<ISA>> wq(GB * E * (CHI / L));
   std::vector<v16> bq(GB * E * (CHI / G));
   v16 lsum[GB] = {}, zc[GB * 8] = {};
@@ -718,7 +746,7 @@ static void dense_rows_int(const float* q, const Row& r, int64_t n, std::vector<
   for (int g = 0; g < GB; ++g) {
     float* og = out + g * D;
     for (int d = 0; d < D; ++d) og[d] = acc[g * D + d] + hsum(zc[g * NCG + d / G]);
-    finish_row<GB>(r, hits, ring_p, g, hsum(lsum[g]) + lring[g], og);
+    finish_row<GB, D>(r, hits, ring_p, g, hsum(lsum[g]) + lring[g], og);
   }
 }
 
