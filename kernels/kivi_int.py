@@ -34,6 +34,13 @@ order: qs, the scales and the roundings as above; z and the ring keys' scores as
 fused multiply-add; e_t with cpu_vec.h's `vexp` polynomial step by step (`vexp`).  A fused a * b + c
 is computed in float64 and rounded once to fp32 (exact but for double rounding, ~2^-29 a call).
 The sums after the last rounding (l, the value sums) differ from the kernel's by float rounding.
+
+Error against the fp32-arithmetic op over the same codes (kernels.kivi_attention_torch; measured
+2026-11-25, tests/test_kivi_int.py): rms(int - fp32) is 0.14-0.21x KIVI's own error rms(fp32 - exact)
+at 4 bits and 0.03-0.04x at 2 bits (random caches, 300 and 2000 tokens; max |int - fp32| <= 6e-2 with
+values ~ N(0, 1)), mostly from the int8 query.  The default model's perplexity (2048 + 256 tokens, `full`):
+4 bits 22.044 integer against 22.065 fp32 arithmetic (-0.10%), 2 bits 23.934 against 24.198 (-1.1%);
+16-bit storage 22.110.
 """
 from __future__ import annotations
 
