@@ -550,23 +550,20 @@ struct IntFold {
   }
 };
 
-// scores of NV vectors of 16 slots from t0 (integer dot products), masked, their maximum folded into mv
+// the int32 sums acc[v * GB + g] of NV vectors of 16 slots from kp (word w at kp + w * kp_w) with the query
+// words qw[v][g * D / 4 + w * E + sh].  Not inlined: inside dense_rows_int GCC kept the accumulators on
+// the stack (a load and a store per word row); on its own they stay in registers
 template <int ISA, int BITS, int GB, int D, int NV>
-static void score_block_int(const float* q, const Row& r, int64_t n, int64_t t0, IntFold<BITS, GB, D>* f, float* s,
-                            int64_t npad, v16* mv, std::vector<RingHit>& hits) {
+__attribute__((noinline)) static void int_sweep(const int32_t* kp, int64_t kp_w, const int32_t* const* qw,
+                                                IV<ISA>* out) {
   using V = IV<ISA>;
   constexpr int E = 8 / BITS, W = D * BITS / 32;
   const V mask = V::set1(code_mask<BITS>());
-  const IntFold<BITS, GB, D>* fv[NV];
   V acc[NV][GB];
-  for (int v = 0; v < NV; ++v) {
-    const int64_t grp = (t0 + v * L) / r.G;
-    f[grp & 1].template enter<ISA>(q, r, grp);
-    fv[v] = &f[grp & 1];
+  for (int v = 0; v < NV; ++v)
     for (int g = 0; g < GB; ++g) acc[v][g] = V::zero();
-  }
   for (int w = 0; w < W; ++w) {
-    const int32_t* kw = r.kp + w * r.kp_w + t0;
+    const int32_t* kw = kp + w * kp_w;
     V words[NV];
     for (int v = 0; v < NV; ++v) {
       __builtin_prefetch(kw + v * L + AHEAD_SLOTS);
@@ -576,12 +573,30 @@ static void score_block_int(const float* q, const Row& r, int64_t n, int64_t t0,
     for (int sh = 0; sh < E; ++sh)
       for (int v = 0; v < NV; ++v) {
         const V c = words[v].srl(BITS * sh) & mask;
-        for (int g = 0; g < GB; ++g) acc[v][g] = acc[v][g].dot(c, V::set1(fv[v]->qw[g][w * E + sh]));
+        for (int g = 0; g < GB; ++g) acc[v][g] = acc[v][g].dot(c, V::set1(qw[v][g * D / 4 + w * E + sh]));
       }
   }
+  for (int v = 0; v < NV; ++v)
+    for (int g = 0; g < GB; ++g) out[v * GB + g] = acc[v][g];
+}
+
+// scores of NV vectors of 16 slots from t0 (integer dot products), masked, their maximum folded into mv
+template <int ISA, int BITS, int GB, int D, int NV>
+static void score_block_int(const float* q, const Row& r, int64_t n, int64_t t0, IntFold<BITS, GB, D>* f, float* s,
+                            int64_t npad, v16* mv, std::vector<RingHit>& hits) {
+  const IntFold<BITS, GB, D>* fv[NV];
+  const int32_t* qw[NV];
+  for (int v = 0; v < NV; ++v) {
+    const int64_t grp = (t0 + v * L) / r.G;
+    f[grp & 1].template enter<ISA>(q, r, grp);
+    fv[v] = &f[grp & 1];
+    qw[v] = fv[v]->qw[0];
+  }
+  IV<ISA> acc[NV * GB];
+  int_sweep<ISA, BITS, GB, D, NV>(r.kp + t0, r.kp_w, qw, acc);
   for (int v = 0; v < NV; ++v) {
     const int64_t t = t0 + v * L;
-    for (int g = 0; g < GB; ++g) store16(s + g * npad + t, acc[v][g].to_float() * fv[v]->a[g] + fv[v]->z[g]);
+    for (int g = 0; g < GB; ++g) store16(s + g * npad + t, acc[v * GB + g].to_float() * fv[v]->a[g] + fv[v]->z[g]);
     mask_ring<GB, D>(q, r, n, t, s, npad, hits);
     for (int g = 0; g < GB; ++g) {
       const v16 x = load16(s + g * npad + t);
@@ -684,9 +699,10 @@ static void chunk_weights_int(const Row& r, const float* s, int64_t npad, const 
   }
 }
 
-// acc[g * D + d] += the chunk's packed values weighted by the u8 weights of chunk_weights_int
+// acc[g * D + d] += the chunk's packed values weighted by the u8 weights of chunk_weights_int (not inlined,
+// as int_sweep)
 template <int ISA, int BITS, int GB, int D>
-static void chunk_values_int(const Row& r, int64_t t0, int64_t len, const IV<ISA>* wq, const v16* bq, float* acc) {
+__attribute__((noinline)) static void chunk_values_int(const Row& r, int64_t t0, int64_t len, const IV<ISA>* wq, const v16* bq, float* acc) {
   using V = IV<ISA>;
   constexpr int E = 8 / BITS, W = D * BITS / 32;
   const int VG = r.G / L;
