@@ -50,7 +50,8 @@ Writes (every one requantizes exactly the key groups it touches, from the best v
   later chunk attends the stored slots through a dequantized copy (prefill only).
 Decode reads (sync-free, fixed shapes, one compiled graph for every step):
 - attention: one op over the packed words and the residual (kernels.kivi_attention: the C++ op
-  kvc::kivi_attention on CPU, Triton on CUDA, a torch twin elsewhere; no dequantized copy);
+  kvc::kivi_attention on CPU, in integer arithmetic where the CPU has VNNI or AVX2 (kernels/kivi_int.py;
+  KVC_KIVI_ARITH=fp32 keeps fp32), Triton on CUDA, a torch twin elsewhere; no dequantized copy);
 - H2O/D2O need the step's probabilities per slot: packed scores (`kivi_scores`) with the residual
   keys' scores taken from the ring, one joint softmax with the new token, then the weighted sum of
   packed values + ring rows (`kivi_values`);
@@ -86,7 +87,8 @@ from cache.base import NEVER, EvictionPolicy, joint_softmax
 from cache.sparse_read import InnerStorage
 from kernels.kivi_attention import (KIVIBuffers, kivi_attention, kivi_gather, kivi_scores, kivi_values,
                                     ring_flags, ring_rows, whole_groups)
-from kernels.cpu import cpu_kernels_available, kivi_write_cpu, kivi_write_range_cpu, use_cpu_kernel
+from kernels.cpu import (cpu_kernels_available, kivi_arith_default, kivi_write_cpu, kivi_write_range_cpu,
+                         use_cpu_kernel)
 from kernels.kivi_codec import (QuantizedTensor, codes_per_word, dequantize_keys, dequantize_values, quantize_keys,
                                 quantize_values)
 from model import DenseCache, grouped_attention
@@ -138,7 +140,8 @@ class SlotStore:
         self.k_ring = torch.zeros(B, H, R, D, dtype=dtype, **z)
         self.v_ring = torch.zeros(B, H, R, D, dtype=dtype, **z)
         if backend in ("auto", "cpp") and self.k_ring.device.type == "cpu":
-            cpu_kernels_available()        # build now, on the host: never inside a compiled region
+            cpu_kernels_available()        # build now, on the host: never inside a compiled region,
+            kivi_arith_default()           # and read KVC_KIVI_ARITH (the attention's arithmetic) there too
 
     # -------------------------------------------------------------- helpers
     def row_tensors(self, row: int, slots: int) -> list[Tensor]:

@@ -9,7 +9,10 @@ sparse readers', KIVI's, the dense caches' and the weight-quantized linear layer
                                        False with one warning if it cannot be built (no compiler)
     sparse_decode_attention_cpu(...)   == kernels.sparse_decode_attention_torch (fp32, D 64 or 128)
     select_top_cpu(scores, bias, n)    == torch.topk of F.pad(scores, (0, n)) + bias, as a set per row
-    kivi_attention_cpu(...)            == kernels.kivi_attention.kivi_attention_torch (packed K/V + residual)
+    kivi_attention_cpu(...)            == kernels.kivi_attention.kivi_attention_torch (packed K/V + residual);
+                                       dense reads of 2/4-bit storage in integer arithmetic where the CPU has
+                                       AVX-512 VNNI or AVX2 (== kernels.kivi_int.kivi_attention_int_torch;
+                                       KVC_KIVI_ARITH=fp32 keeps the fp32 op, see kivi_arith_default)
     kivi_write_cpu / kivi_write_range_cpu  == SlotStore.write_torch / write_range_torch, bit for bit
     dense_attention_cpu(q, k, v, n)    decode attention over fp32 or bf16 rows [0, n), all visible
     decode_attention(q, k, v, visible) == model.grouped_attention of one decode query over a dense cache
@@ -242,10 +245,41 @@ def _unit_stride_rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+ARITH = {"fp32": 0, "avx2": 1, "vnni": 2}    # kvc::kivi_attention's `arith` codes
+_kivi_arith: Optional[str] = None            # KVC_KIVI_ARITH, resolved once (kivi_arith_default)
+
+
+def kivi_int_arith() -> str:
+    """The integer arithmetic this build has for KIVI's dense reads: "vnni" (AVX-512 VNNI), "avx2", or
+    "fp32" when it has neither (or the kernels are not built)."""
+    if not cpu_kernels_available():
+        return "fp32"
+    return {v: k for k, v in ARITH.items()}[_eager.kivi_arith()]
+
+
+def kivi_arith_default() -> str:
+    """The arithmetic of kivi_attention_cpu's dense reads of 2/4-bit storage, from KVC_KIVI_ARITH (read
+    once per process): "int" (the default: kivi_int_arith(), the integer scheme of kernels/kivi_int.py
+    where the CPU has VNNI or AVX2), "fp32" (the fp32-arithmetic op), or "avx2" / "vnni" to force one."""
+    global _kivi_arith
+    if _kivi_arith is None:
+        want = os.environ.get("KVC_KIVI_ARITH", "int")
+        if want != "int" and want not in ARITH:
+            raise ValueError(f"KVC_KIVI_ARITH must be int, {', '.join(ARITH)}; got {want!r}")
+        _kivi_arith = kivi_int_arith() if want == "int" else want
+    return _kivi_arith
+
+
 def kivi_attention_cpu(q: Tensor, buf, pos: Tensor, visible: Optional[Tensor], now: Tensor, n: int,
                        scale: Optional[float] = None, idx: Optional[Tensor] = None,
-                       valid: Optional[Tensor] = None) -> Tensor:
-    """The C++ op; contract of kernels.kivi_attention.kivi_attention (buf: its KIVIBuffers)."""
+                       valid: Optional[Tensor] = None, arith: Optional[str] = None) -> Tensor:
+    """The C++ op; contract of kernels.kivi_attention.kivi_attention (buf: its KIVIBuffers).  arith: of
+    the dense reads of 2- and 4-bit storage, "fp32", "int" (kivi_int_arith()), "avx2" or "vnni" (an error
+    where not built); None: kivi_arith_default().  Sparse reads and 8-bit storage are always fp32."""
+    arith = kivi_arith_default() if arith is None else kivi_int_arith() if arith == "int" else arith
+    if arith not in ARITH:
+        raise ValueError(f"arith must be int, {', '.join(ARITH)}; got {arith!r}")
+    code = ARITH[arith] if idx is None and buf.bits in (2, 4) else 0
     squeeze = q.dim() == 4
     q3 = q.squeeze(2) if squeeze else q
     scale = 1.0 / math.sqrt(q3.shape[-1]) if scale is None else scale
@@ -255,7 +289,7 @@ def kivi_attention_cpu(q: Tensor, buf, pos: Tensor, visible: Optional[Tensor], n
         q3, buf.k_packed, buf.k_scale, buf.k_min, buf.v_packed, buf.v_scale, buf.v_min, buf.k_ring, buf.v_ring,
         _unit_stride_rows(pos), empty_b if visible is None else _unit_stride_rows(visible), now.contiguous(),
         empty_l if idx is None else idx.long().contiguous(), empty_b if valid is None else valid.contiguous(),
-        n, buf.bits, buf.group, scale)
+        n, buf.bits, buf.group, scale, code)
     return out.unsqueeze(2) if squeeze else out
 
 

@@ -16,6 +16,7 @@ torch::Tensor dense_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor s
 torch::Tensor silu_mul(torch::Tensor gu);
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits,
                       int64_t group, bool portable);
+int64_t kivi_arith();
 torch::Tensor qembed(torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits, int64_t group,
                      int64_t K, torch::Tensor rows);
 
@@ -27,4 +28,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul);
   m.def("qlinear", &qlinear);
   m.def("qembed", &qembed);
+  m.def("kivi_arith", &kivi_arith);
 }

@@ -17,6 +17,18 @@ static inline float hsum(v16 x) {
   return x[0];
 }
 
+static inline float hmax(v16 x) {                              // the largest lane (hsum's tree, max for +)
+  const v16i swaps[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                         {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                         {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                         {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+  for (const v16i& sw : swaps) {
+    const v16 y = __builtin_shuffle(x, sw);
+    x = y > x ? y : x;
+  }
+  return x[0];
+}
+
 // exp of 16 floats: 2^n * p(r) with a degree-6 polynomial (Cephes expf, relative error < 2e-7);
 // exactly 0 below -87.3 (so -inf, a masked score, gives 0)
 static inline v16 vexp(v16 x) {

@@ -5,7 +5,9 @@
 //                       v_packed [B, H, S, W] int32, v_scale, v_min [B, H, S, D/G],
 //                       k_ring, v_ring [B, H, R, D], pos [B, 1 or H, S'] long, visible [B, 1 or H, S'] bool
 //                       (or empty), now [B] long, idx [B, Hidx, N] long (or empty), valid [B, Hidx, N]
-//                       bool (or empty), n, bits, group, scale) -> out [B, Hq, D]
+//                       bool (or empty), n, bits, group, scale, arith = 0) -> out [B, Hq, D]
+//   arith (dense reads of 2/4-bit storage): 0 fp32 (below), 1 integer with AVX2, 2 integer with AVX-512
+//   VNNI ("integer dense path" below; kernels/kivi_int.py is its twin); kivi_arith() names the best built.
 //
 //   Softmax attention of each decode query over the slots [0, n) (idx empty: "dense") or over its
 //   index list (idx given: the sparse readers' selected slots; Hidx = H: one list per KV head, shared
@@ -63,6 +65,7 @@ struct Row {
   const int64_t* pos; const bool* vis;             // per slot (vis may be null)
   int64_t now, R, kfrom;                           // kfrom: first position of the key residual
   int bits, G, D;
+  int arith = 0;                                   // dense reads: ARITH_FP32, _AVX2 or _VNNI
   bool ring_v(int64_t p) const { return p >= 0 && p > now - R; }
   bool ring_k(int64_t p) const { return p >= kfrom && ring_v(p); }
 };
@@ -307,6 +310,44 @@ static void chunk_values(const Row& r, int64_t t0, int64_t len, const float* pv,
   }
 }
 
+// the ring slots' weights taken out of the scores: ring_p[g * np + i] = exp(s - m) of hit i (np: the hits
+// rounded up to 16), summed into lring, and their scores set to -inf (the packed values' pass then
+// gives them weight 0)
+template <int GB>
+static void take_ring_weights(const std::vector<RingHit>& hits, float* s, int64_t npad, const float* m,
+                              std::vector<float>& ring_p, float* lring) {
+  const size_t nh = hits.size(), np = (nh + L - 1) / L * L;
+  ring_p.assign(np * GB, -INFINITY);
+  for (int g = 0; g < GB; ++g) {
+    float* rp = ring_p.data() + g * np;
+    for (size_t i = 0; i < nh; ++i) {
+      float& x = s[g * npad + hits[i].t];
+      rp[i] = x;
+      x = -INFINITY;
+    }
+    v16 acc = {};
+    for (size_t i = 0; i < np; i += L) {
+      const v16 e = vexp(load16(rp + i) - m[g]);
+      store16(rp + i, e);
+      acc += e;
+    }
+    lring[g] = hsum(acc);
+  }
+}
+
+// og[d] (query row g's packed part) plus the ring rows' weighted values, divided by the weights' sum l
+template <int GB, int D>
+static void finish_row(const Row& r, const std::vector<RingHit>& hits, const std::vector<float>& ring_p, int g,
+                       float l, float* og) {
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  const float* rp = ring_p.data() + g * (ring_p.size() / GB);
+  v16 acc[D / L];
+  for (int c = 0; c < D / L; ++c) acc[c] = load16(og + c * L);
+  for (size_t i = 0; i < hits.size(); ++i)
+    for (int c = 0; c < D / L; ++c) acc[c] += rp[i] * load16(r.vr + hits[i].row * r.r_row + c * L);
+  for (int c = 0; c < D / L; ++c) store16(og + c * L, acc[c] * inv);
+}
+
 template <int BITS, int GB, int D>
 static void dense_rows(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
   const int64_t npad = (n + L - 1) / L * L;
@@ -318,17 +359,10 @@ static void dense_rows(const float* q, const Row& r, int64_t n, std::vector<floa
   v16* zc = acc + GB * D;
   std::fill(acc, zc + GB * NCG, v16{});
   std::vector<RingHit> hits;
-  float m[GB];
+  float m[GB], lring[GB];
   dense_scores<BITS, GB, D>(q, r, n, npad, s, m, hits);
-  std::vector<float> ring_p(hits.size() * GB);                // ring slots: weights moved to their rows
-  float lring[GB] = {};
-  for (size_t i = 0; i < hits.size(); ++i)
-    for (int g = 0; g < GB; ++g) {
-      float& x = s[g * npad + hits[i].t];
-      ring_p[i * GB + g] = std::exp(x - m[g]);
-      lring[g] += ring_p[i * GB + g];
-      x = -INFINITY;
-    }
+  std::vector<float> ring_p;                                  // ring slots: weights moved to their rows
+  take_ring_weights<GB>(hits, s, npad, m, ring_p, lring);
   v16 lsum[GB] = {};
   for (int64_t t0 = 0; t0 < npad; t0 += CH) {
     const int64_t len = std::min(CH, npad - t0);
@@ -336,14 +370,420 @@ static void dense_rows(const float* q, const Row& r, int64_t n, std::vector<floa
     chunk_values<BITS, GB, D>(r, t0, len, pv, acc);
   }
   for (int g = 0; g < GB; ++g) {
-    const float l = hsum(lsum[g]) + lring[g], inv = l > 0.f ? 1.f / l : 0.f;
     float* og = out + g * D;
     for (int d = 0; d < D; ++d) og[d] = hsum(acc[g * D + d]) + hsum(zc[g * NCG + d / r.G]);
-    for (size_t i = 0; i < hits.size(); ++i)
-      for (int c = 0; c < D; c += L)
-        store16(og + c, load16(og + c) + ring_p[i * GB + g] * load16(r.vr + hits[i].row * r.r_row + c));
-    for (int d = 0; d < D; ++d) og[d] *= inv;
+    finish_row<GB, D>(r, hits, ring_p, g, hsum(lsum[g]) + lring[g], og);
   }
+}
+
+// ------------------------------------------------------------------------------------ integer dense path
+// The dense read in integer arithmetic (its twin, which states the scheme with shapes, is
+// kernels/kivi_int.py), `arith` ARITH_VNNI (vpdpbusd: 4 u8 x s8 products summed into each int32 lane)
+// or ARITH_AVX2 (vpmaddubsw -> int16 pair sums, vpmaddwd by 1 -> int32: the same sums; pair sums stay
+// below 2 * 255 * 15 and 2 * 15 * 127 < 2^15, so nothing saturates).  Slot lanes: word w of 16 slots
+// in one vector; a byte k of (word >> BITS sh) & mask is the code of plane E k + sh (E = 8 / BITS
+// codes a byte), i.e. of channel (E k + sh) W + w.
+//   scores: when the sweep enters a key group, q s_k is quantized to int8 (a = max|q s_k| / 127) and
+//           laid out as one dword per (word, shift) holding the 4 query bytes of those channels
+//           (IntFold); per word and shift one u8 x s8 dot per query row; score = float(sum) a + z.
+//   values: per slot group (G slots), value channel group c and lane block (4 of every 16 slots) the
+//           weights e s_v are quantized to u8 (b = max / 255); a 4 x 4 byte transpose within each 16-byte block turns (4 slots x 4
+//           planes) into (4 planes x 4 slots), so each int32 lane sums 4 slots of one channel; the
+//           group's int32 sums are scaled by b into fp32 accumulators at the group's end.
+// Needs G % 16 == 0 (whole groups of 16-slot vectors), bits 2 or 4.
+enum Arith { ARITH_FP32 = 0, ARITH_AVX2 = 1, ARITH_VNNI = 2 };
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVC_KIVI_VNNI 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVC_KIVI_AVX2 1
+#endif
+
+static bool arith_built(int64_t arith) {
+  switch (arith) {
+    case ARITH_FP32: return true;
+#ifdef KVC_KIVI_AVX2
+    case ARITH_AVX2: return true;
+#endif
+#ifdef KVC_KIVI_VNNI
+    case ARITH_VNNI: return true;
+#endif
+    default: return false;
+  }
+}
+
+static inline v16 as_v16(const void* p) { v16 x; std::memcpy(&x, p, sizeof x); return x; }
+
+typedef uint8_t v64b __attribute__((vector_size(64)));
+
+// 16 int32 lanes in the registers of one ISA
+template <int ISA> struct IV;
+
+#ifdef KVC_KIVI_VNNI
+template <> struct IV<ARITH_VNNI> {
+  __m512i x;
+  static IV load(const void* p) { return {_mm512_loadu_si512(p)}; }
+  static IV set1(int32_t v) { return {_mm512_set1_epi32(v)}; }
+  static IV zero() { return {_mm512_setzero_si512()}; }
+  IV srl(int n) const { return {_mm512_srl_epi32(x, _mm_cvtsi32_si128(n))}; }
+  IV operator&(IV o) const { return {_mm512_and_si512(x, o.x)}; }
+  IV bytes(IV idx) const { return {_mm512_shuffle_epi8(x, idx.x)}; }   // within each 16-byte block
+  IV dot(IV u8, IV s8) const { return {_mm512_dpbusd_epi32(x, u8.x, s8.x)}; }
+  v16 to_float() const { const __m512 f = _mm512_cvtepi32_ps(x); return as_v16(&f); }
+  static IV round(v16 f) { __m512 m; std::memcpy(&m, &f, 64); return {_mm512_cvtps_epi32(m)}; }
+  // the low bytes of the lanes of r[0 .. n) (n <= 4): lane l of r[j] -> byte 16 j + l (in registers)
+  static v64b low_bytes(const IV* r, int n) {
+    __m512i b = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(r[0].x));
+    if (n > 1) b = _mm512_inserti32x4(b, _mm512_cvtepi32_epi8(r[1].x), 1);
+    if (n > 2) b = _mm512_inserti32x4(b, _mm512_cvtepi32_epi8(r[2].x), 2);
+    if (n > 3) b = _mm512_inserti32x4(b, _mm512_cvtepi32_epi8(r[3].x), 3);
+    v64b out;
+    std::memcpy(&out, &b, 64);
+    return out;
+  }
+};
+#endif
+
+#ifdef KVC_KIVI_AVX2
+template <> struct IV<ARITH_AVX2> {
+  __m256i lo, hi;
+  static IV load(const void* p) {
+    const __m256i* v = reinterpret_cast<const __m256i*>(p);
+    return {_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1)};
+  }
+  static IV set1(int32_t v) { const __m256i a = _mm256_set1_epi32(v); return {a, a}; }
+  static IV zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  IV srl(int n) const {
+    const __m128i c = _mm_cvtsi32_si128(n);
+    return {_mm256_srl_epi32(lo, c), _mm256_srl_epi32(hi, c)};
+  }
+  IV operator&(IV o) const { return {_mm256_and_si256(lo, o.lo), _mm256_and_si256(hi, o.hi)}; }
+  IV bytes(IV idx) const { return {_mm256_shuffle_epi8(lo, idx.lo), _mm256_shuffle_epi8(hi, idx.hi)}; }
+  IV dot(IV u8, IV s8) const {
+    const __m256i one = _mm256_set1_epi16(1);
+    return {_mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(u8.lo, s8.lo), one)),
+            _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(u8.hi, s8.hi), one))};
+  }
+  v16 to_float() const {
+    const __m256 f[2] = {_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)};
+    return as_v16(f);
+  }
+  static IV round(v16 f) {
+    __m256 m[2];
+    std::memcpy(m, &f, 64);
+    return {_mm256_cvtps_epi32(m[0]), _mm256_cvtps_epi32(m[1])};
+  }
+  static v64b low_bytes(const IV* r, int n) {
+    v64b out = {};
+    for (int j = 0; j < n; ++j) {
+      int32_t t[16];
+      std::memcpy(t, &r[j].lo, 32);
+      std::memcpy(t + 8, &r[j].hi, 32);
+      for (int l = 0; l < 16; ++l) out[16 * j + l] = (uint8_t)t[l];
+    }
+    return out;
+  }
+};
+#endif
+
+template <int ISA>
+static inline IV<ISA> from_bytes(v64b b) {                     // 64 bytes as 16 int32 lanes
+  IV<ISA> x;
+  std::memcpy(&x, &b, 64);
+  return x;
+}
+
+template <int BITS> constexpr int32_t code_mask() { return BITS == 4 ? 0x0F0F0F0F : 0x03030303; }
+
+// byte (4 i + m) of each 16-byte block <- byte (4 m + i): (4 slots x 4 planes) -> (4 planes x 4 slots)
+template <int ISA>
+static inline IV<ISA> transpose_pattern() {
+  int32_t p[16];
+  for (int l = 0; l < 16; ++l) p[l] = 0x0C080400 + 0x01010101 * (l % 4);
+  return IV<ISA>::load(p);
+}
+
+// one key group folded into GB query rows: qw[g][w * E + sh] = the int8 bytes k = 0..3 of
+// round(q s_k * 127 / max|q s_k|) for channels (E k + sh) W + w; a[g] = max|q s_k| / 127; z[g] = q . m_k
+template <int BITS, int GB, int D>
+struct IntFold {
+  static constexpr int E = 8 / BITS, W = D * BITS / 32, NB = D / 64;
+  int64_t grp = -1;
+  alignas(64) int32_t qw[GB][D / 4];
+  float a[GB], z[GB];
+  v64b perm[NB];                       // byte i of qw <- byte perm[i] of the channel-order int8 query
+  IntFold() {
+    for (int i = 0; i < D; ++i) {      // i = (w E + sh) 4 + k
+      const int k = i % 4, w = i / 4 / E, sh = i / 4 % E;
+      perm[i / 64][i % 64] = (uint8_t)((E * k + sh) * W + w);
+    }
+  }
+  template <int ISA>
+  void enter(const float* q, const Row& r, int64_t g) {
+    if (g == grp) return;
+    grp = g;
+    const float* ks = r.ks + g * r.k_g;
+    for (int b = 0; b < GB; ++b) {
+      v16 qs[D / L], mx = {};
+      for (int c = 0; c < D / L; ++c) {
+        qs[c] = load16(q + b * D + c * L) * load16(ks + c * L);
+        const v16 ab = qs[c] < 0.f ? -qs[c] : qs[c];
+        mx = ab > mx ? ab : mx;
+      }
+      const float amax = hmax(mx);
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      a[b] = amax / 127.f;
+      IV<ISA> qi[D / L];
+      for (int c = 0; c < D / L; ++c) qi[c] = IV<ISA>::round(qs[c] * inv);
+      v64b src[NB], dst[NB];
+      for (int k = 0; k < NB; ++k) src[k] = IV<ISA>::low_bytes(qi + 4 * k, 4);
+      if constexpr (NB == 1) {
+        dst[0] = __builtin_shuffle(src[0], perm[0]);
+      } else {
+        dst[0] = __builtin_shuffle(src[0], src[1], perm[0]);
+        dst[1] = __builtin_shuffle(src[0], src[1], perm[1]);
+      }
+      std::memcpy(qw[b], dst, D);
+      z[b] = dot(q + b * D, r.km + g * r.k_g, D);
+    }
+  }
+};
+
+// the int32 sums acc[v * GB + g] of NV vectors of 16 slots from kp (word w at kp + w * kp_w) with the query
+// words qw[v][g * D / 4 + w * E + sh].  Not inlined: inside dense_rows_int GCC kept the accumulators on
+// the stack (a load and a store per word row); on its own they stay in registers
+template <int ISA, int BITS, int GB, int D, int NV>
+__attribute__((noinline)) static void int_sweep(const int32_t* kp, int64_t kp_w, const int32_t* const* qw,
+                                                IV<ISA>* out) {
+  using V = IV<ISA>;
+  constexpr int E = 8 / BITS, W = D * BITS / 32;
+  const V mask = V::set1(code_mask<BITS>());
+  V acc[NV][GB];
+  for (int v = 0; v < NV; ++v)
+    for (int g = 0; g < GB; ++g) acc[v][g] = V::zero();
+  for (int w = 0; w < W; ++w) {
+    const int32_t* kw = kp + w * kp_w;
+    V words[NV];
+    for (int v = 0; v < NV; ++v) {
+      __builtin_prefetch(kw + v * L + AHEAD_SLOTS);
+      words[v] = V::load(kw + v * L);
+    }
+#pragma GCC unroll 4
+    for (int sh = 0; sh < E; ++sh)
+      for (int v = 0; v < NV; ++v) {
+        const V c = words[v].srl(BITS * sh) & mask;
+        for (int g = 0; g < GB; ++g) acc[v][g] = acc[v][g].dot(c, V::set1(qw[v][g * D / 4 + w * E + sh]));
+      }
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int g = 0; g < GB; ++g) out[v * GB + g] = acc[v][g];
+}
+
+// scores of NV vectors of 16 slots from t0 (integer dot products), masked, their maximum folded into mv
+template <int ISA, int BITS, int GB, int D, int NV>
+static void score_block_int(const float* q, const Row& r, int64_t n, int64_t t0, IntFold<BITS, GB, D>* f, float* s,
+                            int64_t npad, v16* mv, std::vector<RingHit>& hits) {
+  const IntFold<BITS, GB, D>* fv[NV];
+  const int32_t* qw[NV];
+  for (int v = 0; v < NV; ++v) {
+    const int64_t grp = (t0 + v * L) / r.G;
+    f[grp & 1].template enter<ISA>(q, r, grp);
+    fv[v] = &f[grp & 1];
+    qw[v] = fv[v]->qw[0];
+  }
+  IV<ISA> acc[NV * GB];
+  int_sweep<ISA, BITS, GB, D, NV>(r.kp + t0, r.kp_w, qw, acc);
+  for (int v = 0; v < NV; ++v) {
+    const int64_t t = t0 + v * L;
+    for (int g = 0; g < GB; ++g) store16(s + g * npad + t, acc[v * GB + g].to_float() * fv[v]->a[g] + fv[v]->z[g]);
+    mask_ring<GB, D>(q, r, n, t, s, npad, hits);
+    for (int g = 0; g < GB; ++g) {
+      const v16 x = load16(s + g * npad + t);
+      mv[g] = x > mv[g] ? x : mv[g];
+    }
+  }
+}
+
+template <int ISA, int BITS, int GB, int D>
+static void dense_scores_int(const float* q, const Row& r, int64_t n, int64_t npad, float* s, float* m,
+                             std::vector<RingHit>& hits) {
+  IntFold<BITS, GB, D> f[2];
+  v16 mv[GB];
+  for (int g = 0; g < GB; ++g) mv[g] = bcast(-INFINITY);
+  int64_t t = 0;
+  for (; t + 2 * L <= npad; t += 2 * L) score_block_int<ISA, BITS, GB, D, 2>(q, r, n, t, f, s, npad, mv, hits);
+  if (t < npad) score_block_int<ISA, BITS, GB, D, 1>(q, r, n, t, f, s, npad, mv, hits);
+  for (int g = 0; g < GB; ++g) {
+    float mg = -INFINITY;
+    for (int l = 0; l < L; ++l) mg = std::max(mg, mv[g][l]);
+    m[g] = std::isinf(mg) ? 0.f : mg;
+  }
+}
+
+constexpr int64_t CHI = 256;           // integer value chunk: slots whose u8 weights stay in L1
+
+// lane tables of the transposed value layout, shift sh: lane (blk, i) = 4 blk + i holds channel plane
+// E i + sh of slots 4 blk .. 4 blk + 3; wsel: its 4 weight bytes, cidx: its channel group c
+template <int BITS, int D>
+struct ValueLanes {
+  static constexpr int E = 8 / BITS, W = D * BITS / 32;
+  v64b wsel[E];                        // byte 4 l + m <- byte c 16 + 4 blk + m of the weights' bytes (c * 16 + slot)
+  v16i cidx[E];
+  explicit ValueLanes(int G) {
+    for (int sh = 0; sh < E; ++sh)
+      for (int l = 0; l < 16; ++l) {
+        const int blk = l / 4, i = l % 4, c = (E * i + sh) * W / G;
+        for (int m = 0; m < 4; ++m) wsel[sh][4 * l + m] = (uint8_t)(c * 16 + 4 * blk + m);
+        cidx[sh][l] = c;
+      }
+  }
+};
+
+// each lane: the largest of its 4-lane block (lanes 4 blk .. 4 blk + 3)
+static inline v16 block_max(v16 x) {
+  v16 y = __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  x = y > x ? y : x;
+  y = __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  return y > x ? y : x;
+}
+
+// weights of the chunk [t0, t0 + len) (whole slot groups): e = exp(s - m) summed into lsum, zc[g * NCG + c]
+// += e m_v; per slot group j, value channel group c and lane block (the slots t of the group with
+// t % 16 in [4 blk, 4 blk + 4), which the value pass sums in one int32 lane) the u8 weights
+// round(e s_v * 255 / max) in the value pass's layout, wq[(v GB + g) E + sh] (v: the chunk's 16-slot
+// vector), and their scales bq[(j GB + g) E + sh] (lane (blk, i): max / 255 of its block and channel group)
+template <int ISA, int BITS, int GB, int D>
+static void chunk_weights_int(const Row& r, const float* s, int64_t npad, const float* m, int64_t t0, int64_t len,
+                              const ValueLanes<BITS, D>& vl, IV<ISA>* wq, v16* bq, v16* lsum, v16* zc) {
+  using V = IV<ISA>;
+  constexpr int E = 8 / BITS;
+  const int G = r.G, VG = G / L, NCG = D / G;
+  const int64_t ngc = len / G;
+  for (int64_t j = 0; j < ngc; ++j) {
+    const int64_t tj = t0 + j * G;
+    for (int g = 0; g < GB; ++g) {
+      v16 pv[8], mx[8];                                       // NCG * VG = D / 16 <= 8
+      for (int c = 0; c < NCG; ++c) mx[c] = v16{};
+      for (int v = 0; v < VG; ++v) {
+        const int64_t t = tj + v * L;
+        const v16 e = vexp(load16(s + g * npad + t) - m[g]);
+        lsum[g] += e;
+        for (int c = 0; c < NCG; ++c) {
+          const v16 p = e * load16(r.vs + c * r.v_c + t);
+          pv[c * VG + v] = p;
+          mx[c] = p > mx[c] ? p : mx[c];
+          zc[g * NCG + c] += e * load16(r.vm + c * r.v_c + t);
+        }
+      }
+      v16 bt[8], inv[8];                                      // per channel group, lanes by block
+      const v16 zero = {}, one = zero + 1.f;
+      for (int c = 0; c < NCG; ++c) {
+        const v16 pmax = block_max(mx[c]);
+        inv[c] = pmax > zero ? 255.f / (pmax > zero ? pmax : one) : zero;
+        bt[c] = pmax / 255.f;
+      }
+      for (int sh = 0; sh < E; ++sh) {
+        v16 b = bt[0];
+        for (int c = 1; c < NCG; ++c) b = vl.cidx[sh] == c ? bt[c] : b;
+        bq[(j * GB + g) * E + sh] = b;
+      }
+      for (int v = 0; v < VG; ++v) {                          // the weights' bytes c * 16 + slot, in registers
+        V rc[8];
+        for (int c = 0; c < NCG; ++c) rc[c] = V::round(pv[c * VG + v] * inv[c]);
+        const v64b lo = V::low_bytes(rc, std::min(NCG, 4)), hi = NCG > 4 ? V::low_bytes(rc + 4, NCG - 4) : lo;
+        for (int sh = 0; sh < E; ++sh)
+          wq[((j * VG + v) * GB + g) * E + sh] = from_bytes<ISA>(__builtin_shuffle(lo, hi, vl.wsel[sh]));
+      }
+    }
+  }
+}
+
+// acc[g * D + d] += the chunk's packed values weighted by the u8 weights of chunk_weights_int (not inlined,
+// as int_sweep)
+template <int ISA, int BITS, int GB, int D>
+__attribute__((noinline)) static void chunk_values_int(const Row& r, int64_t t0, int64_t len, const IV<ISA>* wq, const v16* bq, float* acc) {
+  using V = IV<ISA>;
+  constexpr int E = 8 / BITS, W = D * BITS / 32;
+  const int VG = r.G / L;
+  const int64_t ngc = len / r.G;
+  const V mask = V::set1(code_mask<BITS>()), tr = transpose_pattern<ISA>();
+  for (int w = 0; w < W; ++w) {
+    const int32_t* vw = r.vp + w * r.vp_w + t0;
+    v16 fa[GB][E] = {};
+    for (int64_t j = 0; j < ngc; ++j) {
+      V ia[GB][E];
+      for (int g = 0; g < GB; ++g)
+        for (int sh = 0; sh < E; ++sh) ia[g][sh] = V::zero();
+      for (int v = 0; v < VG; ++v) {
+        const int64_t vi = j * VG + v;
+        __builtin_prefetch(vw + vi * L + AHEAD_SLOTS);
+        const V x = V::load(vw + vi * L);
+        const V* wv = wq + vi * GB * E;
+#pragma GCC unroll 4
+        for (int sh = 0; sh < E; ++sh) {
+          const V c = (x.srl(BITS * sh) & mask).bytes(tr);
+          for (int g = 0; g < GB; ++g) ia[g][sh] = ia[g][sh].dot(wv[g * E + sh], c);
+        }
+      }
+      for (int g = 0; g < GB; ++g)
+        for (int sh = 0; sh < E; ++sh) fa[g][sh] += ia[g][sh].to_float() * bq[(j * GB + g) * E + sh];
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int sh = 0; sh < E; ++sh)
+        for (int i = 0; i < 4; ++i)
+          acc[g * D + (E * i + sh) * W + w] += (fa[g][sh][i] + fa[g][sh][4 + i]) + (fa[g][sh][8 + i] + fa[g][sh][12 + i]);
+  }
+}
+
+template <int ISA, int BITS, int GB, int D>
+static void dense_rows_int(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
+  constexpr int E = 8 / BITS;
+  const int G = r.G, NCG = D / G;
+  const int64_t npad = (n + G - 1) / G * G;                  // whole slot groups
+  work.resize(GB * npad + GB * D);
+  float* s = work.data();
+  float* acc = s + GB * npad;
+  std::fill(acc, acc + GB * D, 0.f);
+  std::vector<RingHit> hits;
+  float m[GB], lring[GB];
+  dense_scores_int<ISA, BITS, GB, D>(q, r, n, npad, s, m, hits);
+  std::vector<float> ring_p;
+  take_ring_weights<GB>(hits, s, npad, m, ring_p, lring);
+  const ValueLanes<BITS, D> vl(G);
+  std::vector<IV<ISA>> wq(GB * E * (CHI / L));
+  std::vector<v16> bq(GB * E * (CHI / G));
+  v16 lsum[GB] = {}, zc[GB * 8] = {};
+  for (int64_t t0 = 0; t0 < npad; t0 += CHI) {
+    const int64_t len = std::min(CHI, npad - t0);
+    chunk_weights_int<ISA, BITS, GB, D>(r, s, npad, m, t0, len, vl, wq.data(), bq.data(), lsum, zc);
+    chunk_values_int<ISA, BITS, GB, D>(r, t0, len, wq.data(), bq.data(), acc);
+  }
+  for (int g = 0; g < GB; ++g) {
+    float* og = out + g * D;
+    for (int d = 0; d < D; ++d) og[d] = acc[g * D + d] + hsum(zc[g * NCG + d / G]);
+    finish_row<GB, D>(r, hits, ring_p, g, hsum(lsum[g]) + lring[g], og);
+  }
+}
+
+template <int ISA, int BITS, int GB>
+static void dense_rows_int_d(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
+  if (r.D == 64) dense_rows_int<ISA, BITS, GB, 64>(q, r, n, work, out);
+  else dense_rows_int<ISA, BITS, GB, 128>(q, r, n, work, out);
+}
+
+// the integer dense read in the arithmetic r.arith names (built: checked by the op)
+template <int BITS, int GB>
+static void dense_int(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
+  if constexpr (BITS == 2 || BITS == 4) {
+#ifdef KVC_KIVI_VNNI
+    if (r.arith == ARITH_VNNI) return dense_rows_int_d<ARITH_VNNI, BITS, GB>(q, r, n, work, out);
+#endif
+#ifdef KVC_KIVI_AVX2
+    if (r.arith == ARITH_AVX2) return dense_rows_int_d<ARITH_AVX2, BITS, GB>(q, r, n, work, out);
+#endif
+  }
+  TORCH_CHECK(false, "kvc::kivi_attention: integer arithmetic ", r.arith, " is not built for ", BITS, " bits");
 }
 
 // ------------------------------------------------------------------------------------ sparse path
@@ -631,6 +1071,7 @@ static void run_block(const float* q, int gb, const Row& r, int64_t n, const int
     case GB:                                                                           \
       if (il && r.D == 64) sparse_rows<BITS, GB, 64>(q, r, il, vl, N, work, out);      \
       else if (il) sparse_rows<BITS, GB, 128>(q, r, il, vl, N, work, out);             \
+      else if (r.arith) dense_int<BITS, GB>(q, r, n, work, out);                       \
       else if (r.D == 64) dense_rows<BITS, GB, 64>(q, r, n, work, out);                \
       else dense_rows<BITS, GB, 128>(q, r, n, work, out);                              \
       break;
@@ -652,11 +1093,16 @@ static void run_rows(const float* q, int64_t GL, int bits, const Row& r, int64_t
 
 }  // namespace
 
+// the best arithmetic this build has for kvc::kivi_attention's dense reads: 2 AVX-512 VNNI, 1 AVX2, 0 fp32 only
+int64_t kivi_arith() {
+  return arith_built(ARITH_VNNI) ? ARITH_VNNI : arith_built(ARITH_AVX2) ? ARITH_AVX2 : ARITH_FP32;
+}
+
 torch::Tensor kivi_attention(torch::Tensor q, torch::Tensor k_packed, torch::Tensor k_scale, torch::Tensor k_min,
                              torch::Tensor v_packed, torch::Tensor v_scale, torch::Tensor v_min,
                              torch::Tensor k_ring, torch::Tensor v_ring, torch::Tensor pos, torch::Tensor visible,
                              torch::Tensor now, torch::Tensor idx, torch::Tensor valid, int64_t n, int64_t bits,
-                             int64_t group, double scale) {
+                             int64_t group, double scale, int64_t arith) {
   const std::vector<torch::Tensor> bufs = {k_packed, k_scale, k_min, v_packed, v_scale, v_min, k_ring, v_ring};
   check_buffers(bufs, pos, now);
   TORCH_CHECK(q.dim() == 3 && q.dtype() == torch::kFloat, "kvc::kivi_attention: q must be fp32 [B, Hq, D]");
@@ -674,6 +1120,10 @@ torch::Tensor kivi_attention(torch::Tensor q, torch::Tensor k_packed, torch::Ten
               "kvc::kivi_attention: sparse reads address words with int32 offsets (capacity too large)");
   TORCH_CHECK(!sparse || (idx.is_contiguous() && idx.dtype() == torch::kLong && (Hidx == H || Hidx == Hq)),
               "kvc::kivi_attention: idx must be a contiguous long [B, H or Hq, N]");
+  TORCH_CHECK(arith_built(arith), "kvc::kivi_attention: arith ", arith, " (0 fp32, 1 AVX2 integer, 2 AVX-512 VNNI "
+              "integer) is not built for this CPU");
+  TORCH_CHECK(arith == ARITH_FP32 || (!sparse && (bits == 2 || bits == 4)),
+              "kvc::kivi_attention: integer arithmetic is for dense reads of 2- or 4-bit storage");
   const bool has_valid = valid.numel() > 0, has_vis = visible.numel() > 0;
   TORCH_CHECK(!has_valid || (valid.is_contiguous() && valid.sizes() == idx.sizes()), "valid must be shaped like idx");
   TORCH_CHECK(!has_vis || (visible.dtype() == torch::kBool && visible.stride(2) == 1), "visible must be bool");
@@ -688,6 +1138,7 @@ torch::Tensor kivi_attention(torch::Tensor q, torch::Tensor k_packed, torch::Ten
       const int64_t b = rr / Hidx, hi = rr % Hidx, h = Hidx == H ? hi : hi / Gq, hq = Hidx == H ? hi * Gq : hi;
       Row r = row_at(bufs, pos, b, h, nowp[b], (int)bits, (int)G);
       r.vis = has_vis ? row_of<bool>(visible, b, h) : nullptr;
+      r.arith = (int)arith;
       for (int64_t i = 0; i < GL * D; ++i) qscaled[i] = qp[(b * Hq + hq) * D + i] * (float)scale;
       const int64_t* il = sparse ? idx.data_ptr<int64_t>() + rr * N : nullptr;
       const bool* vl = has_valid ? valid.data_ptr<bool>() + rr * N : nullptr;
@@ -898,7 +1349,7 @@ void kivi_write_range(torch::Tensor k_packed, torch::Tensor k_scale, torch::Tens
 TORCH_LIBRARY_FRAGMENT(kvc, m) {
   m.def("kivi_attention(Tensor q, Tensor k_packed, Tensor k_scale, Tensor k_min, Tensor v_packed, Tensor v_scale, "
         "Tensor v_min, Tensor k_ring, Tensor v_ring, Tensor pos, Tensor visible, Tensor now, Tensor idx, "
-        "Tensor valid, SymInt n, int bits, int group, float scale) -> Tensor");
+        "Tensor valid, SymInt n, int bits, int group, float scale, int arith=0) -> Tensor");
   m.def("kivi_write(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!) k_min, Tensor(d!) v_packed, "
         "Tensor(e!) v_scale, Tensor(f!) v_min, Tensor(g!) k_ring, Tensor(h!) v_ring, Tensor slot, Tensor k, "
         "Tensor v, Tensor pos, Tensor now, Tensor where, int bits, int group) -> ()");

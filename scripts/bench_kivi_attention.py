@@ -10,12 +10,16 @@ ascending as kvc::select_top returns them.  Dense (--n-critical 0): every slot, 
 KIVI storage at G=32, R=128, 4 and 2 bits.  Each op cycles over --layers caches (8: no cache's lines
 stay in the 32 MiB L3 between its calls, as in a model's decode step).
   fp32           kvc::sparse_attention (dense: kvc::dense_attention) over k, v [B, H_kv, S, D] fp32
-  kivi4 / kivi2  kvc::kivi_attention (this checkout's build) over the packed storage
+  kivi4 / kivi2  kvc::kivi_attention (this checkout's build) over the packed storage, fp32 arithmetic
+  kivi4 vnni ... the same op in integer arithmetic (dense only; kernels/kivi_int.py's scheme): "vnni"
+                 (AVX-512 VNNI) or "avx2" as this CPU has; --arith avx2 forces the AVX2 path on a VNNI CPU
   ... REV        the same op built from kernels/kivi_kernels.cpp at git revision REV (--baseline),
                  registered as kvc_old:: so that both run side by side
 Rounds are interleaved (round r times every op once; a sample is the mean of --inner calls); medians
 (and minima) in microseconds, the ratio fp32 / op (> 1: faster than fp32 storage), and the rate of
-query x key and weight x value multiply-adds (G MAC/s: 2 B H_q N D per call, N = S when dense).
+query x key and weight x value multiply-adds (G MAC/s: 2 B H_q N D per call, N = S when dense) beside the
+measured fp32 FMA peak of the same threads: the fastest of max(3, --repeats / 5) 2048 x 2048 x 2048 fp32
+matmuls (torch.mm, oneDNN/MKL; --peak-size), 2048^3 multiply-adds each.
 """
 import argparse
 import statistics
@@ -31,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from cache.quantized import SlotStore  # noqa: E402
-from kernels.cpu import cpu_kernels_available, kivi_write_range_cpu  # noqa: E402
+from kernels.cpu import ARITH, cpu_kernels_available, kivi_int_arith, kivi_write_range_cpu  # noqa: E402
 
 
 def parse(argv):
@@ -46,6 +50,9 @@ def parse(argv):
                    help="distinct caches cycled through (as the model's layers: none stays in L3)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--baseline", default=None, help="git revision whose kivi_kernels.cpp to time as well")
+    p.add_argument("--arith", default="int", choices=["int", "avx2", "vnni"],
+                   help="the integer rows' arithmetic (int: the best this CPU has)")
+    p.add_argument("--peak-size", type=int, default=2048, help="the FMA peak's matmul size")
     return p.parse_args(argv)
 
 
@@ -62,6 +69,20 @@ def build_baseline(rev: str) -> None:
     from torch.utils.cpp_extension import load
     load(name=f"kvc_kivi_old_{rev_hash}", sources=[str(path)], extra_include_paths=[str(ROOT / "kernels")],
          extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
+
+
+def fma_peak(size: int, repeats: int) -> float:
+    """The fp32 multiply-add rate (G MAC/s) of a size^3 matmul on torch's threads, best of `repeats`."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(max(3, repeats // 5)))
+    return size ** 3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def rotate(calls):
@@ -103,6 +124,7 @@ def main(argv=None):
     scale = D ** -0.5
     empty_b = torch.empty(0, 0, 0, dtype=torch.bool)
     dense = N == 0
+    arith = kivi_int_arith() if args.arith == "int" else args.arith
     if dense:
         idx, valid = torch.empty(0, dtype=torch.long), empty_b
         calls = {"fp32": [(torch.ops.kvc.dense_attention, (q, k, v, S, scale)) for k, v in layers]}
@@ -115,6 +137,8 @@ def main(argv=None):
             kivi_write_range_cpu(store.buffers, 0, k, v, pos, now)
             stores.append((q, *store.buffers[:8], pos, empty_b, now, idx, valid, S, bits, G, scale))
         calls[f"kivi{bits}"] = [(torch.ops.kvc.kivi_attention, c) for c in stores]
+        if dense and arith != "fp32" and bits in (2, 4):
+            calls[f"kivi{bits} {arith}"] = [(torch.ops.kvc.kivi_attention, (*c, ARITH[arith])) for c in stores]
         if args.baseline:
             calls[f"kivi{bits} {args.baseline}"] = [(torch.ops.kvc_old.kivi_attention, c) for c in stores]
             torch.testing.assert_close(torch.ops.kvc.kivi_attention(*stores[0]),
@@ -132,11 +156,14 @@ def main(argv=None):
             times[name].append((time.perf_counter() - t0) / args.inner * 1e6)
     base = statistics.median(times["fp32"])
     macs = 2 * B * Hq * (N or S) * D
-    print(f"B={B} Hq={Hq} Hkv={H} D={D} S={S} N={N or 'all'} G={G} R={R} threads={torch.get_num_threads()}")
+    peak = fma_peak(args.peak_size, args.repeats)
+    print(f"B={B} Hq={Hq} Hkv={H} D={D} S={S} N={N or 'all'} G={G} R={R} threads={torch.get_num_threads()}  "
+          f"FMA peak {peak:.1f} G MAC/s (fp32 matmul {args.peak_size}^3)")
     for name, ts in times.items():
         med = statistics.median(ts)
+        rate = macs / med / 1e3
         print(f"{name:>16}: {med:8.1f} us (min {min(ts):8.1f})   fp32/op {base / med:5.2f}   "
-              f"{macs / med / 1e3:6.1f} G MAC/s")
+              f"{rate:6.1f} G MAC/s = {100 * rate / peak:5.1f}% of peak")
 
 
 if __name__ == "__main__":
