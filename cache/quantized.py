@@ -50,8 +50,8 @@ Writes (every one requantizes exactly the key groups it touches, from the best v
   later chunk attends the stored slots through a dequantized copy (prefill only).
 Decode reads (sync-free, fixed shapes, one compiled graph for every step):
 - attention: one op over the packed words and the residual (kernels.kivi_attention: the C++ op
-  kvc::kivi_attention on CPU, in integer arithmetic where the CPU has VNNI or AVX2 (kernels/kivi_int.py;
-  KVC_KIVI_ARITH=fp32 keeps fp32), Triton on CUDA, a torch twin elsewhere; no dequantized copy);
+  kvc::kivi_attention on CPU, in integer arithmetic where the CPU has AVX-512 VNNI (kernels/kivi_int.py;
+  KVC_KIVI_ARITH chooses: kernels/cpu.py kivi_arith_default), Triton on CUDA, a torch twin elsewhere; no dequantized copy);
 - H2O/D2O need the step's probabilities per slot: packed scores (`kivi_scores`) with the residual
   keys' scores taken from the ring, one joint softmax with the new token, then the weighted sum of
   packed values + ring rows (`kivi_values`);

@@ -11,8 +11,8 @@ sparse readers', KIVI's, the dense caches' and the weight-quantized linear layer
     select_top_cpu(scores, bias, n)    == torch.topk of F.pad(scores, (0, n)) + bias, as a set per row
     kivi_attention_cpu(...)            == kernels.kivi_attention.kivi_attention_torch (packed K/V + residual);
                                        dense reads of 2/4-bit storage in integer arithmetic where the CPU has
-                                       AVX-512 VNNI or AVX2 (== kernels.kivi_int.kivi_attention_int_torch;
-                                       KVC_KIVI_ARITH=fp32 keeps the fp32 op, see kivi_arith_default)
+                                       AVX-512 VNNI (== kernels.kivi_int.kivi_attention_int_torch;
+                                       KVC_KIVI_ARITH chooses, see kivi_arith_default)
     kivi_write_cpu / kivi_write_range_cpu  == SlotStore.write_torch / write_range_torch, bit for bit
     dense_attention_cpu(q, k, v, n)    decode attention over fp32 or bf16 rows [0, n), all visible
     decode_attention(q, k, v, visible) == model.grouped_attention of one decode query over a dense cache
@@ -259,14 +259,17 @@ def kivi_int_arith() -> str:
 
 def kivi_arith_default() -> str:
     """The arithmetic of kivi_attention_cpu's dense reads of 2/4-bit storage, from KVC_KIVI_ARITH (read
-    once per process): "int" (the default: kivi_int_arith(), the integer scheme of kernels/kivi_int.py
-    where the CPU has VNNI or AVX2), "fp32" (the fp32-arithmetic op), or "avx2" / "vnni" to force one."""
+    once per process): "auto" (the default: the integer scheme of kernels/kivi_int.py where the CPU has
+    AVX-512 VNNI, else fp32: the AVX2 integer path measured slower than the fp32 op on an AVX-512 EPYC and
+    has not been timed on an AVX2-only CPU), "int" (kivi_int_arith(): VNNI or AVX2), "fp32" (the
+    fp32-arithmetic op), or "avx2" / "vnni" to force one."""
     global _kivi_arith
     if _kivi_arith is None:
-        want = os.environ.get("KVC_KIVI_ARITH", "int")
-        if want != "int" and want not in ARITH:
-            raise ValueError(f"KVC_KIVI_ARITH must be int, {', '.join(ARITH)}; got {want!r}")
-        _kivi_arith = kivi_int_arith() if want == "int" else want
+        want = os.environ.get("KVC_KIVI_ARITH", "auto")
+        if want not in ("auto", "int") and want not in ARITH:
+            raise ValueError(f"KVC_KIVI_ARITH must be auto, int, {', '.join(ARITH)}; got {want!r}")
+        best = kivi_int_arith()
+        _kivi_arith = (best if best == "vnni" else "fp32") if want == "auto" else best if want == "int" else want
     return _kivi_arith
 
 

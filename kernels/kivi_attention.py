@@ -24,9 +24,9 @@ otherwise; "cpp", "triton", "torch" to choose; "triton" on CPU tensors needs TRI
   folded into the query per group (q * s_k) and the key minimum into one dot product per group;
   codes unpacked in registers 16 slots at a time; value scale/minimum applied to the softmax weights;
   ring slots found from `pos` in the same pass.  Sparse reads dequantize each selected row in registers.
-  Dense reads of 2/4-bit storage run in integer arithmetic where the CPU has AVX-512 VNNI or AVX2
-  (int8 queries x codes, uint8 weights x codes; the scheme and its twin: kernels/kivi_int.py), unless
-  KVC_KIVI_ARITH=fp32 (kernels/cpu.py `kivi_arith_default`).
+  Dense reads of 2/4-bit storage run in integer arithmetic where the CPU has AVX-512 VNNI (int8
+  queries x codes, uint8 weights x codes; the scheme and its twin: kernels/kivi_int.py); KVC_KIVI_ARITH
+  chooses otherwise (kernels/cpu.py `kivi_arith_default`: auto, int, fp32, avx2, vnni).
 - Triton (kernels/kivi_triton.py): the same folding, one key group per block.
 - torch twin (here, the reference): packed scores and weighted values block by block
   (kernels.quantized_attention), ring rows substituted by `where`; sparse reads gather the N rows

@@ -113,12 +113,13 @@ def test_int_twin_near_fp32_twin(bits):
 
 @needs_cpp
 def test_switch_selects_the_arithmetic(monkeypatch):
-    """KVC_KIVI_ARITH: int (default) -> the integer op where built, fp32 -> today's op (== fp32 twin), other
-    values -> ValueError; explicit arith= overrides it."""
+    """KVC_KIVI_ARITH: auto (default) -> the VNNI op where built, else fp32; int -> the integer op where
+    built, fp32 -> today's op (== fp32 twin), other values -> ValueError; explicit arith= overrides it."""
     store, pos, now, g = random_store(2, 3, 64, 150, 4, 32, 64, seed=7)
     q = torch.randn(2, 9, 1, 64, generator=g)
     fp32 = kivi_attention_torch(q, store.buffers, pos, None, now, 150)
-    for env, want in (("fp32", "fp32"), ("int", cpu.kivi_int_arith()), (None, cpu.kivi_int_arith())):
+    auto = "vnni" if cpu.kivi_int_arith() == "vnni" else "fp32"
+    for env, want in (("fp32", "fp32"), ("int", cpu.kivi_int_arith()), ("auto", auto), (None, auto)):
         if env is None:
             monkeypatch.delenv("KVC_KIVI_ARITH", raising=False)
         else:
