@@ -152,7 +152,7 @@ def memory_argv(quick: bool, out: Path) -> list[str]:
 
 
 def memory_rows(path: Path):
-    cols = ["policy", "kv bits", "limit", "largest batch", "verified", "KV per sequence", "base"]
+    cols = ["policy", "kv bits", "limit", "largest batch", "verified", "per sequence (state + workspace)", "base"]
     rows = []
     for r in _bench_rows(path, "memory"):
         if r.get("status", "ok") != "ok":
@@ -161,7 +161,8 @@ def memory_rows(path: Path):
         rows.append([f"`{r['policy']}{':' + r['policy_args'] if r['policy_args'] else ''}`", r["kv_bits"],
                      f"{r['memory_limit_bytes'] / 2 ** 30:.0f} GiB", r["max_batch_size"],
                      {True: "yes", False: "no", None: "estimate"}[r["verified"]],
-                     f"{r['kv_bytes_allocated_per_seq'] / MIB:.1f} MiB", f"{r['base_bytes'] / MIB:.0f} MiB"])
+                     f"{(r['state_bytes_per_seq'] + r['workspace_bytes_per_seq']) / MIB:.1f} MiB",
+                     f"{r['base_bytes'] / MIB:.0f} MiB"])
     return cols, rows
 
 

@@ -93,6 +93,17 @@ def test_benchmark_rows_become_the_speed_and_kivi_tables(tmp_path):
     assert reproduce.bandwidth_of(tmp_path) is None           # the eval suite's output folder
 
 
+def test_memory_rows_say_whether_the_batch_was_run(tmp_path):
+    row = {"mode": "memory", "policy": "full", "policy_args": "", "kv_bits": 16, "status": "ok",
+           "memory_limit_bytes": 2 * 2 ** 30, "max_batch_size": 153, "verified": None,
+           "state_bytes_per_seq": 4 * 2 ** 20, "workspace_bytes_per_seq": 2 * 2 ** 20, "base_bytes": 967 * 2 ** 20}
+    path = tmp_path / "memory.json"
+    path.write_text(json.dumps([row, {**row, "verified": True, "max_batch_size": 150}]))
+    _, rows = reproduce.memory_rows(path)
+    assert rows == [["`full`", 16, "2 GiB", 153, "estimate", "6.0 MiB", "967 MiB"],
+                    ["`full`", 16, "2 GiB", 150, "yes", "6.0 MiB", "967 MiB"]]
+
+
 def test_peer_rows_are_relative_to_llama_cpp_of_the_same_context(tmp_path):
     path = tmp_path / "peers.json"
     path.write_text(json.dumps([
