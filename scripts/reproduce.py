@@ -175,19 +175,27 @@ def accuracy_argv(quick: bool, out: Path) -> list[str]:
             "--eval-tokens", "64", "--samples", "1", "--out", str(out), "--no-plot", "--quiet"]
 
 
+def _score(cell: Optional[dict]) -> str:
+    if cell is None:
+        return ""
+    if cell["status"] != "ok":
+        return cell["status"]
+    return _f(cell["score"], ".2f" if cell["metric"] == "perplexity" else ".1f")
+
+
 def accuracy_rows(out: Path):
+    """The suite's results.json -> one row per policy row: each task's score, KV bytes read per step
+    (of the row's last task with usage: the perplexity cell, as the published table)."""
     report = json.loads((out / "results.json").read_text())
     tasks = [t for t in report["tasks"] if t != "proximal"]
     by = {(c["row"], c["task"]): c for c in report["cells"]}
-    cols = ["row"] + [f"{t} ({next((c['metric'] for c in report['cells'] if c['task'] == t), '')})"
-                      for t in tasks] + ["KV read per step"]
+    metric = {t: next((c["metric"] for c in report["cells"] if c["task"] == t and c.get("metric")), t) for t in tasks}
+    cols = ["row"] + [t if metric[t] == t else f"{t} ({metric[t]})" for t in tasks] + ["KV read per step"]
     rows = []
     for row in report["rows"]:
         cells = [by.get((row, t)) for t in tasks]
-        scores = ["" if c is None else (c["status"] if c["status"] != "ok" else _f(c["score"], ".2f"))
-                  for c in cells]
         used = next((c["usage"] for c in reversed(cells) if c and c.get("usage")), None)
-        rows.append([f"`{row}`", *scores, f"{used['kv_read'] / MIB:.1f} MiB" if used else ""])
+        rows.append([f"`{row}`", *map(_score, cells), f"{used['kv_read'] / MIB:.1f} MiB" if used else ""])
     return cols, rows
 
 

@@ -104,6 +104,20 @@ def test_memory_rows_say_whether_the_batch_was_run(tmp_path):
                     ["`full`", 16, "2 GiB", 150, "yes", "6.0 MiB", "967 MiB"]]
 
 
+def test_suite_cells_become_the_accuracy_table(tmp_path):
+    def cell(row, task, metric, score, kv_read=None, status="ok"):
+        return {"row": row, "task": task, "metric": metric, "score": score, "status": status,
+                "usage": {"kv_read": kv_read} if kv_read else None}
+    (tmp_path / "results.json").write_text(json.dumps({
+        "tasks": ["needle", "perplexity"], "rows": ["full", "snapkv:budget=64"],
+        "cells": [cell("full", "needle", "accuracy", 66.666, 2 ** 20), cell("full", "perplexity", "perplexity", 22.114,
+                                                                            3 * 2 ** 20),
+                  cell("snapkv:budget=64", "needle", "accuracy", None, status="error")]}))
+    cols, rows = reproduce.accuracy_rows(tmp_path)
+    assert cols == ["row", "needle (accuracy)", "perplexity", "KV read per step"]
+    assert rows == [["`full`", "66.7", "22.11", "3.0 MiB"], ["`snapkv:budget=64`", "error", "", ""]]
+
+
 def test_peer_rows_are_relative_to_llama_cpp_of_the_same_context(tmp_path):
     path = tmp_path / "peers.json"
     path.write_text(json.dumps([
