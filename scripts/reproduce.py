@@ -213,17 +213,19 @@ def peers_argv(quick: bool, out: Path) -> list[str]:
 
 
 def peers_rows(path: Path):
+    """peers.py rows -> side, context, tok/s, ratio to the first peer present (llama.cpp, else HF), RSS."""
     data = json.loads(path.read_text())
-    base = {r["context"]: r.get("tok_s") for r in data if r.get("side") == "llama.cpp"}
-    cols = ["side", "context", "decode tok/s", "vs llama.cpp", "peak RSS", "model RSS"]
+    ref = next((p for p in ("llama.cpp", "hf") if any(r["side"] == p and r.get("tok_s") for r in data)), None)
+    base = {r["context"]: r["tok_s"] for r in data if r["side"] == ref and r.get("tok_s")}
+    cols = ["side", "context", "decode tok/s", f"vs {ref or 'a peer'}", "peak RSS", "model RSS"]
     rows = []
     for r in data:
         if r.get("error"):
             rows.append([r["side"], r["context"], "error", "", "", r["error"]])
             continue
-        ref = base.get(r["context"])
-        rows.append([r["side"], r["context"], _f(r["tok_s"]), _f(r["tok_s"] / ref, ".2f") + "x" if ref else "",
-                     f"{r['peak_rss'] / 1e6:.0f} MB", f"{r['model_rss'] / 1e6:.0f} MB"])
+        ratio = _f(r["tok_s"] / base[r["context"]], ".2f") + "x" if r["context"] in base else ""
+        rows.append([r["side"], r["context"], _f(r["tok_s"]), ratio, f"{r['peak_rss'] / MIB:.0f} MiB",
+                     f"{r['model_rss'] / MIB:.0f} MiB"])
     return cols, rows
 
 

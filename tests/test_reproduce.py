@@ -121,12 +121,17 @@ def test_suite_cells_become_the_accuracy_table(tmp_path):
 def test_peer_rows_are_relative_to_llama_cpp_of_the_same_context(tmp_path):
     path = tmp_path / "peers.json"
     path.write_text(json.dumps([
-        {"side": "ours x.gguf", "context": 512, "tok_s": 120.0, "peak_rss": 457e6, "model_rss": 226e6},
-        {"side": "llama.cpp", "context": 512, "tok_s": 100.0, "peak_rss": 195e6, "model_rss": 153e6},
+        {"side": "ours x.gguf", "context": 512, "tok_s": 120.0, "peak_rss": 457 * 2 ** 20, "model_rss": 226 * 2 ** 20},
+        {"side": "llama.cpp", "context": 512, "tok_s": 100.0, "peak_rss": 195 * 2 ** 20, "model_rss": 153 * 2 ** 20},
         {"side": "hf", "context": 512, "error": "transformers is not installed"}]))
-    _, rows = reproduce.peers_rows(path)
-    assert rows[0] == ["ours x.gguf", 512, "120.0", "1.20x", "457 MB", "226 MB"]
+    cols, rows = reproduce.peers_rows(path)
+    assert cols[3] == "vs llama.cpp" and rows[0] == ["ours x.gguf", 512, "120.0", "1.20x", "457 MiB", "226 MiB"]
     assert rows[2][2] == "error"
+    path.write_text(json.dumps([                          # no llama.cpp: relative to HF
+        {"side": "ours x.gguf", "context": 64, "tok_s": 15.0, "peak_rss": 2 ** 20, "model_rss": 2 ** 20},
+        {"side": "hf", "context": 64, "tok_s": 3.0, "peak_rss": 2 ** 20, "model_rss": 2 ** 20}]))
+    cols, rows = reproduce.peers_rows(path)
+    assert cols[3] == "vs hf" and rows[0][3] == "5.00x"
 
 
 def test_the_published_results_are_the_rendered_json():
