@@ -27,6 +27,7 @@ git, not in the file.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime as dt
 import importlib.util
 import json
@@ -70,10 +71,14 @@ def git_commit() -> Optional[str]:
 
 
 def machine(bandwidth_gbs: Optional[float]) -> dict:
-    """What the tables ran on (CPU; the read bandwidth as measured by the run, None if not)."""
+    """What the tables ran on: the CPU, and the read bandwidth the run's first benchmark measured (else
+    measured here, as the benchmark does: scripts/compare_hf.read_bandwidth_gbs)."""
     import torch
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench.measure import device_name
+    if bandwidth_gbs is None:
+        from bench.roofline import measure_bandwidth
+        bandwidth_gbs = measure_bandwidth(torch.device("cpu"), rounds=1)
     return {"cpu": device_name(torch.device("cpu")), "isa": torch.backends.cpu.get_cpu_capability(),
             "logical_cpus": os.cpu_count(), "threads": torch.get_num_threads(),
             "read_bandwidth_gbs": None if bandwidth_gbs is None else round(bandwidth_gbs, 1),
@@ -263,18 +268,28 @@ def run_table(t: Table, quick: bool, work: Path, extra: list[str]) -> dict:
               "command": command_text(argv), "notes": t.notes}
     print(f"# {t.topic}: {record['command']}", file=sys.stderr, flush=True)
     started = dt.datetime.now(dt.timezone.utc)
-    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+    status, tail = run_streaming([sys.executable, *argv])
     record["date"] = started.strftime("%Y-%m-%d %H:%M UTC")
     record["seconds"] = round((dt.datetime.now(dt.timezone.utc) - started).total_seconds())
     try:
         record["columns"], record["rows"] = t.rows(target)
     except (OSError, KeyError, ValueError, TypeError) as e:
         record["columns"], record["rows"] = [], []
-        record["error"] = f"exit status {proc.returncode}: {type(e).__name__}: {e}; " + proc.stderr[-600:]
-    if proc.returncode != 0 and "error" not in record:
-        record["error"] = f"exit status {proc.returncode}: " + proc.stderr[-600:]
+        record["error"] = f"exit status {status}: {type(e).__name__}: {e}; {tail}"
+    if status != 0 and "error" not in record:
+        record["error"] = f"exit status {status}: {tail}"
     return record
+
+
+def run_streaming(argv: list[str]) -> tuple[int, str]:
+    """Run a tool in the repository root, its output shown as it comes -> (exit status, the last
+    lines of its stderr)."""
+    last = collections.deque(maxlen=8)
+    with subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True) as proc:
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            last.append(line.rstrip())
+    return proc.returncode, " | ".join(last)
 
 
 def bandwidth_of(path: Path) -> Optional[float]:
