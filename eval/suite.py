@@ -31,7 +31,7 @@ tokens/s over all of the row's decode steps), and score_vs_compression.png (one 
 needs matplotlib: pip install -e '.[eval]').
 
 Presets (--preset):
-  quick       the documented comparison (README "Accuracy"): full, every eviction policy that takes
+  quick       the eval suite's comparison (docs/results.md, section 7): full, every eviction policy that takes
               a budget (BUDGETED: streaming, h2o, snapkv, pyramidkv, d2o, tova, knorm, from the
               registry), simlayerkv, ds, hshare, pod at a 256-token budget per layer and
               head (simlayerkv: lazy layers keep 256; ds/hshare read 256; pod: 256 proximal

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import atomic_io  # noqa: E402
 
-PEERS_EXTRA = "pip install -e '.[peers]'  (llama-cpp-python builds llama.cpp from source: see the README)"
+PEERS_EXTRA = "pip install -e '.[peers]'  (llama-cpp-python builds llama.cpp from source: see docs/design.md, Peers)"
 DEFAULT_GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_HF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
 
