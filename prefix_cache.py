@@ -6,9 +6,12 @@ copies that snapshot into its scratch (`adopt`) and prefills only the rest of it
 
 Where a prefix ends (`boundary`, chosen when a request's prefill begins):
   - the request's explicit `prefix_len` (the caller knows: a system prompt, a document), else
-  - the longest prefix its prompt shares with a prompt seen recently or still waiting, if at least
-    `min_tokens` long: the first of several requests about one document snapshots the document (when the
-    others already wait) or the second does, and every later one reuses it.
+  - else a prefix it shares with prompts seen recently or still waiting, at least `min_tokens` long: of the
+    lengths c it shares with each of them, the one that saves the most prefill, c x (prompts sharing at
+    least c tokens).  So the first of several requests about one document snapshots the document (when the
+    others already wait; a question's first word shared with one of them does not move the boundary), or
+    the second does, and every later one reuses it; a short system prompt shared by many loses to a long
+    document shared by a few.
 Never the whole prompt: at least its last token is prefilled, for the last position's logits.
 """
 from __future__ import annotations
@@ -59,9 +62,10 @@ class PrefixCache:
         """Where to snapshot the prefill of `ids` (module docstring; 0: nowhere).  Remembers ids."""
         if prefix_len is not None:
             n = min(prefix_len, len(ids) - 1)
-        else:
-            n = min(max((common_prefix(ids, o) for o in [*self.recent, *waiting]), default=0), len(ids) - 1)
-            n = n if n >= self.min_tokens else 0
+        else:       # the shared length that saves the most prefill: c x (prompts sharing at least c tokens)
+            shared = [min(common_prefix(ids, o), len(ids) - 1) for o in [*self.recent, *waiting]]
+            shared = [c for c in shared if c >= self.min_tokens]
+            n = max(shared, key=lambda c: (c * sum(s >= c for s in shared), c), default=0)
         self.recent.append(tuple(ids))
         return 0 if n < 1 or tuple(ids[:n]) in self.entries else n
 

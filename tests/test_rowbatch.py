@@ -142,5 +142,10 @@ def test_prefix_boundaries():
     assert cache.boundary([1, 2, 3, 4]) == 3                       # at least the last token is prefilled
     assert cache.boundary([1, 2, 9, 9]) == 0                       # 2 shared tokens: under min_tokens
     assert cache.boundary([4, 4, 4, 4], prefix_len=2) == 2         # explicit
+    many = PrefixCache(max_bytes=100, min_tokens=2)
+    for other in ([1, 2, 3, 4, 5, 6, 0], [1, 2, 3, 4, 5, 7, 0], [1, 2, 8], [1, 2, 9]):
+        many.boundary(other)
+    assert many.boundary([1, 2, 3, 4, 5, 6, 1]) == 5      # 5 x 2 prompts beat 6 x 1 and 2 x 4
+    assert many.boundary([1, 2, 7, 7]) == 2
     cache.insert((1, 2, 3, 4), "a", 10)
     assert cache.boundary([1, 2, 3, 4, 7]) == 0                    # already kept
