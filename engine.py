@@ -28,6 +28,7 @@ from cache.kv_dtype import kv_storage
 from cache.quantized import GROUP, RESIDUAL, check_format
 from checkpoint import WEIGHTS, CheckpointError, build_model, read_checkpoint, release_freed_memory
 from model import Transformer
+from prefix_cache import PrefixCache
 from tokenizer import TextStream, Tokenizer
 import tp as tensor_parallel
 from tp import TPError
@@ -372,26 +373,48 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
     return GenerationResult([tokenizer.decode(g) for g in generated], generated, lengths, stats)
 
 
+@dataclass(eq=False)
+class Pending:
+    """A request being admitted (RowBatch.start): its prompt and how far its prefill has come."""
+    ids: list[int]
+    row: int                            # the row it takes once its prompt is prefilled
+    prefix_len: Optional[int] = None    # where a shared prefix ends, when the caller knows (prefix_cache.py)
+    done: int = 0                       # prompt tokens in the scratch so far (reused ones included)
+    reused: int = 0                     # prompt tokens copied from a kept prefix
+    snapshot_at: int = 0                # keep the prefix of this many tokens when the prefill reaches it (0: none)
+    started: bool = False
+
+
 class RowBatch:
     """A running batch that requests join and leave (continuous batching; cache/contract.py, "admission").
 
     A policy with admission "row" takes requests one at a time: each prompt is prefilled alone in a one-row
-    instance of the policy (`scratch`, in chunks for the full cache), then moved into a free row
-    (`policy.adopt`) while the other rows keep their state.  Every `step` decodes all rows together, each at
-    its own position; free rows ride along at position -1 and nothing of theirs is read or kept.  A policy
-    with admission "batch" makes decisions for the whole batch (layer budgets, sharing configurations), so
-    requests start only in an empty batch, all those admitted together prefilled as one left-padded batch
-    (as `generate` does).
+    instance of the policy (`scratch`), then moved into a free row (`policy.adopt`) while the other rows keep
+    their state.  Admission is staged: `start` queues a request (it reserves a row), each `advance` runs one
+    prefill chunk (at most prefill_chunk tokens; the whole prompt for a policy with prefill_in_one_pass) of
+    the oldest one, so a server alternates one chunk with one decode `step` of the running rows and a long
+    prompt never stalls them for its whole length.  `admit` is start + advance until done.  Every `step`
+    decodes all rows together, each at its own position; free rows ride along at position -1 and nothing of
+    theirs is read or kept.  A policy with admission "batch" makes decisions for the whole batch (layer
+    budgets, sharing configurations), so requests start only in an empty batch, all those started together
+    prefilled as one left-padded batch by one advance (as `generate` does).
+
+    prefix_bytes > 0 keeps prefilled prefixes (prefix_cache.py) when the policy declares prefix_reuse (else
+    `reuse_off` says why none are kept): a prompt starting with a kept prefix prefills only the rest.
 
         batch = RowBatch(model, lambda: make_policy("snapkv"), max_batch=8, max_seq_length=4096, max_new_tokens=256)
-        for row, logits in batch.admit([ids_a, ids_b]):   # as many as fit now, each with its last logits [V]
+        p = batch.start(ids)                    # while batch.room > 0
+        for row, logits in batch.advance():     # one prefill chunk; requests whose prompt is complete, logits [V]
             ...
-        logits = batch.step({row: token})                   # [B, V]: one decode step of every active row
-        batch.release(row)                                  # the request is done: its row is free
+        logits = batch.step({row: token})       # [B, V]: one decode step of every active row
+        batch.release(row)                      # the request is done: its row is free
     """
 
     def __init__(self, model: Transformer, make_policy, max_batch: int, max_seq_length: int, max_new_tokens: int,
-                 prefill=prefill_step, decode=decode_step, prefill_chunk: int = 1024):
+                 prefill=prefill_step, decode=decode_step, prefill_chunk: int = 1024, prefix_bytes: int = 0,
+                 min_prefix: int = 32):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.model, self.make_policy, self.max_batch = model, make_policy, max_batch
         self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
         self.prefill, self.decode, self.prefill_chunk = prefill, decode, prefill_chunk
@@ -405,20 +428,82 @@ class RowBatch:
         self.next_pos = [-1] * max_batch      # each row's next position (-1: free)
         self.batch_size = max_batch           # rows of the policy's storage (batch admission: the group's)
         self.steps = 0                        # decode steps since the batch was last empty
+        self.pending: list[Pending] = []      # started, not yet admitted (oldest first)
+        self.prefill_since_step = 0           # prompt tokens prefilled while active rows waited for their next step
+        self.prefill_tokens = 0               # prompt tokens prefilled in all (prefix reuse: less than prompted)
+        self.prefixes, self.reuse_off = None, None
+        if prefix_bytes and self.rows and self.policy.prefix_reuse:
+            self.prefixes = PrefixCache(prefix_bytes, min_prefix)
+        elif prefix_bytes:
+            self.reuse_off = (f"policy {self.policy.name!r} keeps no prefixes: it cannot continue a prefilled prefix "
+                              f"exactly (prefix_reuse, cache/contract.py)")
 
     @property
     def active(self) -> list[int]:
         return [r for r, p in enumerate(self.next_pos) if p >= 0]
 
+    @property
+    def room(self) -> int:
+        """Requests that can start now."""
+        if self.rows:
+            return sum(p < 0 for p in self.next_pos) - len(self.pending)
+        return 0 if self.active else self.max_batch - len(self.pending)
+
+    def start(self, ids: list[int], prefix_len: Optional[int] = None) -> Pending:
+        """Queue the request `ids` (token ids; prefix_len: where a prefix shared with other requests ends, if
+        known) for admission -> its Pending, holding the row it will take.  ValueError when none is free."""
+        if not ids:
+            raise ValueError("empty prompt")
+        if self.room < 1:
+            raise ValueError("no room to start a request now (batch.room is 0)")
+        taken = {p.row for p in self.pending}
+        row = next(r for r in range(self.max_batch) if self.next_pos[r] < 0 and r not in taken)
+        self.pending.append(Pending(list(ids), row, prefix_len))
+        return self.pending[-1]
+
+    def cancel(self, pending: Pending) -> None:
+        """Drop a started request before its prefill completes (its client left); its row is free again."""
+        self.pending.remove(pending)
+
+    def advance(self) -> list[tuple[int, torch.Tensor]]:
+        """One admission step: a prefill chunk of the oldest pending request (admission "row"), or every
+        pending request's prefill (admission "batch") -> [(row, logits [V] of the prompt's last position)] of
+        the requests whose prefill is now complete: they decode from the next step.  A failure drops the
+        request it happened in (re-raised)."""
+        if not self.pending:
+            return []
+        if not self.rows:
+            return self._prefill_group()
+        p = self.pending[0]
+        try:
+            logits = self._chunk(p)
+        except BaseException:
+            self.pending.remove(p)
+            raise
+        if logits is None:
+            return []
+        self.pending.remove(p)
+        if not self.active:
+            self.steps = 0
+        self.policy.adopt(p.row, self.scratch)
+        self.next_pos[p.row] = len(p.ids)
+        return [(p.row, logits)]
+
     def admit(self, requests: Sequence[list[int]]) -> list[tuple[int, torch.Tensor]]:
         """Admit the first of `requests` (token-id lists) that fit now -> [(row, logits [V] of the prompt's
         last position)]; the others must wait (no free row, or a batch-admission policy still running)."""
-        free = [r for r, p in enumerate(self.next_pos) if p < 0]
-        if self.rows:
-            return [self._admit_row(row, ids) for row, ids in zip(free, requests)]
-        if self.active or not requests:
-            return []
-        group = list(requests[:self.max_batch])
+        if self.pending:
+            raise ValueError("admit needs no staged request pending (finish those with advance)")
+        started = [self.start(ids) for ids in requests[:max(self.room, 0)]]
+        done: dict = {}
+        while self.pending:
+            done.update(self.advance())
+        return [(p.row, done[p.row]) for p in started]
+
+    def _prefill_group(self) -> list[tuple[int, torch.Tensor]]:
+        """Admission "batch": every pending request as one left-padded batch in an empty batch."""
+        group, self.pending = [p.ids for p in self.pending], []
+        self.count_prefill(sum(len(ids) for ids in group))
         tokens, input_pos = left_pad(group, 0, self.model.output.weight.device)
         self.model.setup_caches(len(group), self.max_seq_length, self.policy)
         self.batch_size = len(group)
@@ -427,21 +512,54 @@ class RowBatch:
         logits = run_prefill(self.model, tokens, input_pos, self.prefill, self.prefill_chunk)
         return list(enumerate(logits))
 
-    def _admit_row(self, row: int, ids: list[int]) -> tuple[int, torch.Tensor]:
+    def count_prefill(self, n: int) -> None:
+        self.prefill_tokens += n
+        self.prefill_since_step = self.prefill_since_step + n if self.active else 0   # (no row waits)
+
+    def _chunk(self, p: Pending) -> Optional[torch.Tensor]:
+        """Prefill the next chunk of p's prompt in the scratch -> logits [V] of the prompt's last position
+        once it is complete, else None."""
         model, device = self.model, self.model.output.weight.device
-        tokens = torch.tensor([ids], device=device)
-        input_pos = torch.arange(len(ids), device=device)[None]
         model.cache = self.scratch
         try:
-            self.scratch.reset()
-            logits = run_prefill(model, tokens, input_pos, self.prefill, self.prefill_chunk)
+            if not p.started:
+                self._begin(p)
+            end = len(p.ids) if self.scratch.prefill_in_one_pass else min(len(p.ids), p.done + self.prefill_chunk)
+            end = min(end, p.snapshot_at) if p.done < p.snapshot_at else end
+            tokens = torch.tensor([p.ids[p.done:end]], device=device)
+            logits = self.prefill(model, tokens, torch.arange(p.done, end, device=device)[None], p.done)
+            self.count_prefill(end - p.done)
+            p.done = end
+            if end == p.snapshot_at:
+                self._snapshot(p)
+            if end < len(p.ids):
+                return None
+            self.scratch.end_prefill()
+            return logits[0]
         finally:
             model.cache = self.policy
-        self.policy.adopt(row, self.scratch)
-        if not self.active:
-            self.steps = 0
-        self.next_pos[row] = len(ids)
-        return row, logits[0]
+
+    def _begin(self, p: Pending) -> None:
+        """The scratch starts p's prompt: from the longest kept prefix of it, if any; fixes where to snapshot."""
+        self.scratch.reset()
+        if self.prefixes is not None:
+            n, snapshot = self.prefixes.lookup(p.ids)
+            if snapshot is not None:
+                self.scratch.adopt(0, snapshot)
+                p.done = p.reused = n
+            at = self.prefixes.boundary(p.ids, [q.ids for q in self.pending if q is not p], p.prefix_len)
+            p.snapshot_at = at if at > p.done else 0
+        device = self.model.output.weight.device
+        self.scratch.before_prefill(torch.arange(p.done, len(p.ids), device=device)[None])
+        p.started = True
+
+    def _snapshot(self, p: Pending) -> None:
+        """Keep the scratch's first p.done tokens as a prefix: a one-row instance sized to them."""
+        snapshot, weight = self.make_policy(), self.model.norm.weight
+        snapshot.decode_room = self.max_new_tokens
+        snapshot.setup(self.model.args, 1, p.done, weight.dtype, weight.device)
+        snapshot.adopt(0, self.scratch)
+        self.prefixes.insert(tuple(p.ids[:p.done]), snapshot, snapshot.kv_bytes()["allocated"])
 
     def step(self, tokens: dict[int, int]) -> torch.Tensor:
         """One decode step: tokens {row: the token at the row's next position} for every active row ->
@@ -457,6 +575,7 @@ class RowBatch:
         for row in tokens:
             self.next_pos[row] += 1
         self.steps += 1
+        self.prefill_since_step = 0
         return logits
 
     def release(self, row: int) -> None:

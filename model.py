@@ -235,6 +235,7 @@ class DenseCache:
                                     # under another name is another policy, whose storage is never swapped)
     reader_composable = True        # a sparse reader may replace its decode attention
     admission = "row"               # requests join and leave single rows of a running batch
+    prefix_reuse = True             # a prefilled prefix can be copied (adopt) and its prompt continued
     decode_room = None              # generated tokens a row may hold (the full cache needs no bound)
     n_filled = 0                    # live length (set per forward; see below)
     # decode() is DenseCache's own: write k, v at slot `start` of k[layer], v[layer], attend over slots
@@ -369,6 +370,7 @@ class DenseCache:
             dst.copy_(src)
         self.length[row] = n
         self.n_filled = max(self.n_filled, n)
+        self.aligned = self.pos.shape[0] == 1     # one row: its next slot is n_filled, a prompt may go on
 
     # ----------------------------------------------------------------- introspection
     def kept_positions(self, layer: int) -> Tensor:

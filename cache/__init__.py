@@ -34,7 +34,7 @@ POLICIES: dict[str, type] = {}
 def register(cls: type) -> type:
     """Add a policy class (it follows cache/contract.py) under `cls.name`; usable as a decorator.  A
     registered policy is reachable from every command's spec and joins tests/test_policy_matrix.py."""
-    missing = [m for m in ("name", "renamed", "admission", "prefill_in_one_pass", "is_sparse_reader",
+    missing = [m for m in ("name", "renamed", "admission", "prefill_in_one_pass", "prefix_reuse", "is_sparse_reader",
                            "decode_attention", "reader_composable", "kv_bits", "kv_group", "full_cache_args")
                if not hasattr(cls, m)]
     if missing:

@@ -360,6 +360,7 @@ class EvictionPolicy:
     defer_compression = False      # budgets need every layer's statistics (see module doc)
     appending = False              # default layer mode: append decode tokens instead of evicting
     admission = "row"              # requests join and leave single rows (per-request plans: "batch")
+    prefix_reuse = False           # the prompt is compressed as a whole: no prefix to continue
     decode_room = None             # generated tokens a row holds (None: up to max_seq_length; see capacity)
     n_sink, n_recent = 0, 0        # tokens always kept: the first n_sink, the last recent_window(layer)
     prompt_length = 0              # set per request (before_prefill); 0 before setup

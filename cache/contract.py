@@ -29,6 +29,17 @@ policy whose `admission` is "row":
                                      it is kept or read: its outputs are garbage and never used)
     release(row)                     host side: the row's request is done, its slots are empty
 
+The scratch's prompt comes in chunks of RowBatch's prefill_chunk, each chunk one step of the staged
+admission (RowBatch.start / advance, interleaved with the running rows' decode steps); a policy with
+prefill_in_one_pass takes its whole prompt in one forward (it compresses the prompt as a whole), so its
+admission step costs the whole prompt.  A policy with prefix_reuse lets RowBatch keep a prefilled prefix:
+
+    (snapshot: a one-row instance)   setup(args, 1, n, ...), adopt(0, scratch) while the scratch's prompt
+                                     has filled positions [0, n) (no end_prefill yet)
+    scratch.adopt(0, snapshot)       a later request starting with those n tokens: its scratch goes on with
+                                     before_prefill / prefill chunks at positions n.. / end_prefill, and gets
+                                     what one prefill of the whole prompt gives (tests/test_rowbatch.py)
+
 A row's tokens and logits are those of the same request run alone (tests/test_policy_matrix.py,
 test_requests_join_and_leave_rows).  Rows do not depend on the decode step number.  A policy that decides
 for the whole batch (PyramidKV's budgets, D2O's layer budgets, SimLayerKV's lazy layers, HShare's
@@ -44,6 +55,10 @@ Capabilities are declared as class attributes (never probed with hasattr):
                          decode attention itself, e.g. SimLayerKV's decode strategy)
     kv_bits, kv_group    16 and 0 for compute-dtype storage; KIVI-packed storage says its bits and G
     admission            "row" (requests join and leave single rows: release/adopt) or "batch"
+    prefix_reuse         a copy of a one-row instance part way through its prompt continues that prompt
+                         exactly (above): only `full` in a plain dtype; compressing policies compress the
+                         prompt as a whole, readers index a complete prompt, KIVI reads a later chunk's
+                         prefix dequantized (chunk boundaries change its numbers)
     (model.DenseCache and its subclasses also declare fused_dense_decode: False when they replace its
     decode or storage, see model.DenseCache)
 `full_cache_args(n)` states the policy's promise about the full cache: the arguments under which it
@@ -78,6 +93,7 @@ class CachePolicy(Protocol):
     kv_bits: int
     kv_group: int
     admission: str                  # "row" or "batch" (module docstring)
+    prefix_reuse: bool              # a prefilled prefix can be snapshotted and continued (module docstring)
     decode_room: Optional[int]      # generated tokens a row holds, set before setup (None: up to max_seq_length)
     renamed: dict                   # old parameter name -> new one (refused with a message naming it)
     n_filled: int                   # tokens seen so far (prompt + generated; the longest row), a host int

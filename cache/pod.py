@@ -126,6 +126,7 @@ class PODPolicy:
     pooling: str = param("max", "SnapKV pooling: max or avg (with budget)")
     renamed = {"window": "obs_window", "delta": "sim_threshold"}
     prefill_in_one_pass = True
+    prefix_reuse = False
     is_sparse_reader = False
     decode_attention = False
     reader_composable = False    # keeps storage of its own (ring + distant store)

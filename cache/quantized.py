@@ -362,6 +362,7 @@ class KIVIDenseCache(DenseCache):
     name = "full"
     plain_full = False
     fused_dense_decode = False          # packed slots: decode() below
+    prefix_reuse = False                # a later chunk reads the prefix dequantized: chunk boundaries matter
 
     def __init__(self, bits: int = 4, group: int = GROUP, residual: int = RESIDUAL, backend: str = "auto"):
         check_format(None, bits, group, residual)

@@ -234,6 +234,7 @@ class SparseReader(HeadAgg):
     is_sparse_reader = True
     decode_attention = False
     reader_composable = False       # one reader per policy
+    prefix_reuse = False            # adopt builds the index of a complete prompt
 
     @classmethod
     def full_cache_args(cls, n_tokens: int):

@@ -1,0 +1,89 @@
+"""Reuse of shared prompt prefixes: a byte-bounded LRU of prefilled one-row cache snapshots, keyed by tokens.
+
+engine.RowBatch keeps one when built with prefix_bytes > 0 and its policy declares `prefix_reuse`
+(cache/contract.py; `full` only: the reuse is exact).  A request whose prompt starts with a kept prefix
+copies that snapshot into its scratch (`adopt`) and prefills only the rest of its prompt.
+
+Where a prefix ends (`boundary`, chosen when a request's prefill begins):
+  - the request's explicit `prefix_len` (the caller knows: a system prompt, a document), else
+  - else a prefix it shares with prompts seen recently or still waiting, at least `min_tokens` long: of the
+    lengths c it shares with each of them, the one that saves the most prefill, c x (prompts sharing at
+    least c tokens).  So the first of several requests about one document snapshots the document (when the
+    others already wait; a question's first word shared with one of them does not move the boundary), or
+    the second does, and every later one reuses it; a short system prompt shared by many loses to a long
+    document shared by a few.
+Never the whole prompt: at least its last token is prefilled, for the last position's logits.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Optional, Sequence
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists (list compares run in C: a binary search)."""
+    a, b = list(a), list(b)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class PrefixCache:
+    """Snapshots (one-row cache policies holding a prefilled prefix) by their tokens, least recently used
+    dropped first so that their bytes stay <= max_bytes.  Counters for /metrics: hits, misses (lookups that
+    found a prefix or none), reused_tokens, evictions, bytes, entries."""
+
+    def __init__(self, max_bytes: int, min_tokens: int = 32, recent: int = 64):
+        if max_bytes <= 0 or min_tokens < 1:
+            raise ValueError(f"prefix cache needs max_bytes > 0 and min_tokens >= 1, got {max_bytes}, {min_tokens}")
+        self.max_bytes, self.min_tokens = max_bytes, min_tokens
+        self.entries: OrderedDict = OrderedDict()    # tuple of token ids -> (snapshot, bytes), oldest first
+        self.recent: deque = deque(maxlen=recent)    # prompts seen, for choosing boundaries
+        self.bytes = self.hits = self.misses = self.evictions = self.reused_tokens = 0
+
+    def lookup(self, ids: Sequence[int]) -> tuple[int, Optional[object]]:
+        """The longest kept prefix of `ids` shorter than ids -> (its length, snapshot), or (0, None)."""
+        ids = list(ids)
+        best = max((k for k in self.entries if len(k) < len(ids) and ids[:len(k)] == list(k)), key=len, default=None)
+        if best is None:
+            self.misses += 1
+            return 0, None
+        self.entries.move_to_end(best)
+        self.hits += 1
+        self.reused_tokens += len(best)
+        return len(best), self.entries[best][0]
+
+    def boundary(self, ids: Sequence[int], waiting: Sequence[Sequence[int]] = (), prefix_len: Optional[int] = None) -> int:
+        """Where to snapshot the prefill of `ids` (module docstring; 0: nowhere).  Remembers ids."""
+        if prefix_len is not None:
+            n = min(prefix_len, len(ids) - 1)
+        else:       # the shared length that saves the most prefill: c x (prompts sharing at least c tokens)
+            shared = [min(common_prefix(ids, o), len(ids) - 1) for o in [*self.recent, *waiting]]
+            shared = [c for c in shared if c >= self.min_tokens]
+            n = max(shared, key=lambda c: (c * sum(s >= c for s in shared), c), default=0)
+        self.recent.append(tuple(ids))
+        return 0 if n < 1 or tuple(ids[:n]) in self.entries else n
+
+    def insert(self, key: tuple, snapshot, nbytes: int) -> bool:
+        """Keep `snapshot` (nbytes) for the prefix `key`, dropping the least recently used ones to make room
+        -> whether it is kept (not when larger than max_bytes alone)."""
+        if nbytes > self.max_bytes:
+            return False
+        if key in self.entries:
+            self.bytes -= self.entries.pop(key)[1]
+        while self.bytes + nbytes > self.max_bytes:
+            self.bytes -= self.entries.popitem(last=False)[1][1]
+            self.evictions += 1
+        self.entries[key] = (snapshot, nbytes)
+        self.bytes += nbytes
+        return True
+
+    def stats(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens,
+                "evictions": self.evictions, "bytes": self.bytes, "entries": len(self.entries),
+                "max_bytes": self.max_bytes}

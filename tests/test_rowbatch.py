@@ -1,0 +1,151 @@
+"""engine.RowBatch's staged admission (start / advance: one prefill chunk between decode steps) and its reuse
+of prefilled prefixes (prefix_cache.py), on the policy matrix's tiny random Llama."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine
+from cache import make_policy
+from prefix_cache import PrefixCache, common_prefix
+from tests.test_policy_matrix import ARGS, model  # noqa: F401  (model: the tiny Llama fixture)
+
+NEW = 16
+
+
+def drive(batch: engine.RowBatch, prompts: dict, arrivals: dict, staged: bool, prefix_len=None):
+    """Greedy-decode `prompts` through `batch`: request n arrives at loop turn arrivals[n] (first come, first
+    served) and leaves after NEW tokens.  Staged: start what fits, then one `advance` per turn; else `admit`.
+    -> (logits [NEW, V] per request, [(prompt tokens prefilled since the last step, requests mid-prefill)]
+    at each decode step)."""
+    got: dict = {n: [] for n in prompts}
+    rows, waiting, starting, steps = {}, [], {}, []
+    with torch.inference_mode():
+        for t in range(50 * NEW):
+            waiting += [n for n in prompts if arrivals[n] == t]
+            if staged:
+                while waiting and batch.room > 0:
+                    n = waiting.pop(0)
+                    starting[batch.start(prompts[n], prefix_len).row] = n
+                admitted = batch.advance()
+                names = [starting.pop(row) for row, _ in admitted]
+            else:
+                admitted = batch.admit([prompts[n] for n in waiting])
+                names = [waiting.pop(0) for _ in admitted]
+            for (row, logits), n in zip(admitted, names):
+                rows[n] = row
+                got[n].append(logits)
+            if rows:
+                steps.append((batch.prefill_since_step, len(batch.pending)))
+                logits = batch.step({r: int(got[n][-1].argmax()) for n, r in rows.items()})
+                for n, r in list(rows.items()):
+                    got[n].append(logits[r])
+                    if len(got[n]) == NEW:
+                        batch.release(r)
+                        del rows[n]
+            if not rows and not waiting and not batch.pending and t > max(arrivals.values()):
+                break
+    assert all(len(v) == NEW for v in got.values()), "a request did not finish"
+    return {n: torch.stack(v) for n, v in got.items()}, steps
+
+
+def prompts_of(lengths: dict, seed: int = 1, shared: int = 0) -> dict:
+    """Random prompts of the given lengths; with shared > 0 all begin with the same `shared` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(0, ARGS.vocab_size, (shared,), generator=g).tolist()
+    return {n: head + torch.randint(0, ARGS.vocab_size, (k,), generator=g).tolist() for n, k in lengths.items()}
+
+
+def row_batch(model, name: str, max_batch: int = 2, chunk: int = 32, **kw) -> engine.RowBatch:  # noqa: F811
+    return engine.RowBatch(model, lambda: make_policy(name), max_batch, 400 + NEW, NEW, prefill_chunk=chunk, **kw)
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv", "pyramidkv"])
+def test_staged_admission_interleaves_chunks_with_decode(model, name):  # noqa: F811
+    """B's and C's long prompts are prefilled one chunk per turn while A (then B) decode: every request gets
+    the tokens and logits that admit() gives it, and a decode step never waits for more than one chunk of
+    prompt (a whole prompt for a policy that prefills in one pass)."""
+    prompts = prompts_of({"A": 40, "B": 300, "C": 170})
+    arrivals = {"A": 0, "B": 2, "C": 3}
+    got, steps = drive(row_batch(model, name), prompts, arrivals, staged=True)
+    ref, _ = drive(row_batch(model, name), prompts, arrivals, staged=False)
+    for n in prompts:
+        assert torch.equal(got[n].argmax(-1), ref[n].argmax(-1)), f"request {n}'s tokens differ from admit's"
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
+    batch = row_batch(model, name)
+    bound = 32 if not batch.policy.prefill_in_one_pass else max(len(p) for p in prompts.values())
+    assert max(n for n, _ in steps) <= bound, steps
+    if bound == 32:     # decode steps ran while a prompt was part way in (B's 300 tokens over 10 turns)
+        assert sum(1 for _, mid in steps if mid) >= 9, steps
+
+
+def test_admit_refuses_while_staged_requests_pend(model):  # noqa: F811
+    batch = row_batch(model, "full", max_batch=1)
+    batch.start([1, 2, 3])
+    assert batch.room == 0
+    with pytest.raises(ValueError, match="no room"):
+        batch.start([4, 5])
+    with pytest.raises(ValueError, match="pending"):
+        batch.admit([[4, 5]])
+
+
+@pytest.mark.parametrize("prefix_len", [None, 150])
+def test_prefix_reuse_is_exact_with_full(model, prefix_len):  # noqa: F811
+    """Four questions on one 150-token document: the first request's prefill keeps the document (its
+    boundary: the prefix it shares with the waiting second request, or the explicit prefix_len), the others
+    copy it and prefill only their question; every request's tokens and logits equal those without reuse."""
+    prompts = prompts_of({"q1": 12, "q2": 20, "q3": 7, "q4": 16}, shared=150)
+    arrivals = dict.fromkeys(prompts, 0)
+    batch = row_batch(model, "full", prefix_bytes=1 << 30, min_prefix=16)
+    got, _ = drive(batch, prompts, arrivals, staged=True, prefix_len=prefix_len)
+    plain = row_batch(model, "full")
+    ref, _ = drive(plain, prompts, arrivals, staged=True)
+    for n in prompts:
+        assert torch.equal(got[n].argmax(-1), ref[n].argmax(-1)), f"{n}'s tokens differ with prefix reuse"
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
+    stats = batch.prefixes.stats()
+    assert (stats["hits"], stats["misses"], stats["reused_tokens"], stats["entries"]) == (3, 1, 450, 1), stats
+    assert stats["bytes"] == batch.prefixes.entries[tuple(prompts["q1"][:150])][0].kv_bytes()["allocated"] > 0
+    assert batch.prefill_tokens + 450 == plain.prefill_tokens == sum(map(len, prompts.values()))
+
+
+def test_compressing_policy_keeps_no_prefix(model):  # noqa: F811
+    """snapkv compresses each prompt as a whole, so it cannot continue a kept prefix exactly: no reuse, said
+    so, and the answers are those without it."""
+    prompts = prompts_of({"q1": 12, "q2": 20}, shared=150)
+    batch = row_batch(model, "snapkv", prefix_bytes=1 << 30)
+    assert batch.prefixes is None and "prefix_reuse" in batch.reuse_off
+    got, _ = drive(batch, prompts, dict.fromkeys(prompts, 0), staged=True)
+    ref, _ = drive(row_batch(model, "snapkv"), prompts, dict.fromkeys(prompts, 0), staged=False)
+    for n in prompts:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_cache_is_a_byte_bounded_lru():
+    cache = PrefixCache(max_bytes=100, min_tokens=3)
+    assert cache.insert((1, 2, 3), "a", 40) and cache.insert((1, 2, 3, 4, 5), "b", 40)
+    assert cache.lookup([1, 2, 3, 4, 5, 6]) == (5, "b")           # the longest kept prefix
+    assert cache.lookup([1, 2, 3, 4, 5]) == (3, "a")              # never the whole prompt
+    assert cache.lookup([9, 1, 2, 3]) == (0, None)
+    assert cache.insert((7, 7, 7), "c", 40)                        # drops the least recently used: (1,2,3,4,5)
+    assert list(cache.entries) == [(1, 2, 3), (7, 7, 7)] and cache.bytes == 80 and cache.evictions == 1
+    assert not cache.insert((8, 8, 8), "too big", 101) and cache.bytes == 80
+    assert (cache.hits, cache.misses, cache.reused_tokens) == (2, 1, 8)
+
+
+def test_prefix_boundaries():
+    cache = PrefixCache(max_bytes=100, min_tokens=3)
+    assert common_prefix([1, 2, 3, 4], [1, 2, 5]) == 2 and common_prefix([], [1]) == 0
+    assert cache.boundary([1, 2, 3, 4, 9]) == 0                    # nothing seen yet
+    assert cache.boundary([1, 2, 3, 4, 8]) == 4                    # shares 4 tokens with the first
+    assert cache.boundary([5, 6, 7, 8, 9], waiting=[[5, 6, 7, 8, 1]]) == 4      # shares 4 with a waiting one
+    assert cache.boundary([1, 2, 3, 4]) == 3                       # at least the last token is prefilled
+    assert cache.boundary([1, 2, 9, 9]) == 0                       # 2 shared tokens: under min_tokens
+    assert cache.boundary([4, 4, 4, 4], prefix_len=2) == 2         # explicit
+    many = PrefixCache(max_bytes=100, min_tokens=2)
+    for other in ([1, 2, 3, 4, 5, 6, 0], [1, 2, 3, 4, 5, 7, 0], [1, 2, 8], [1, 2, 9]):
+        many.boundary(other)
+    assert many.boundary([1, 2, 3, 4, 5, 6, 1]) == 5      # 5 x 2 prompts beat 6 x 1 and 2 x 4
+    assert many.boundary([1, 2, 7, 7]) == 2
+    cache.insert((1, 2, 3, 4), "a", 10)
+    assert cache.boundary([1, 2, 3, 4, 7]) == 0                    # already kept
