@@ -76,6 +76,7 @@ class Job:
     tokens: list[int] = field(default_factory=list)
     sent: int = 0                     # characters of the text already sent
     cancelled: bool = False           # set by the handler when its client goes away
+    pending: Optional[engine.Pending] = None   # its staged admission (RowBatch.start), while its prompt is prefilled
     row: int = -1                     # its row in the lane's RowBatch, once admitted
     submitted: float = field(default_factory=time.monotonic)
     last: Optional[float] = None      # when its latest token was sampled (time.monotonic)
@@ -101,9 +102,11 @@ class Lane:
     make_policy: Callable
     batch: engine.RowBatch
     waiting: list = field(default_factory=list)          # [Job], guarded by Engine.wake
+    starting: list = field(default_factory=list)         # [Job] started in the batch, prompt being prefilled
     rows: dict = field(default_factory=dict)             # row -> Job (the engine thread's own)
     kv: dict = field(default_factory=dict)               # the policy's latest kv_bytes(), read by /metrics
     kv_at: float = 0.0                                   # when it was read (time.monotonic)
+    prefixes: dict = field(default_factory=dict)         # its kept prefixes' stats (prefix_cache.py), read with kv
 
 
 class Engine:
@@ -116,10 +119,13 @@ class Engine:
     ITL_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
     def __init__(self, model, tokenizer, policies: dict, max_batch: int, max_queue: int, max_seq_length: int,
-                 max_new_tokens: int, steps=(engine.prefill_step, engine.decode_step)):
+                 max_new_tokens: int, steps=(engine.prefill_step, engine.decode_step), prefill_chunk: int = 256,
+                 prefix_bytes: int = 0):
         """policies: {name: (spec text, a function making a fresh policy instance)}, the first the default;
-        steps: the (prefill, decode) step functions (engine.compiled_steps for --compile)."""
+        steps: the (prefill, decode) step functions (engine.compiled_steps for --compile); prefill_chunk: prompt
+        tokens prefilled between two decode steps; prefix_bytes: kept prefixes per lane (prefix_cache.py)."""
         self.model, self.tokenizer = model, tokenizer
+        self.prefill_chunk, self.prefix_bytes = prefill_chunk, prefix_bytes
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
         self.steps = steps
@@ -139,7 +145,8 @@ class Engine:
     def new_batch(self, make_policy) -> engine.RowBatch:
         prefill, decode = self.steps
         return engine.RowBatch(self.model, make_policy, self.max_batch, self.max_seq_length, self.max_new_tokens,
-                               prefill=prefill, decode=decode)
+                               prefill=prefill, decode=decode, prefill_chunk=self.prefill_chunk,
+                               prefix_bytes=self.prefix_bytes)
 
     def submit(self, job: Job) -> None:
         with self.wake:
@@ -157,8 +164,8 @@ class Engine:
 
     def health(self) -> dict:
         with self.wake:
-            lanes = {name: {"spec": lane.spec, "rows_in_use": len(lane.rows), "queue_depth": len(lane.waiting)}
-                     for name, lane in self.lanes.items()}
+            lanes = {name: {"spec": lane.spec, "rows_in_use": len(lane.rows), "prefilling": len(lane.starting),
+                            "queue_depth": len(lane.waiting)} for name, lane in self.lanes.items()}
             requests = Counter()
             for (_, outcome), n in self.finished.items():
                 requests[outcome] += n
@@ -170,13 +177,14 @@ class Engine:
         with torch.inference_mode():
             while True:
                 with self.wake:
-                    while not (self.stopping or any(lane.waiting or lane.rows for lane in self.lanes.values())):
+                    while not (self.stopping or any(lane.waiting or lane.starting or lane.rows
+                                                    for lane in self.lanes.values())):
                         self.wake.wait()
                     if self.stopping:
                         break
                     waiting = {name: self.drop_cancelled(lane) for name, lane in self.lanes.items()}
                 for lane in self.lanes.values():
-                    if waiting[lane.name] or lane.rows:
+                    if waiting[lane.name] or lane.starting or lane.rows:
                         self.run_lane(lane, waiting[lane.name])
         for lane in self.lanes.values():
             self.fail(lane, "the server is shutting down")
@@ -199,11 +207,16 @@ class Engine:
         self.read_kv(lane)
 
     def iterate(self, lane: Lane, waiting: list) -> None:
-        """Drop the rows whose clients went away, admit what fits, then one decode step of every active row."""
+        """Drop the requests whose clients went away, one admission step, then one decode step of every active row."""
         self.model.cache = lane.batch.policy        # the lanes share the model: this lane's cache
         for job in list(lane.rows.values()):
             if job.cancelled:
                 self.finish(lane, job, "cancelled")
+        for job in [j for j in lane.starting if j.cancelled]:
+            lane.batch.cancel(job.pending)
+            lane.starting.remove(job)
+            with self.wake:
+                self.finished[lane.name, "cancelled"] += 1
         self.admit(lane, waiting)
         if lane.rows:
             logits = lane.batch.step({row: job.tokens[-1] for row, job in lane.rows.items()})
@@ -211,14 +224,21 @@ class Engine:
                 self.emit(lane, job, logits[row])
 
     def admit(self, lane: Lane, waiting: list) -> None:
-        """Admission, the one place prompts are prefilled: RowBatch.admit prefills each admitted prompt whole
-        (the lane's rows wait meanwhile) and gives its last logits, from which its first token is sampled.
-        A RowBatch that prefills in chunks interleaved with decode steps advances one chunk here per iteration."""
-        admitted = lane.batch.admit([job.ids for job in waiting]) if waiting else []
+        """Admission, the one place prompts are prefilled: waiting jobs start while the batch has room (each
+        reserves a row, first come first served), then one RowBatch.advance: one prefill chunk of the oldest
+        started prompt (a compressing policy's whole prompt), so prompts alternate with the rows' decode steps.
+        A job whose prompt is complete samples its first token from the prompt's last logits."""
+        started = []
+        for job in waiting[:max(lane.batch.room, 0)]:
+            job.pending = lane.batch.start(job.ids)
+            started.append(job)
         with self.wake:
-            del lane.waiting[:len(admitted)]        # admit takes a prefix of the queue, in order
-            self.tokens[lane.name, "prompt"] += sum(len(job.ids) for job in waiting[:len(admitted)])
-        for (row, logits), job in zip(admitted, waiting):
+            del lane.waiting[:len(started)]
+            self.tokens[lane.name, "prompt"] += sum(len(job.ids) for job in started)
+        lane.starting += started
+        for row, logits in lane.batch.advance():
+            job = next(j for j in lane.starting if j.pending.row == row)
+            lane.starting.remove(job)
             job.row = row
             lane.rows[row] = job
             self.emit(lane, job, logits)
@@ -253,28 +273,34 @@ class Engine:
         job.last = now
 
     def finish(self, lane: Lane, job: Job, reason: str, text: str = "") -> None:
-        if len(text) > job.sent:
-            job.send("text", text[job.sent:])
-        job.send("done", reason)
+        """Free job's row and count it, then send its last text and the end (a client that reads the end
+        finds the row free and the count made)."""
         del lane.rows[job.row]
         lane.batch.release(job.row)
         with self.wake:
             self.finished[lane.name, reason] += 1
+        if len(text) > job.sent:
+            job.send("text", text[job.sent:])
+        job.send("done", reason)
 
     def fail(self, lane: Lane, message: str) -> None:
         """Send the error to every request of the lane, in flight or waiting; its rows are forgotten (its batch
         is rebuilt after a failed step, dropped at shutdown)."""
         with self.wake:
-            jobs, lane.waiting = list(lane.rows.values()) + lane.waiting, []
+            jobs, lane.waiting = list(lane.rows.values()) + lane.starting + lane.waiting, []
             self.finished[lane.name, "error"] += len(jobs)
         for job in jobs:
             job.send("error", message)
         lane.rows.clear()
+        lane.starting.clear()
 
     def read_kv(self, lane: Lane) -> None:
-        """Refresh the lane's KV byte counts for /metrics (here, on the engine thread: the buffers are its own),
-        at most every quarter second while rows run."""
+        """Refresh the lane's kept-prefix counters and KV byte counts for /metrics (here, on the engine thread: the
+        buffers are its own), the KV bytes at most every quarter second while rows run."""
         now = time.monotonic()
+        prefixes = lane.batch.prefixes.stats() if lane.batch.prefixes else {}     # host counters: always fresh
+        with self.wake:
+            lane.prefixes = prefixes
         if lane.rows and now - lane.kv_at < 0.25:
             return
         kv = lane.batch.policy.kv_bytes()
@@ -434,6 +460,7 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": model_id, "kv_policy": job.lane}
         usage = lambda: {"prompt_tokens": len(job.ids), "completion_tokens": len(job.tokens),    # noqa: E731
+                         "prompt_tokens_details": {"cached_tokens": job.pending.reused if job.pending else 0},
                          "total_tokens": len(job.ids) + len(job.tokens)}
         if how["stream"]:
             return StreamingResponse(stream(job, head, chat, usage), media_type="text/event-stream")
@@ -525,12 +552,20 @@ def metric_families(srv: Engine) -> list[Family]:
                                                         for (name, reason), n in sorted(srv.finished.items())]),
             Family("kvserve_queue_depth", "gauge", "requests waiting for a row", by(lambda lane: len(lane.waiting))),
             Family("kvserve_rows_in_use", "gauge", "rows holding a request", by(lambda lane: len(lane.rows))),
+            Family("kvserve_rows_prefilling", "gauge", "rows whose request's prompt is being prefilled",
+                   by(lambda lane: len(lane.starting))),
             Family("kvserve_rows_max", "gauge", "rows of the policy's batch (--max-batch)",
                    by(lambda lane: srv.max_batch)),
-            Family("kvserve_prompt_tokens_total", "counter", "prompt tokens prefilled",
+            Family("kvserve_prompt_tokens_total", "counter", "prompt tokens of started requests (reused prefixes included)",
                    by(lambda lane: srv.tokens[lane.name, "prompt"])),
             Family("kvserve_generation_tokens_total", "counter", "tokens generated (EOS not counted)",
                    by(lambda lane: srv.tokens[lane.name, "completion"])),
+            Family("kvserve_prefix_reused_tokens_total", "counter", "prompt tokens copied from a kept prefix "
+                   "instead of prefilled (full only)", by(lambda lane: lane.prefixes.get("reused_tokens", 0))),
+            Family("kvserve_prefix_hits_total", "counter", "prompts that started from a kept prefix",
+                   by(lambda lane: lane.prefixes.get("hits", 0))),
+            Family("kvserve_prefix_bytes", "gauge", "bytes of the kept prefixes (--prefix-cache-mb bounds them)",
+                   by(lambda lane: lane.prefixes.get("bytes", 0))),
             Family("kvserve_kv_live_bytes", "gauge", "KV cache bytes holding tokens (policy.kv_bytes)",
                    by(lambda lane: lane.kv["live"])),
             Family("kvserve_kv_allocated_bytes", "gauge", "KV cache bytes allocated (policy.kv_bytes)",
@@ -556,6 +591,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens-limit", type=int, default=256, help="the largest max_tokens a request may ask")
     p.add_argument("--max-seq-length", type=int, default=2048,
                    help="tokens per row, prompt + max_tokens (capped at the model's context)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens prefilled between two decode steps of the running rows (a policy that "
+                        "compresses the prompt prefills it in one pass)")
+    p.add_argument("--prefix-cache-mb", type=float, default=256,
+                   help="MiB per policy of prefilled prompt prefixes kept for reuse (a prompt starting with a kept "
+                        "prefix prefills only the rest; exact, full only: prefix_cache.py); 0: off")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", help="the id /v1/models reports and requests may name (default: the checkpoint's)")
@@ -572,7 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
 def build_engine(args) -> Engine:
     """Validate the flags, load the model, compile with --compile, start nothing yet
     (UsageError/PolicyError/CheckpointError)."""
-    for flag in ("max_batch", "max_queue", "max_new_tokens_limit"):
+    if args.prefix_cache_mb < 0:
+        raise engine.UsageError("--prefix-cache-mb must be at least 0")
+    for flag in ("max_batch", "max_queue", "max_new_tokens_limit", "prefill_chunk"):
         if getattr(args, flag) < 1:
             raise engine.UsageError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.tp != 1:
@@ -597,7 +640,8 @@ def build_engine(args) -> Engine:
     steps = engine.compiled_steps(model.output.weight.device) if args.compile else (engine.prefill_step,
                                                                                      engine.decode_step)
     srv = Engine(model, tokenizer, {spec.variant: (str(spec), maker(spec)) for spec in specs}, args.max_batch,
-                 args.max_queue, max_seq_length, args.max_new_tokens_limit, steps)
+                 args.max_queue, max_seq_length, args.max_new_tokens_limit, steps, args.prefill_chunk,
+                 int(args.prefix_cache_mb * 2 ** 20))
     if args.compile:
         srv.warm_up()
     return srv

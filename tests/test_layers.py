@@ -32,7 +32,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [("model", "atomic_io"), ("kernels",), ("cache",), ("checkpoint", "quantize", "tokenizer", "tp"),
-          ("engine", "prefix_cache"), ("eval", "scripts", "serve")]
+          ("engine", "prefix_cache"), ("eval", "scripts", "serve", "serve_metrics")]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 NOT_PRODUCT = {"tests", "checkpoints", "runs", "build", "downloaded", "data", "docs"}
 

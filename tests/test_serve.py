@@ -68,7 +68,8 @@ def test_completion_streamed_and_not(served):
     [choice] = out["choices"]
     assert choice["finish_reason"] == "length" and choice["text"]
     prompt_tokens = len(srv.tokenizer.encode(body["prompt"]))
-    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 12, "total_tokens": prompt_tokens + 12}
+    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 12, "total_tokens": prompt_tokens + 12,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     chunks = events(client, "/v1/completions", body)
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == choice["text"]
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
@@ -214,6 +215,28 @@ def test_greedy_alongside_others_equals_alone(tiny_dir):
             assert out["usage"]["completion_tokens"] == len(ref.tokens[0])
 
 
+DOCUMENT = "Notes on the harbour: the boats leave at dawn, the nets dry at noon, the market opens at four. " * 6
+
+
+def test_chunked_prefill_and_prefix_reuse(tiny_dir):
+    """A long prompt is prefilled in --prefill-chunk pieces between the running rows' decode steps, and
+    questions about one document reuse its prefilled prefix (full): the second request, which shares it with
+    the first, keeps it, and the third prefills only its question (cached_tokens); the
+    metrics count the hits, and every greedy answer equals engine.generate alone (which reuses nothing)."""
+    flags = ["--max-batch", "2", "--prefill-chunk", "16", "--max-new-tokens-limit", "16", "--max-seq-length", "512"]
+    questions = {DOCUMENT + f"Question {i}: when do the boats leave?": 8 for i in range(3)}
+    with running(tiny_dir, *flags) as (client, srv):
+        busy = ThreadPoolExecutor(1).submit(complete, client, "Count: 1, 2, 3,", 16)    # decoding meanwhile
+        got = [complete(client, q, n) for q, n in questions.items()]
+        busy.result(timeout=120)
+        metrics = client.get("/metrics").text
+    cached = [out["usage"]["prompt_tokens_details"]["cached_tokens"] for out in got]
+    assert cached[:2] == [0, 0] and cached[2] >= 32, cached     # the second prefill keeps the shared prefix
+    assert 'kvserve_prefix_hits_total{policy="full"} 1' in metrics, metrics
+    for out, ref in zip(got, alone(tiny_dir, flags, questions, "full")):
+        assert out["choices"][0]["text"] == ref.texts[0]
+
+
 def test_kv_policy_choices_and_metrics(tiny_dir):
     """/v1/models and /health list the started policies; no kv_policy means the first; an unknown one is a 400
     naming the choices; /metrics counts what was served, per policy."""
@@ -221,7 +244,7 @@ def test_kv_policy_choices_and_metrics(tiny_dir):
     with running(tiny_dir, *flags) as (client, srv):
         assert client.get("/v1/models").json()["data"][0]["kv_policies"] == list(SPECS)
         assert client.get("/health").json()["policies"] == {
-            name: {"spec": spec, "rows_in_use": 0, "queue_depth": 0} for name, spec in SPECS.items()}
+            name: {"spec": spec, "rows_in_use": 0, "prefilling": 0, "queue_depth": 0} for name, spec in SPECS.items()}
         before = metrics(client)
         assert complete(client, "Hello", 5)["kv_policy"] == "full"
         chunks = events(client, "/v1/completions", {"prompt": "Hello there", "max_tokens": 7, "kv_policy": "snapkv"})
