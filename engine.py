@@ -328,8 +328,8 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
              context: Optional["Context"] = None) -> GenerationResult:
     """Generate for a batch of prompts (str or token-id lists, any lengths).
 
-    With `context` (from prefill_context) the prompts are questions about that compressed context,
-    answered one after another (`answer_questions`; policy, max_seq_length, chat and compile are the
+    With `context` (from prefill_context) the prompts are questions about that compressed context, each
+    appended to a copy of its rows (`answer_questions`; policy, max_seq_length, chat and compile are the
     context's then, and must be left at their defaults).
 
     Prompts are left-padded to a common length; every sequence keeps its own positions
@@ -467,11 +467,11 @@ def check_context(n: int, room: int, window: int) -> None:
                          f"exceeds the model's context length {window}")
 
 
-def context_rows(model: Transformer, new_policy: Callable, room: int, max_seq_length: int):
-    """A fresh one-row instance of the spec, room for `room` tokens after its prompt, installed as model.cache."""
+def context_rows(model: Transformer, new_policy: Callable, room: int, max_seq_length: int, batch: int = 1):
+    """A fresh instance of the spec with `batch` rows, room for `room` tokens after a prompt, installed as model.cache."""
     policy = new_policy()
     policy.decode_room = room
-    return model.setup_caches(1, max_seq_length, policy)
+    return model.setup_caches(batch, max_seq_length, policy)
 
 
 def prefill_rows(model: Transformer, ids: list[int], prefill_chunk: int) -> float:
@@ -518,30 +518,34 @@ def append_tokens(model: Transformer, ids: list[int], start: int, decode=decode_
     return logits
 
 
-def question_rows(model: Transformer, ctx: Context, rows=None):
-    """model.cache holding a copy of ctx's rows and nothing else -> that policy: `rows` (an instance from an
-    earlier call, reused) adopts ctx's row, or a fresh instance prefills ctx.ids (ctx.copies_rows False)."""
+def question_rows(model: Transformer, ctx: Context, batch: int = 1):
+    """model.cache with `batch` rows, each a copy of ctx's compressed context (the contract's adopt of its
+    row 0) -> that policy.  A policy that cannot adopt rows (ctx.copies_rows False) takes one row, and a fresh
+    instance prefills ctx.ids."""
     if not ctx.copies_rows:
+        if batch != 1:
+            raise ValueError(f"{ctx.policy.name} admits whole batches: its context's questions go one at a time")
         context_rows(model, ctx.new_policy, ctx.room, ctx.max_seq_length)
         prefill_rows(model, ctx.ids, 1024)
         return model.cache
-    if rows is None:
-        rows = context_rows(model, ctx.new_policy, ctx.room, ctx.max_seq_length)
-    model.cache = rows
-    rows.adopt(0, ctx.policy)
+    rows = context_rows(model, ctx.new_policy, ctx.room, ctx.max_seq_length, batch)
+    for row in range(batch):
+        rows.adopt(row, ctx.policy)
     return rows
 
 
 def answer_questions(model: Transformer, tokenizer: Tokenizer, ctx: Context, questions: Sequence,
                      max_new_tokens: int = 64, temperature: float = 0.0, top_k: Optional[int] = None,
-                     top_p: Optional[float] = None, seed: Optional[int] = None,
-                     stop_check_every: int = 8) -> GenerationResult:
-    """Answer each question (text, or token ids) about ctx, one after another (`answer_one`).  Stats as
-    `generate`'s for answers run one at a time (batch_size 1): prefill_* count the questions' tokens,
-    decode_* every answer's steps; context_* the context's one prefill; context_prefills_again the questions
-    that prefilled the context themselves (ctx.copies_rows False); questions_seconds the whole call."""
-    if max_new_tokens < 1:
-        raise UsageError("max_new_tokens must be at least 1")
+                     top_p: Optional[float] = None, seed: Optional[int] = None, stop_check_every: int = 8,
+                     batch: int = 8) -> GenerationResult:
+    """Answer the questions (text, or token ids) about ctx, up to `batch` at once, one row each (`answer_rows`;
+    a policy that cannot copy rows: one at a time, its context prefilled with each).  Greedy answers equal
+    those of each question asked alone; sampled ones draw from one generator per group (seeded by `seed`).
+    Stats as `generate`'s with prefill_* the steps until every question is in, decode_* the rest; context_*
+    the context's one prefill; context_prefills_again the questions that prefilled the context themselves;
+    questions_seconds the whole call."""
+    if max_new_tokens < 1 or batch < 1:
+        raise UsageError("max_new_tokens and batch must be at least 1")
     ids = [encode_question(tokenizer, q, ctx) for q in questions]
     if not ids:
         raise UsageError("give at least one question")
@@ -552,40 +556,60 @@ def answer_questions(model: Transformer, tokenizer: Tokenizer, ctx: Context, que
     device = model.output.weight.device
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     Sampler(**sampling)                                  # bad settings fail before any work
-    t_start, rows, generated, totals = time.perf_counter(), None, [], [0, 0.0, 0.0]
+    batch = batch if ctx.copies_rows else 1
+    t_start, generated, totals = time.perf_counter(), [], [0, 0.0, 0.0]
     with torch.inference_mode():
-        for q in ids:
-            rows = question_rows(model, ctx, rows)
+        for g in range(0, len(ids), batch):
+            group = ids[g:g + batch]
+            question_rows(model, ctx, len(group))
             generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
-            tokens, *cost = answer_one(model, tokenizer, len(ctx.ids), q, max_new_tokens,
-                                       Sampler(**sampling, generator=generator), stop_check_every)
-            generated.append(tokens)
+            answers, *cost = answer_rows(model, tokenizer, len(ctx.ids), group, max_new_tokens,
+                                         Sampler(**sampling, generator=generator), stop_check_every)
+            generated += answers
             totals = [a + b for a, b in zip(totals, cost)]
     steps, question_s, decode_s = totals
     stats = generation_stats(model.cache, [len(q) for q in ids], steps, question_s, decode_s, device)
-    stats.update(batch_size=1, decode_tokens_per_s=stats["decode_tokens_per_s_per_seq"], context_tokens=len(ctx.ids),
-                 context_prefill_seconds=ctx.prefill_seconds, context_prefills_again=0 if ctx.copies_rows else len(ids),
+    stats.update(batch_size=min(batch, len(ids)), context_tokens=len(ctx.ids), context_prefill_seconds=ctx.prefill_seconds,
+                 context_prefills_again=0 if ctx.copies_rows else len(ids),
                  questions_seconds=time.perf_counter() - t_start)
     return GenerationResult([tokenizer.decode(g) for g in generated], generated, [len(q) for q in ids], stats)
 
 
-def answer_one(model: Transformer, tokenizer: Tokenizer, start: int, question: list[int], max_new_tokens: int,
-               sampler: Sampler, stop_check_every: int) -> tuple[list[int], int, float, float]:
-    """model.cache holds a context of `start` tokens: append the question's tokens (append_tokens), then decode
-    as `generate` does -> (answer tokens up to EOS, decode steps, question seconds, decode seconds)."""
+def answer_rows(model: Transformer, tokenizer: Tokenizer, start: int, questions: list[list[int]],
+                max_new_tokens: int, sampler: Sampler, stop_check_every: int) -> tuple[list[list[int]], int, float, float]:
+    """Every row of model.cache holds a context of `start` tokens: row r gets questions[r].  Decode step i feeds
+    every row the token at position start + i: its question's token while it has one, then its sampled answer
+    token (pad after its EOS), so row r's answer token j is sampled at step len(q_r) - 1 + j.  The policy's
+    decode rule applies to question and answer tokens alike -> (answers up to EOS, decode steps, seconds until
+    the longest question is in, seconds after)."""
     device = model.output.weight.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_ids[0]
+    B, L = len(questions), max(len(q) for q in questions)
+    forced = torch.tensor([q + [pad] * (L - len(q)) for q in questions], device=device)        # [B, L]
+    qlen = torch.tensor([len(q) for q in questions], device=device)
+    eos, rows = torch.tensor(tokenizer.eos_ids, device=device), torch.arange(B, device=device)
+    out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    token, pos = forced[:, 0], torch.full((B, 1), start, device=device)
     sync()
-    t0 = time.perf_counter()
-    first = sampler(append_tokens(model, question, start))
+    t0 = t1 = time.perf_counter()
+    for i in range(L + max_new_tokens - 1):
+        logits = run_decode(model, token[:, None], pos + i, i, decode_step)
+        j = i + 1 - qlen                                    # the answer token each row samples now
+        answering = (j >= 0) & (j < max_new_tokens) & ~done
+        sampled = torch.where(answering, sampler(logits), pad)
+        at = j.clamp(0, max_new_tokens - 1)
+        out[rows, at] = torch.where(answering, sampled, out[rows, at])
+        done |= answering & torch.isin(sampled, eos)
+        token = torch.where(i + 1 < qlen, forced[:, min(i + 1, L - 1)], sampled)
+        if i == L - 1:
+            sync()
+            t1 = time.perf_counter()
+        if i >= L - 1 and (i + 1) % stop_check_every == 0 and bool((done | (j >= max_new_tokens - 1)).all()):
+            break
     sync()
-    t1 = time.perf_counter()
-    pos = torch.tensor([[start + len(question)]], device=device)
-    out, steps = decode_loop(model, first, pos, max_new_tokens, sampler, torch.tensor(tokenizer.eos_ids, device=device),
-                             pad, decode_step, stop_check_every, first_step=len(question))
-    sync()
-    return until_eos(out[0, :steps + 1].tolist(), tokenizer), steps, t1 - t0, time.perf_counter() - t1
+    return [until_eos(row, tokenizer) for row in out.tolist()], i + 1, t1 - t0, time.perf_counter() - t1
 
 
 class RowBatch:

@@ -96,7 +96,8 @@ def test_decode_time_eviction_goes_on_after_the_question(tiny, essay_text, polic
     ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec(policy), room=40)
     n, q = len(ctx.ids), engine.encode_question(tok, QUESTIONS[0], ctx)
     result = engine.generate(model, tok, [QUESTIONS[0]], 8, context=ctx)
-    last = n + len(q) + result.stats["decode_steps"] - 1          # the last token decoded
+    last = n + result.stats["decode_steps"] - 1                   # the last token fed (question, then answer)
+    assert last >= n + len(q)
     for layer in range(model.args.n_layers):
         for head in kept(model.cache, layer)[0]:
             assert len(head) == 48 and last in head and max(head) == last
