@@ -570,6 +570,7 @@ class EvictionPolicy:
                 dst.copy_(src)
         self.n_filled = max(self.n_filled, other.n_filled)
         self.prompt_length = max(self.prompt_length, other.prompt_length)
+        self.kept = [max(a, b) for a, b in zip(self.kept, other.kept)]      # what describe() reports
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = grouped_attention(q, k, v, self.mask)

@@ -48,6 +48,13 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_protocol_flag(p: argparse.ArgumentParser) -> None:
+    """--protocol, for the tasks that ask a question about a context (docs/design.md, "Protocols")."""
+    p.add_argument("--protocol", choices=["aware", "agnostic"], default="aware",
+                   help="aware (default): the prompt with its question is compressed; agnostic: the context is "
+                        "compressed without the question, then the question is appended whole")
+
+
 def parse_floats(text: str, flag: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -159,7 +166,8 @@ class Progress:
 
 def report_header(args) -> dict:
     """The fields every eval's JSON starts with."""
-    return {"policy": args.policy, "policy_args": args.policy_args, "kv_bits": args.kv_bits,
+    return {"policy": args.policy, "policy_args": args.policy_args, "protocol": getattr(args, "protocol", None),
+            "kv_bits": args.kv_bits,
             "kv_dtype": getattr(args, "kv_dtype", None), "kv_group_size": args.kv_group_size,
             "kv_residual": args.kv_residual, "checkpoint": str(args.checkpoint)}
 

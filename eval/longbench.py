@@ -120,18 +120,38 @@ def task_for(path: Path, rows: list[dict], name: Optional[str] = None) -> Task:
     return Task.named(name or rows[0].get("dataset") or path.stem)
 
 
-def build_ids(tokenizer, task: Task, row: dict, max_context: int, keep_newline_char: bool = False) -> tuple[list, int]:
-    """(prompt ids of at most max_context tokens, tokens cut from the middle)."""
+def build_ids(tokenizer, task: Task, row: dict, max_context: int, keep_newline_char: bool = False,
+              protocol: str = "aware") -> tuple[list, int, int]:
+    """(prompt ids of at most max_context tokens, tokens cut from the middle, index of the first token after
+    the context; aware: after the whole body).  aware: the filled template is tokenized whole and its middle cut, as LongBench does;
+    agnostic: the template up to the end of {context} and the rest (the question, the template's end) are
+    tokenized apart, and only the first piece's middle is cut, so the question is whole."""
     context, question = str(row["context"]), str(row["input"])
     if not keep_newline_char:
         context, question = context.replace(NEWLINE_CHAR, "\n"), question.replace(NEWLINE_CHAR, "\n")
     prefix, suffix = prompts.wrap(tokenizer, prompts.SENTINEL, task.chat)
-    body = tokenizer.encode(task.prompt.format(context=context, input=question), add_special_tokens=False)
     budget = max_context - len(prefix) - len(suffix)
+    if protocol == "aware":
+        body = tokenizer.encode(task.prompt.format(context=context, input=question), add_special_tokens=False)
+        tail = []
+    else:
+        head, tail_text = context_split(task)
+        body = tokenizer.encode(head.format(context=context), add_special_tokens=False)
+        tail = tokenizer.encode(tail_text.format(input=question), add_special_tokens=False)
+        budget -= len(tail)
     if budget < 2:
         raise UsageError(f"--max-context {max_context} leaves no room for the prompt after the template")
     kept = prompts.truncate_middle(body, budget)
-    return prefix + kept + suffix, len(body) - len(kept)
+    return prefix + kept + tail + suffix, len(body) - len(kept), len(prefix) + len(kept)
+
+
+def context_split(task: Task) -> tuple[str, str]:
+    """The task's template cut after {context}: (head with {context}, tail with {input} if any)."""
+    head, _, tail = task.prompt.partition("{context}")
+    if "{input}" in head:
+        raise UsageError(f"{task.name}'s template puts the question before the context: --protocol agnostic "
+                         f"does not apply")
+    return head + "{context}", tail
 
 
 def score(task: Task, prediction: str, row: dict) -> float:
@@ -144,18 +164,18 @@ def score(task: Task, prediction: str, row: dict) -> float:
 
 def evaluate(loaded: common.Loaded, new_policy: Callable, rows: list[dict], task: Task, max_context: int,
              max_new_tokens: Optional[int] = None, keep_newline_char: bool = False,
-             progress: Optional[common.Progress] = None, compile: bool = False) -> dict:
-    """Run the rows with a fresh policy each -> {score (0-100), results, usage}."""
+             progress: Optional[common.Progress] = None, compile: bool = False, protocol: str = "aware") -> dict:
+    """Run the rows with a fresh policy each under `protocol` (build_ids, measure.answer) -> {score (0-100),
+    results, usage}."""
     max_new_tokens = max_new_tokens or task.max_new_tokens
     common.check_fits(loaded, max_context + max_new_tokens, f"--max-context {max_context} + {max_new_tokens} "
                                                              f"generated tokens")
     usage, results = measure.Usage(), []
     for i, row in enumerate(rows):
-        ids, cut = build_ids(loaded.tokenizer, task, row, max_context, keep_newline_char)
-        policy = new_policy()
-        prediction = measure.generate(loaded, policy, ids, max_new_tokens, usage, compile)
+        ids, cut, split = build_ids(loaded.tokenizer, task, row, max_context, keep_newline_char, protocol)
+        prediction, policy = measure.answer(loaded, new_policy, ids, split, max_new_tokens, protocol, usage, compile)
         value = score(task, prediction, row)
-        results.append({"row": i, "id": row.get("_id"), "score": value, "prompt_tokens": len(ids),
+        results.append({"row": i, "id": row.get("_id"), "protocol": protocol, "score": value, "prompt_tokens": len(ids),
                         "truncated_tokens": cut, "prediction": prediction})
         if progress:
             progress.finish(f"{task.name} row {i}", f"{task.metric} {100 * value:.2f}  {prediction[:50]!r}")
@@ -180,6 +200,7 @@ def build_parser():
                                                    "(default: model context - generation length)")
     p.add_argument("--max-new-tokens", type=int, help="override the dataset's maximum generation length")
     p.add_argument("--keep-newline-char", action="store_true", help="leave the literal NEWLINE_CHAR in the text")
+    common.add_protocol_flag(p)
     return p
 
 
@@ -195,7 +216,7 @@ def run(args) -> int:
     loaded = common.load(args)
     max_context = args.max_context or default_max_context(loaded, task, args.max_new_tokens)
     result = evaluate(loaded, lambda: common.new_policy(args), rows, task, max_context, args.max_new_tokens,
-                      args.keep_newline_char, common.Progress(len(rows)), args.compile)
+                      args.keep_newline_char, common.Progress(len(rows)), args.compile, args.protocol)
     print(f"{task.name}: {task.metric} {result['score']:.2f} over {len(rows)} rows "
           f"(max context {max_context}, policy {result['describe']})")
     if args.json:

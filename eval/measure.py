@@ -58,6 +58,33 @@ def generate(loaded, policy, ids: list[int], max_new_tokens: int, usage: Optiona
     return result.texts[0].strip()
 
 
+PROTOCOLS = ("aware", "agnostic")
+
+
+def answer(loaded, new_policy, ids: list[int], split: int, max_new_tokens: int, protocol: str = "aware",
+           usage: Optional[Usage] = None, compile: bool = False) -> tuple[str, object]:
+    """Greedy answer to the prompt ids, whose question starts at ids[split], under `protocol` -> (answer,
+    the policy instance that answered).  aware: the whole prompt is compressed (`generate`); agnostic: the
+    context ids[:split] is compressed alone (engine.prefill_context) and the question ids[split:] appended
+    to it (one decode step per token).  Both see the same tokens; the cost goes to `usage`."""
+    if protocol == "aware":
+        policy = new_policy()
+        return generate(loaded, policy, ids, max_new_tokens, usage, compile), policy
+    if not 0 < split < len(ids):
+        raise ValueError(f"the question must start inside the prompt: split {split} of {len(ids)} tokens")
+    if compile:
+        raise engine.UsageError("--compile is not supported with --protocol agnostic")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    room = len(ids) - split + max_new_tokens
+    ctx = engine.prefill_context(model, tokenizer, ids[:split], new_policy, room)
+    result = engine.generate(model, tokenizer, [ids[split:]], max_new_tokens, context=ctx)
+    if usage is not None:
+        s = result.stats
+        usage.add(model.cache, len(ids), s["decode_steps"], s["decode_seconds"],
+                  s["prefill_seconds"] + ctx.prefill_seconds)
+    return result.texts[0].strip(), model.cache
+
+
 def forced_logits(model, tokens: torch.Tensor, context_length: int, policy=None, prefill=engine.prefill_step,
                   decode=engine.decode_step, usage: Optional[Usage] = None) -> torch.Tensor:
     """Logits [E, V] (float32) predicting tokens[C:] (tokens: LongTensor [W], C = context_length,

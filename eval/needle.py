@@ -63,6 +63,7 @@ class Prompt:
     needle_start: int       # index in ids of the needle's first token
     cut: int                # haystack tokens before the needle
     n_haystack: int         # haystack tokens in the prompt
+    question_start: int     # index in ids of the first token after the haystack (the question, template end)
 
     @property
     def depth(self) -> float:
@@ -101,7 +102,13 @@ def build_prompt(tokenizer, haystack: Haystack, needle: str, question: str, leng
     needle_ids = within if cut else tokenizer.encode(needle + " ", add_special_tokens=False)
     n = length - len(prefix) - len(suffix) - len(needle_ids)           # the same n, or one less/more at cut 0
     ids = prefix + haystack.ids[:cut] + needle_ids + haystack.ids[cut:n] + suffix
-    return Prompt(ids, len(prefix) + cut, cut, n)
+    return Prompt(ids, len(prefix) + cut, cut, n, len(ids) - len(suffix))
+
+
+def check_protocol(protocol: str, question_position: str) -> None:
+    if protocol == "agnostic" and question_position != "after":
+        raise UsageError("--protocol agnostic compresses the text without the question: it needs "
+                         "--question-position after")
 
 
 def is_hit(answer: str, keywords: Sequence[str]) -> bool:
@@ -118,9 +125,11 @@ def run_cell(loaded: common.Loaded, policy, ids: list[int], max_new_tokens: int,
 def evaluate(loaded: common.Loaded, new_policy: Callable, text: str, lengths: Sequence[int], depths: Sequence[float],
              needle: str = NEEDLE, question: str = QUESTION, keywords: Sequence[str] = tuple(KEYWORDS.split(",")),
              max_new_tokens: int = 32, progress: Optional[common.Progress] = None, compile: bool = False,
-             question_position: str = "after") -> dict:
-    """Every (length, depth) cell with a fresh policy -> {score (accuracy %), results, usage, and the
-    last policy's describe() and kv_bytes()}."""
+             question_position: str = "after", protocol: str = "aware") -> dict:
+    """Every (length, depth) cell with a fresh policy under `protocol` (measure.answer; agnostic: the
+    instruction and haystack are the context, the question after it is appended) -> {score (accuracy %),
+    results, usage, and the last policy's describe() and kv_bytes()}."""
+    check_protocol(protocol, question_position)
     for n in lengths:
         common.check_fits(loaded, n + max_new_tokens, f"length {n} + --max-new-tokens {max_new_tokens}")
     haystack = Haystack.from_text(loaded.tokenizer, text, min_tokens=max(lengths))
@@ -129,14 +138,14 @@ def evaluate(loaded: common.Loaded, new_policy: Callable, text: str, lengths: Se
         for d in depths:
             prompt = build_prompt(loaded.tokenizer, haystack, needle, question, n, d,
                                   question_position=question_position)
-            policy = new_policy()
             t0 = time.perf_counter()
-            answer = measure.generate(loaded, policy, prompt.ids, max_new_tokens, usage, compile)
+            answer, policy = measure.answer(loaded, new_policy, prompt.ids, prompt.question_start, max_new_tokens,
+                                            protocol, usage, compile)
             seconds = time.perf_counter() - t0
             hit = is_hit(answer, keywords)
             if progress:
                 progress.finish(f"length {n} depth {d:g}", f"{'hit ' if hit else 'miss'} {answer[:60]!r}")
-            results.append({"length": n, "depth": d, "hit": hit, "answer": answer,
+            results.append({"length": n, "depth": d, "protocol": protocol, "hit": hit, "answer": answer,
                             "prompt_tokens": len(prompt.ids), "needle_token": prompt.needle_start,
                             "needle_depth": round(prompt.depth, 4), "seconds": round(seconds, 3),
                             "kv_bytes": policy.kv_bytes()})
@@ -156,6 +165,7 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--question-position", choices=sorted(TEMPLATES), default="after",
                    help="the question after the text (the convention, default) or both before and after it")
+    common.add_protocol_flag(p)
     return p
 
 
@@ -178,11 +188,15 @@ def run(args) -> int:
         raise UsageError("--max-new-tokens must be at least 1")
     if not args.needle.strip() or not args.question.strip():
         raise UsageError("--needle and --question must not be empty")
+    check_protocol(args.protocol, args.question_position)
+    if args.protocol == "agnostic" and args.compile:
+        raise UsageError("--compile is not supported with --protocol agnostic")
     common.new_policy(args)
     text = common.read_text_folder(args.haystack)
     loaded = common.load(args)
     r = evaluate(loaded, lambda: common.new_policy(args), text, lengths, depths, args.needle, args.question, keywords,
-                 args.max_new_tokens, common.Progress(len(lengths) * len(depths)), args.compile, args.question_position)
+                 args.max_new_tokens, common.Progress(len(lengths) * len(depths)), args.compile, args.question_position,
+                 args.protocol)
     results = r["results"]
     accuracy = sum(x["hit"] for x in results) / len(results)
     print(format_table(results, lengths, depths))

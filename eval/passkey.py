@@ -62,18 +62,21 @@ def build_prompt(tokenizer, haystack: needle.Haystack, key: str, length: int, de
 
 def evaluate(loaded: common.Loaded, new_policy: Callable, lengths: Sequence[int], depths: Sequence[float],
              samples: int = 1, seed: int = 0, max_new_tokens: int = 16, chat: bool = True,
-             progress: Optional[common.Progress] = None, compile: bool = False) -> dict:
-    """Every (length, depth, sample) with a fresh policy -> {score (accuracy %), results, usage}."""
+             progress: Optional[common.Progress] = None, compile: bool = False, protocol: str = "aware") -> dict:
+    """Every (length, depth, sample) with a fresh policy under `protocol` (measure.answer; agnostic: the
+    intro and filler are the context, the question after it is appended) -> {score (accuracy %), results,
+    usage}."""
     for n in lengths:
         common.check_fits(loaded, n + max_new_tokens, f"length {n} + --max-new-tokens {max_new_tokens}")
     haystack = filler(loaded.tokenizer, max(lengths))
     usage, results = measure.Usage(), []
     for n, d, s, key in grid(lengths, depths, samples, seed):
         prompt = build_prompt(loaded.tokenizer, haystack, key, n, d, chat)
-        policy = new_policy()
-        answer = measure.generate(loaded, policy, prompt.ids, max_new_tokens, usage, compile)
+        answer, policy = measure.answer(loaded, new_policy, prompt.ids, prompt.question_start, max_new_tokens,
+                                        protocol, usage, compile)
         hit = key in answer
-        results.append({"length": n, "depth": d, "sample": s, "key": key, "hit": hit, "answer": answer,
+        results.append({"length": n, "depth": d, "sample": s, "protocol": protocol, "key": key, "hit": hit,
+                        "answer": answer,
                         "key_token": prompt.needle_start, "key_depth": round(prompt.depth, 4)})
         if progress:
             progress.finish(f"length {n} depth {d:g} sample {s}", f"{'hit ' if hit else 'miss'} {answer[:40]!r}")
@@ -112,6 +115,7 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--no-chat", dest="chat", action="store_false", help="plain prompt, no chat template")
     p.add_argument("--write-ruler", metavar="FILE", help="write the prompts as RULER-format jsonl and exit")
+    common.add_protocol_flag(p)
     return p
 
 
@@ -129,7 +133,7 @@ def run(args) -> int:
         return 0
     progress = common.Progress(len(lengths) * len(depths) * args.samples)
     result = evaluate(loaded, lambda: common.new_policy(args), lengths, depths, args.samples, args.seed,
-                      args.max_new_tokens, args.chat, progress, args.compile)
+                      args.max_new_tokens, args.chat, progress, args.compile, args.protocol)
     print(format_table(result["results"], lengths, depths))
     print(f"accuracy {result['score']:.1f}% ({sum(r['hit'] for r in result['results'])}/{len(result['results'])}), "
           f"policy {result['describe']}")

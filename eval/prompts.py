@@ -7,24 +7,17 @@ could merge a token or two at the seams.
 """
 from __future__ import annotations
 
-from engine import UsageError
-
-SENTINEL = "\x00BODY\x00"
+from engine import SENTINEL, chat_pieces  # noqa: F401  (SENTINEL: the evals import it from here)
 
 
 def wrap(tokenizer, content: str, chat: bool) -> tuple[list[int], list[int]]:
     """(prefix ids, suffix ids) around the SENTINEL in `content`: the user message of the
-    checkpoint's chat template with the generation prompt (chat), or the plain text with the
-    tokenizer's BOS, if it adds one (not chat)."""
+    checkpoint's chat template with the generation prompt (chat, engine.chat_pieces), or the plain
+    text with the tokenizer's BOS, if it adds one (not chat)."""
     if content.count(SENTINEL) != 1:
         raise ValueError("the content must hold the sentinel exactly once")
     if chat:
-        try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        before, after = text.split(SENTINEL)
-        return tokenizer.encode(before, add_special_tokens=False), tokenizer.encode(after, add_special_tokens=False)
+        return chat_pieces(tokenizer, content)
     before, after = content.split(SENTINEL)
     bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []
     return bos + tokenizer.encode(before, add_special_tokens=False), tokenizer.encode(after, add_special_tokens=False)

@@ -14,9 +14,16 @@ with the reason, and a cell that fails while running is an `error`: the run goes
 
 Tasks: needle, passkey, perplexity, agreement (token agreement with the full cache; its
 reference continuations are computed once and kept in DIR), longbench:NAME|PATH.jsonl,
-ruler:PATH.jsonl, and proximal (POD Figure 1(c): next-token agreement when attending only to
+ruler:PATH.jsonl, ruler_synth:NAME (eval/ruler_synth.py's generated RULER tasks, --ruler-length
+tokens, --ruler-samples rows, seed 0), and proximal (POD Figure 1(c): next-token agreement when attending only to
 proximal tokens; a property of the model, run once, not per policy).  Task sizes come from the
 preset and the flags below (flags win).
+
+Protocols (--protocol aware|agnostic|both, docs/design.md): aware compresses the prompt with its
+question, agnostic the context alone and then appends the question whole.  The tasks that ask a
+question (needle, passkey, longbench, ruler, ruler_synth) run once per protocol, agnostic rows
+named `SPEC agnostic`; perplexity, agreement and proximal have no question and run once (protocol
+null in their records).
 
 Resuming: every finished cell is written at once to DIR/cells/ under a name derived from
 everything that determines its result (checkpoint, dtype, policy and arguments, KV bits, task
@@ -41,6 +48,9 @@ Presets (--preset):
               (64..1024 proximal tokens, last 100 of 2048).  Under 30 minutes on the 2-core CPU.
   multi_news  the same policies on LongBench multi_news: 20 rows, 2048-token truncation, the
               official 512-token generation length.
+  ruler4k     the RULER-format tasks at 4096 tokens (eval/ruler_synth.py, 10 rows each) in both
+              protocols: full, and snapkv, streaming, tova, knorm, h2o at 2048 and 1024 tokens per layer
+              and head (half and a quarter of the prompt kept: kvpress's ratios 0.5 and 0.75).
   accuracy    the table a user reads to choose a policy (scripts/accuracy_table.py): every policy
               at its defaults with 64, 128 and 256 tokens per layer and KV head (accuracy_policies),
               KIVI 4 and 2 bits; needle at 1000 and 3000 tokens x depths 0.1/0.5/0.9 (the question
@@ -72,7 +82,7 @@ import atomic_io  # noqa: E402
 import engine  # noqa: E402
 from cache import POLICIES, PolicyError, parse_spec, policy_params  # noqa: E402
 from cache.base import EvictionPolicy  # noqa: E402
-from eval import agreement, common, longbench, needle, passkey, perplexity, ruler  # noqa: E402
+from eval import agreement, common, longbench, needle, passkey, perplexity, ruler, ruler_synth  # noqa: E402
 from eval.common import UsageError  # noqa: E402
 
 # every registered eviction policy that takes a token budget (a policy registered later joins the presets)
@@ -103,13 +113,19 @@ PRESETS = {
                   proximal="64,128,256,512,1024"),
     "multi_news": dict(policies=QUICK_POLICIES, tasks="longbench:multi_news", kv_bits="16", limit=20,
                        max_context=2048),
+    "ruler4k": dict(policies="; ".join(["full"] + [f"{n}@{b}:budget={b}" for b in (2048, 1024)
+                                                   for n in ("snapkv", "streaming", "tova", "knorm", "h2o")]),
+                    tasks=",".join(f"ruler_synth:{n}" for n in ruler_synth.TASKS), protocol="both",
+                    ruler_length=4096, ruler_samples=10),
     "accuracy": dict(policies=accuracy_policies(), tasks="needle,perplexity", kv_bits="16", lengths="1000,3000",
                      depths="0.1,0.5,0.9", context_length=2048, eval_tokens=256, samples=1),
 }
 DEFAULTS = dict(kv_bits="16", lengths="1000,2000", depths="0.1,0.5,0.9", context_length=2048, eval_tokens=256,
                 new_tokens=64, samples=1, limit=None, max_context=None, max_new_tokens=None,
-                proximal="64,128,256,512,1024", n_sink=16, last=100)
+                proximal="64,128,256,512,1024", n_sink=16, last=100, protocol="aware", ruler_length=4096,
+                ruler_samples=10)
 SIMPLE_TASKS = ("needle", "passkey", "perplexity", "agreement", "proximal")
+QUESTION_TASKS = ("needle", "passkey", "longbench", "ruler", "ruler_synth")   # run under each --protocol
 LOWER_IS_BETTER = {"perplexity"}
 
 
@@ -159,9 +175,10 @@ def parse_tasks(text: str) -> list[str]:
         kind, colon, arg = t.partition(":")
         if kind in SIMPLE_TASKS and not colon:
             continue
-        if kind in ("longbench", "ruler") and arg:
+        if kind in ("longbench", "ruler") and arg or kind == "ruler_synth" and arg in ruler_synth.TASKS:
             continue
-        raise UsageError(f"unknown task {t!r}; tasks: {', '.join(SIMPLE_TASKS)}, longbench:NAME|PATH, ruler:PATH")
+        raise UsageError(f"unknown task {t!r}; tasks: {', '.join(SIMPLE_TASKS)}, longbench:NAME|PATH, ruler:PATH, "
+                         f"ruler_synth:NAME (NAME one of {', '.join(ruler_synth.TASKS)})")
     if len(set(tasks)) != len(tasks):
         raise UsageError(f"--tasks lists a task twice: {text}")
     return tasks
@@ -175,16 +192,20 @@ class Cell:
     kv_bits: int
     task: str
     params: dict                     # the task settings that determine the result
+    protocol: Optional[str] = None   # aware or agnostic (None: a task without a question)
 
     @property
     def row(self) -> str:
-        return self.policy.row(self.kv_bits) if self.policy else "(model)"
+        name = self.policy.row(self.kv_bits) if self.policy else "(model)"
+        return name + (" agnostic" if self.protocol == "agnostic" else "")
 
     def identity(self, checkpoint: str, dtype: str) -> dict:
         p = self.policy
+        # an aware cell keeps the identity cells had before protocols existed, so older runs resume
+        protocol = {"protocol": self.protocol} if self.protocol == "agnostic" else {}
         return {"checkpoint": checkpoint, "dtype": dtype, "task": self.task, "params": self.params,
                 "policy": p and p.name, "label": p and p.label, "policy_args": p and p.args,
-                "kv_bits": self.kv_bits}
+                "kv_bits": self.kv_bits, **protocol}
 
     def filename(self, checkpoint: str, dtype: str) -> str:
         digest = hashlib.sha1(json.dumps(self.identity(checkpoint, dtype), sort_keys=True).encode()).hexdigest()[:12]
@@ -230,6 +251,8 @@ def task_params(task: str, o: argparse.Namespace) -> dict:
     if kind == "longbench":
         return {"data": str(longbench.resolve_data(arg)), "limit": o.limit, "max_context": o.max_context,
                 "max_new_tokens": o.max_new_tokens}
+    if kind == "ruler_synth":
+        return {"length": o.ruler_length, "samples": o.ruler_samples, "seed": 0, "chat": True}
     return {"data": str(Path(arg).resolve()), "limit": o.limit, "max_new_tokens": o.max_new_tokens}
 
 
@@ -268,9 +291,10 @@ def run_task(ctx: Context, cell: Cell, new_policy: Callable) -> dict:
     lengths, depths = common.parse_ints(o.lengths, "--lengths"), common.parse_floats(o.depths, "--depths")
     if kind == "needle":
         return needle.evaluate(loaded, new_policy, essays(ctx), lengths, depths, progress=progress,
-                               compile=o.compile)
+                               compile=o.compile, protocol=cell.protocol)
     if kind == "passkey":
-        return passkey.evaluate(loaded, new_policy, lengths, depths, progress=progress, compile=o.compile)
+        return passkey.evaluate(loaded, new_policy, lengths, depths, progress=progress, compile=o.compile,
+                                protocol=cell.protocol)
     if kind == "perplexity":
         return perplexity.evaluate(loaded, new_policy, windows(ctx, o.context_length + o.eval_tokens),
                                    o.context_length, progress)
@@ -290,11 +314,14 @@ def run_task(ctx: Context, cell: Cell, new_policy: Callable) -> dict:
         task = longbench.task_for(path, rows)
         max_context = o.max_context or longbench.default_max_context(loaded, task, o.max_new_tokens)
         return longbench.evaluate(loaded, new_policy, rows, task, max_context, o.max_new_tokens, progress=progress,
-                                  compile=o.compile)
+                                  compile=o.compile, protocol=cell.protocol)
+    if kind == "ruler_synth":
+        return ruler.evaluate(loaded, new_policy, ctx.cache["synth", cell.task], "all", 128, arg, progress,
+                              o.compile, cell.protocol)
     rows = ruler.read_rows(arg, o.limit)
     name = ruler.task_name(arg, rows)
     return ruler.evaluate(loaded, new_policy, rows, ruler.pick_metric("auto", name), o.max_new_tokens or 128, name,
-                          progress, o.compile)
+                          progress, o.compile, cell.protocol)
 
 
 def _item_count(ctx: Context, cell: Cell) -> int:
@@ -333,7 +360,7 @@ def execute(ctx: Context, cell: Cell, factory: Optional[Callable], skip: Optiona
     record = {"row": cell.row, "task": cell.task, "policy": cell.policy.name if cell.policy else None,
               "label": cell.policy.label if cell.policy else None,
               "policy_args": cell.policy.args if cell.policy else None, "kv_bits": cell.kv_bits,
-              "params": cell.params}
+              "protocol": cell.protocol, "params": cell.params}
     if skip:
         return {**record, "status": "skipped", "error": skip}
     t0 = time.perf_counter()
@@ -354,10 +381,10 @@ def execute(ctx: Context, cell: Cell, factory: Optional[Callable], skip: Optiona
 def compression(records: list[dict]) -> None:
     """Add kv_ratio / read_ratio to every ok record: the full cache's bytes for the same task
     (policy full without arguments, 16 bits) over the record's."""
-    full = {r["task"]: r["usage"] for r in records if r["status"] == "ok" and r["policy"] == "full"
-            and not r["policy_args"] and not r["label"] and r["kv_bits"] == 16 and r.get("usage")}
+    full = {(r["task"], r.get("protocol")): r["usage"] for r in records if r["status"] == "ok"
+            and r["policy"] == "full" and not r["policy_args"] and not r["label"] and r["kv_bits"] == 16 and r.get("usage")}
     for r in records:
-        u, f = r.get("usage"), full.get(r["task"])
+        u, f = r.get("usage"), full.get((r["task"], r.get("protocol")))
         r["kv_ratio"] = f["kv_allocated"] / u["kv_allocated"] if u and f and u["kv_allocated"] else None
         r["read_ratio"] = f["kv_read"] / u["kv_read"] if u and f and u["kv_read"] else None
 
@@ -436,7 +463,7 @@ def markdown(records: list[dict], tasks: list[str], rows: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-CSV_FIELDS = ["row", "policy", "label", "policy_args", "kv_bits", "task", "status", "metric", "score",
+CSV_FIELDS = ["row", "policy", "label", "policy_args", "kv_bits", "protocol", "task", "status", "metric", "score",
               "first_divergence", "kv_ratio", "read_ratio", "kv_allocated", "kv_read", "decode_steps",
               "decode_seconds", "decode_tokens_per_s", "requests", "seconds", "error"]
 
@@ -530,8 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-context", type=int, help="LongBench prompt budget (default: context - generation length)")
     g.add_argument("--max-new-tokens", type=int, help="LongBench/RULER generation length (default: the dataset's)")
     g.add_argument("--proximal", help="proximal sizes for the proximal task")
+    g.add_argument("--ruler-length", type=int, help="ruler_synth: tokens of prompt + generation (default 4096)")
+    g.add_argument("--ruler-samples", type=int, help="ruler_synth: rows per task (default 10)")
     g.add_argument("--n-sink", type=int, help="proximal: initial tokens among the proximal ones (default 16)")
     g.add_argument("--last", type=int, help="proximal: positions compared per window (default 100)")
+    p.add_argument("--protocol", choices=["aware", "agnostic", "both"],
+                   help="aware (default): the prompt with its question is compressed; agnostic: the context alone, "
+                        "the question appended whole; both: every question task under each")
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--dtype", choices=list(engine.DTYPES))
     p.add_argument("--compile", action="store_true")
@@ -551,7 +583,8 @@ def resolve_options(o: argparse.Namespace) -> argparse.Namespace:
                 raise UsageError(f"--{key} is required without --preset")
             setattr(o, key, preset[key])
     o.kv_bits_list = common.parse_ints(o.kv_bits, "--kv-bits")
-    for name in ("context_length", "eval_tokens", "new_tokens", "samples", "last"):
+    o.protocols = ruler_synth.protocols(o.protocol)
+    for name in ("context_length", "eval_tokens", "new_tokens", "samples", "last", "ruler_length", "ruler_samples"):
         if getattr(o, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("limit", "max_context", "max_new_tokens"):
@@ -572,7 +605,11 @@ def plan(o: argparse.Namespace, specs: list[PolicySpec], tasks: list[str]) -> li
             if spec.row(bits) in rows:
                 raise UsageError(f"--policies with --kv-bits {o.kv_bits} runs {spec.row(bits)!r} twice")
             rows.add(spec.row(bits))
-            cells += [Cell(spec, bits, t, task_params(t, o)) for t in tasks if t != "proximal"]
+            for t in tasks:
+                if t.partition(":")[0] in QUESTION_TASKS:
+                    cells += [Cell(spec, bits, t, task_params(t, o), protocol) for protocol in o.protocols]
+                elif t != "proximal":
+                    cells.append(Cell(spec, bits, t, task_params(t, o)))
     return cells
 
 
@@ -607,7 +644,15 @@ def prepare(ctx: Context, tasks: list[str]) -> None:
                               f"{t}: --max-context + generation length")
             ctx.cache["rows", t] = len(rows)
         elif kind == "ruler":
-            ctx.cache["rows", t] = len(ruler.read_rows(arg, o.limit))
+            rows = ruler.read_rows(arg, o.limit)
+            for protocol in o.protocols:        # agnostic needs rows split into context and question
+                for row in rows:
+                    ruler.row_ids(loaded.tokenizer, row, protocol)
+            ctx.cache["rows", t] = len(rows)
+        elif kind == "ruler_synth":
+            common.check_fits(loaded, o.ruler_length, f"{t}: --ruler-length")
+            ctx.cache["synth", t] = ruler_synth.generate(loaded.tokenizer, arg, o.ruler_length, o.ruler_samples)
+            ctx.cache["rows", t] = len(ctx.cache["synth", t])
 
 
 def run(o: argparse.Namespace) -> int:

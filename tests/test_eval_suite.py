@@ -29,7 +29,7 @@ def test_longbench_prompt_is_middle_truncated_to_the_budget_with_the_template(lo
     task = longbench.task_for(multi_news, rows)
     assert task.name == "multi_news" and task.chat and task.max_new_tokens == 512 and task.metric == "rouge_l"
     row = {"input": "", "answers": ["x"], "context": "HEADMARK " + "filler words. NEWLINE_CHAR " * 600 + " TAILMARK"}
-    ids, cut = longbench.build_ids(tok, task, row, 300)
+    ids, cut, _ = longbench.build_ids(tok, task, row, 300)
     assert len(ids) == 300 and cut > 0
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>system") and text.endswith("Summary:<|im_end|>\n<|im_start|>assistant\n")
@@ -46,7 +46,7 @@ def test_longbench_prompt_is_middle_truncated_to_the_budget_with_the_template(lo
         assert len(longbench.build_ids(tok, task, r, 2048)[0]) <= 2048
     # no chat template where LongBench applies none
     trec = longbench.Task.named("trec")
-    ids, _ = longbench.build_ids(tok, trec, {"context": "Q: a?\nType: Entity", "input": "Q: b?", "answers": ["x"]}, 64)
+    ids, _, _ = longbench.build_ids(tok, trec, {"context": "Q: a?\nType: Entity", "input": "Q: b?", "answers": ["x"]}, 64)
     assert tok.decode(ids).startswith("Please determine the type of the question below.")
 
 

@@ -1,0 +1,177 @@
+"""A context compressed once, questions appended to copies of its rows (engine.prefill_context,
+engine.generate(context=...), engine.py --context-file): the agnostic protocol's mechanics."""
+import pytest
+import torch
+
+import engine
+from cache import make_policy
+from tests.helpers import kept
+
+QUESTIONS = ["\n\nQuestion: What is this text about?", "\n\nQuestion: Who wrote it?",
+             "\n\nWhat is the first word of the text?"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return engine.load_model(tiny_dir)
+
+
+def spec(text):
+    return lambda: make_policy(text)
+
+
+def context_text(essay_text, n_chars=1500):
+    return essay_text[:n_chars]
+
+
+def one_prompt(model, tokenizer, ctx, question, new_tokens, policy=None):
+    """The aware run of the same tokens: context + question prefilled as one prompt."""
+    ids = ctx.ids + engine.encode_question(tokenizer, question, ctx)
+    return engine.generate(model, tokenizer, [ids], new_tokens, policy=policy)
+
+
+def test_chat_split_falls_after_the_user_turns_text(tiny):
+    """With a chat template the context opens the first user turn; the question and the template's end of
+    turn + assistant header follow (SmolLM2's ChatML: the split is right after the context's last token)."""
+    model, tok = tiny
+    ctx = engine.prefill_context(model, tok, "Some context.", None, room=32, chat=True)
+    text = tok.decode(ctx.ids)
+    assert text.endswith("<|im_start|>user\nSome context.") and text.startswith("<|im_start|>system\n")
+    assert tok.decode(ctx.suffix) == "<|im_end|>\n<|im_start|>assistant\n"
+    whole = tok.apply_chat_template([{"role": "user", "content": "Some context. Q?"}], add_generation_prompt=True)
+    assert tok.decode(ctx.ids + engine.encode_question(tok, " Q?", ctx)) == whole
+
+
+def test_full_cache_answers_equal_one_prompt(engine_dir, essay_text):
+    """The full cache: context compressed once + question appended == context and question as one prompt
+    (tokens equal; the first answer token's logits within 1e-5 of their largest magnitude: the question goes
+    through decode steps there, through one prefill here), and bit-equal to the question decoded after the context's own
+    prefill (the row copy changes nothing)."""
+    model, tok = engine_dir
+    ctx = engine.prefill_context(model, tok, context_text(essay_text), None, room=48, chat=True)
+    for q in QUESTIONS[:2]:
+        got = engine.generate(model, tok, [q], 16, context=ctx)
+        want = one_prompt(model, tok, ctx, q, 16)
+        assert got.tokens == want.tokens and got.texts[0].strip()
+    ids = engine.encode_question(tok, QUESTIONS[0], ctx)
+    with torch.inference_mode():
+        engine.question_rows(model, ctx)
+        logits = engine.append_tokens(model, ids, len(ctx.ids))
+        model.setup_caches(1, ctx.max_seq_length)
+        joined = torch.tensor([ctx.ids + ids])
+        want = engine.run_prefill(model, joined, torch.arange(joined.shape[1])[None])
+        model.setup_caches(1, ctx.max_seq_length)
+        engine.run_prefill(model, joined[:, :len(ctx.ids)], torch.arange(len(ctx.ids))[None])
+        decoded = engine.append_tokens(model, ids, len(ctx.ids))
+    assert (logits - want).abs().max() <= 1e-5 * want.abs().max()      # measured: 3e-5 .. 5e-5 on logits up to ~20
+    assert torch.equal(logits, decoded)
+
+
+def test_snapkv_keeps_what_compressing_the_context_alone_keeps(tiny, essay_text):
+    """The context's kept set is the one a prompt of the context alone keeps; the question's tokens are all
+    kept after it (SnapKV's layers append decode tokens)."""
+    model, tok = tiny
+    ctx = engine.prefill_context(model, tok, context_text(essay_text), spec("snapkv:budget=64"), room=40)
+    n = len(ctx.ids)
+    alone = make_policy("snapkv:budget=64")
+    model.setup_caches(1, n + 1, alone)
+    with torch.inference_mode():
+        engine.run_prefill(model, torch.tensor([ctx.ids]), torch.arange(n)[None])
+    for layer in range(model.args.n_layers):
+        assert kept(ctx.policy, layer) == kept(alone, layer)
+        assert all(len(h) == 64 for h in kept(ctx.policy, layer)[0])
+    q = engine.encode_question(tok, QUESTIONS[0], ctx)
+    engine.generate(model, tok, [QUESTIONS[0]], 4, context=ctx)
+    for layer in range(model.args.n_layers):
+        for head, context_head in zip(kept(model.cache, layer)[0], kept(alone, layer)[0]):
+            assert set(range(n, n + len(q))) <= set(head)
+            assert set(head) & set(range(n)) == set(context_head)
+    assert kept(ctx.policy, 0) == kept(alone, 0)          # answering left the context's rows as they were
+
+
+@pytest.mark.parametrize("policy", ["h2o:budget=48", "streaming:budget=48"])
+def test_decode_time_eviction_goes_on_after_the_question(tiny, essay_text, policy):
+    """An evicting policy holds its budget through the question and the answer: its newest tokens are kept."""
+    model, tok = tiny
+    ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec(policy), room=40)
+    n, q = len(ctx.ids), engine.encode_question(tok, QUESTIONS[0], ctx)
+    result = engine.generate(model, tok, [QUESTIONS[0]], 8, context=ctx)
+    last = n + result.stats["decode_steps"] - 1                   # the last token fed (question, then answer)
+    assert last >= n + len(q)
+    for layer in range(model.args.n_layers):
+        for head in kept(model.cache, layer)[0]:
+            assert len(head) == 48 and last in head and max(head) == last
+
+
+@pytest.mark.parametrize("policy", ["snapkv:budget=48", "h2o:budget=48", "streaming:budget=48", "tova:budget=48",
+                                    "pyramidkv:budget=48", "snapkv+quest:budget=128,n_critical=96"])
+def test_questions_from_one_context_equal_separate_runs(tiny, essay_text, policy):
+    """Several questions from one compressed context == each question with a context compressed for it alone
+    (row copies through the contract's adopt; pyramidkv admits whole batches: its context is prefilled with
+    each question)."""
+    model, tok = tiny
+    text = context_text(essay_text, 800)
+    ctx = engine.prefill_context(model, tok, text, spec(policy), room=40, chat=True)
+    got = engine.generate(model, tok, QUESTIONS, 8, context=ctx)
+    for i, q in enumerate(QUESTIONS):
+        alone = engine.prefill_context(model, tok, text, spec(policy), room=40, chat=True)
+        assert engine.generate(model, tok, [q], 8, context=alone).tokens[0] == got.tokens[i]
+    assert got.stats["context_prefills_again"] == (0 if ctx.copies_rows else len(QUESTIONS))
+
+
+def test_full_cache_on_tiny_equals_one_prompt_for_several_questions(tiny, essay_text):
+    model, tok = tiny
+    ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), None, room=40)
+    got = engine.generate(model, tok, QUESTIONS, 8, context=ctx)
+    assert got.tokens == [one_prompt(model, tok, ctx, q, 8).tokens[0] for q in QUESTIONS]
+    assert got.stats["context_tokens"] == len(ctx.ids) and got.stats["context_prefills_again"] == 0
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m, t: engine.prefill_context(m, t, "  \n", None), "empty context"),
+    (lambda m, t: engine.prefill_context(m, t, [], None), "empty context"),
+    (lambda m, t: engine.prefill_context(m, t, [5] * 8192, None), "longer than the model's context length 8192"),
+    (lambda m, t: engine.prefill_context(m, t, [5] * 8000, None, room=512), "exceeds the model's context length"),
+    (lambda m, t: engine.prefill_context(m, t, "x", None, room=0), "room"),
+    (lambda m, t: engine.generate(m, t, [" "], 4, context=engine.prefill_context(m, t, "ctx", None, room=8)),
+     "empty question"),
+    (lambda m, t: engine.generate(m, t, ["a long question " * 4], 4,
+                                  context=engine.prefill_context(m, t, "ctx", None, room=8)), "exceeds the context's room"),
+    (lambda m, t: engine.generate(m, t, ["q"], 4, policy=make_policy("snapkv"),
+                                  context=engine.prefill_context(m, t, "ctx", None, room=8)), "are the context's"),
+])
+def test_bad_input_is_a_one_line_usage_error(tiny, call, message):
+    model, tok = tiny
+    with pytest.raises(engine.UsageError, match=message) as e:
+        call(model, tok)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_context_file_answers_each_prompt(tiny_dir, tiny, essay_text, tmp_path, capsys):
+    model, tok = tiny
+    path = tmp_path / "context.txt"
+    path.write_text(context_text(essay_text, 800))
+    argv = ["--checkpoint", str(tiny_dir), "--context-file", str(path), "--chat", "--policy", "snapkv:budget=48",
+            "--max-new-tokens", "6"] + [a for q in QUESTIONS[:2] for a in ("--prompt", q)]
+    assert engine.main(argv) == 0
+    out, err = capsys.readouterr()
+    ctx = engine.prefill_context(model, tok, path.read_text(), spec("snapkv:budget=48"), room=40, chat=True)
+    want = engine.generate(model, tok, QUESTIONS[:2], 6, context=ctx).texts
+    assert out == "".join(f"--- [{i}]\n{t}\n" for i, t in enumerate(want))
+    assert "prefilled once" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--context-file", "{empty}", "--prompt", "q"], "is empty"),
+    (["--context-file", "{missing}", "--prompt", "q"], "cannot read --context-file"),
+    (["--context-file", "{text}", "--prompt", "q", "--batch-size", "2"], "--batch-size does not apply"),
+    (["--context-file", "{text}", "--prompt", "q", "--compile"], "--compile does not apply"),
+])
+def test_cli_context_bad_input(tiny_dir, tmp_path, capsys, argv, message):
+    (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "text.txt").write_text("Some text.")
+    paths = {"empty": tmp_path / "empty.txt", "missing": tmp_path / "nope.txt", "text": tmp_path / "text.txt"}
+    argv = [a.format(**paths) for a in argv]
+    assert engine.main(["--checkpoint", str(tiny_dir), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
