@@ -50,14 +50,14 @@ def bench(model, tok, text: str, spec: str, questions: list[str], new_tokens: in
             "context_prefill_s": once.stats["context_prefill_seconds"]}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(common.DEFAULT_CHECKPOINT))
     p.add_argument("--policies", default="full;snapkv:budget=256")
     p.add_argument("--questions", type=int, default=8)
     p.add_argument("--context-tokens", type=int, default=3000)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    o = p.parse_args()
+    o = p.parse_args(argv)
     model, tok = engine.load_model(o.checkpoint)
     ids = tok.encode(common.read_text_folder(common.ESSAYS), add_special_tokens=False)[:o.context_tokens]
     text = "Read the text and answer the question after it.\n\n" + tok.decode(ids) + "\n\n"
