@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 import cache
 import engine
 from cache import PolicySpec
+from cache.params import param
 from model import DenseCache, ModelArgs, Transformer
 from tests.helpers import default_sigint
 
@@ -37,14 +39,12 @@ SCHEMA = {"policy": str, "policy_args": str, "batch_size": int, "context_length"
           "torch_version": str, "compile": bool}
 
 
+@dataclass(eq=False)
 class ProbeCache(DenseCache):
     """A second registered policy (the dense cache under another name, with one parameter), so the
     tests exercise the registry path, per-policy arguments and pairwise ratios."""
     name = "probe"
-    params = {"window": (int, 8, "a dummy parameter")}
-
-    def __init__(self, window: int = 8):
-        self.window = window
+    window: int = param(8, "a dummy parameter")
 
     def describe(self) -> dict:
         return {**super().describe(), "window": self.window}
