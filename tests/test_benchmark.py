@@ -127,6 +127,25 @@ def test_e2e_rows_schema_csv_ratios_and_skipped_kv_bits(capsys, tiny_dir, probe_
     assert out_png.stat().st_size > 0
 
 
+def test_storage_table_pivots_policies_by_storage(capsys):
+    """The storage x policy table: one cell per measured (policy, storage), ratios over the policy's
+    first storage and over full at the same storage, '-' where a row was not measured."""
+    def row(policy, bits, tps, kv_dtype=None, status="ok"):
+        return {"mode": "e2e", "status": status, "policy": policy, "kv_bits": bits, "kv_dtype": kv_dtype,
+                "batch_size": 8, "context_length": 4096, "compile": False, "decode_tokens_per_s": tps}
+    rows = [row("full", 32, 100.0), row("full", 16, 125.0, "bfloat16"), row("full", 4, 200.0),
+            row("hshare", 32, 150.0), row("hshare", 16, None, status="skipped"), row("hshare", 4, 300.0)]
+    report.print_storage_table(rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert "B=8 ctx=4096 eager" in lines[0]
+    assert lines[1].split() == ["policy", "fp32", "bfloat16", "kv4"]
+    assert lines[2].split() == ["full", "100.0", "(1.00x,", "1.00x)", "125.0", "(1.25x,", "1.00x)",
+                                "200.0", "(2.00x,", "1.00x)"]
+    assert lines[3].split() == ["hshare", "150.0", "(1.00x,", "1.50x)", "-", "300.0", "(2.00x,", "1.50x)"]
+    report.print_storage_table([r for r in rows if r["kv_bits"] == 32])      # one storage: no table
+    assert capsys.readouterr().out == ""
+
+
 def test_e2e_real_model_row(capsys, default_dir, tmp_path):
     """The end-to-end path on the real default model (the mechanics are tested on tiny_dir above):
     one full-cache row per storage, its header, byte accounting and roofline from the real shapes."""

@@ -15,7 +15,7 @@ import torch
 import engine
 from bench.measure import MemoryMeter
 from bench.modes import MODES, selected_mode
-from bench.report import RowWriter, add_ratios, plot, print_header, print_summary
+from bench.report import RowWriter, add_ratios, plot, print_header, print_storage_table, print_summary
 from bench.roofline import measure_bandwidth
 from bench.runner import Bench
 from bench.specs import (KV_BITS, BenchmarkError, parse_int_list, parse_policies, require_positive,
@@ -183,6 +183,8 @@ def run(o: argparse.Namespace) -> int:
         print(f"\ninterrupted: kept {len(writer.rows)} finished row(s) ({kept} measured) in {where}", file=sys.stderr)
         return 130
     print_summary(writer.rows)
+    if mode.name == "e2e":
+        print_storage_table(writer.rows)
     if o.peers and mode.name == "e2e":
         from peers import compare_with_rows
         compare_with_rows(writer.rows, o.peers, torch.get_num_threads(), o.decode_steps)

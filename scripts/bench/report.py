@@ -198,6 +198,35 @@ def print_summary(rows: list[dict]) -> None:
                   f"{r['status']}: {r['error']}", file=sys.stderr)
 
 
+def storage_label(r: dict) -> str:
+    """A row's KV storage as a column name: fp32, the 16-bit dtype, kv4, kv2."""
+    return {32: "fp32", 16: r.get("kv_dtype") or "16-bit"}.get(r["kv_bits"], f"kv{r['kv_bits']}")
+
+
+def print_storage_table(rows: list[dict]) -> None:
+    """Decode tok/s pivoted policy x storage, one block per (B, context, compile), with two ratios per
+    cell: over the same policy's first storage column and over `full` at the same storage (the run's
+    own rows; printed only when the run has several storages)."""
+    ok = [r for r in rows if r.get("mode") == "e2e" and r.get("status") == "ok"]
+    stores = list(dict.fromkeys(storage_label(r) for r in ok))
+    if len(stores) < 2:
+        return
+    for group in dict.fromkeys((r["batch_size"], r["context_length"], r["compile"]) for r in ok):
+        cell = {(r["policy"], storage_label(r)): r["decode_tokens_per_s"] for r in ok
+                if (r["batch_size"], r["context_length"], r["compile"]) == group}
+        policies = list(dict.fromkeys(p for p, _ in cell))
+        print(f"# decode tok/s by KV storage, B={group[0]} ctx={group[1]} {'compiled' if group[2] else 'eager'}: "
+              f"tok/s (x the policy's {stores[0]}, x full's same storage)")
+        print(f"{'policy':20s}" + "".join(f" {s:>24s}" for s in stores))
+        for p in policies:
+            out = []
+            for s in stores:
+                v, first, full = cell.get((p, s)), cell.get((p, stores[0])), cell.get(("full", s))
+                out.append("-" if v is None else f"{v:.1f} ({fmt(first and v / first, '.2f')}x, "
+                                                   f"{fmt(full and v / full, '.2f')}x)")
+            print(f"{p[:20]:20s}" + "".join(f" {c:>24s}" for c in out), flush=True)
+
+
 # --------------------------------------------------------------------------- plot
 
 CURVES = {  # mode -> (y key, y label, title) of the per-batch curves over context length
