@@ -714,11 +714,16 @@ class RowBatch:
         """Drop a started request before its prefill completes (its client left); its row is free again."""
         self.pending.remove(pending)
 
+    def holds(self, pending: Pending) -> bool:
+        """Whether a started request is still being admitted (False once admitted, cancelled or dropped by a
+        failed `advance`)."""
+        return pending in self.pending
+
     def advance(self) -> list[tuple[int, torch.Tensor]]:
         """One admission step: a prefill chunk of the oldest pending request (admission "row"), or every
         pending request's prefill (admission "batch") -> [(row, logits [V] of the prompt's last position)] of
         the requests whose prefill is now complete: they decode from the next step.  A failure drops the
-        request it happened in (re-raised)."""
+        request it happened in (the whole group under admission "batch"; `holds` tells) and is re-raised."""
         if not self.pending:
             return []
         if not self.rows:
@@ -758,7 +763,11 @@ class RowBatch:
         self.batch_size = len(group)
         self.next_pos = [len(ids) for ids in group] + [-1] * (self.max_batch - len(group))
         self.steps = 0
-        logits = run_prefill(self.model, tokens, input_pos, self.prefill, self.prefill_chunk)
+        try:
+            logits = run_prefill(self.model, tokens, input_pos, self.prefill, self.prefill_chunk)
+        except BaseException:
+            self.next_pos = [-1] * self.max_batch       # the group is dropped: the batch is empty again
+            raise
         return list(enumerate(logits))
 
     def count_prefill(self, n: int) -> None:

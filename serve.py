@@ -21,6 +21,7 @@ if __name__ == "__main__":
 import argparse
 import asyncio
 import json
+import logging
 import signal
 import sys
 import threading
@@ -47,6 +48,9 @@ try:
     from starlette.routing import Route
 except ImportError:         # the server's own dependencies are an extra
     uvicorn = None
+
+
+log = logging.getLogger("serve")
 
 
 class BadRequest(ValueError):
@@ -83,6 +87,12 @@ class Job:
 
     def send(self, *item) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+def failure(e: Exception) -> str:
+    """A request's failure as its error message (`Type: message`), logged with its traceback."""
+    log.error("request failed", exc_info=e)
+    return f"{type(e).__name__}: {e}"
 
 
 def hold_back(text: str, stop: list[str]) -> int:
@@ -187,7 +197,7 @@ class Engine:
                     if waiting[lane.name] or lane.starting or lane.rows:
                         self.run_lane(lane, waiting[lane.name])
         for lane in self.lanes.values():
-            self.fail(lane, "the server is shutting down")
+            self.fail_jobs(lane, list(lane.rows.values()) + lane.starting + lane.waiting, "the server is shutting down")
 
     def drop_cancelled(self, lane: Lane) -> list:
         """(Under the lock) forget the waiting jobs whose clients went away -> the lane's waiting jobs."""
@@ -197,12 +207,13 @@ class Engine:
         return list(lane.waiting)
 
     def run_lane(self, lane: Lane, waiting: list) -> None:
-        """One iteration of a lane; a failure fails the lane's requests and the lane goes on with a fresh
-        RowBatch (the other lanes are not touched)."""
+        """One iteration of a lane.  A request's own failure fails it alone (`fail_job`), a failed decode step
+        the lane's rows (`reset_lane`); anything else (freeing a row, say) fails every request of the lane, which
+        goes on with a fresh RowBatch (the other lanes are not touched)."""
         try:
             self.iterate(lane, waiting)
         except Exception as e:                      # noqa: BLE001 -- fail the requests in flight, keep serving
-            self.fail(lane, f"{type(e).__name__}: {e}")
+            self.fail_jobs(lane, list(lane.rows.values()) + lane.starting + lane.waiting, failure(e))
             lane.batch = self.new_batch(lane.make_policy)       # a clean one
         self.read_kv(lane)
 
@@ -218,32 +229,61 @@ class Engine:
             with self.wake:
                 self.finished[lane.name, "cancelled"] += 1
         self.admit(lane, waiting)
-        if lane.rows:
-            logits = lane.batch.step({row: job.tokens[-1] for row, job in lane.rows.items()})
-            for row, job in list(lane.rows.items()):
-                self.emit(lane, job, logits[row])
+        if lane.batch.active:
+            self.decode(lane)
 
     def admit(self, lane: Lane, waiting: list) -> None:
         """Admission, the one place prompts are prefilled: waiting jobs start while the batch has room (each
         reserves a row, first come first served), then one RowBatch.advance: one prefill chunk of the oldest
         started prompt (a compressing policy's whole prompt), so prompts alternate with the rows' decode steps.
-        A job whose prompt is complete samples its first token from the prompt's last logits."""
-        started = []
-        for job in waiting[:max(lane.batch.room, 0)]:
-            job.pending = lane.batch.start(job.ids)
-            started.append(job)
+        A job whose prompt is complete samples its first token from the prompt's last logits.  A failure fails
+        the job it happened in (RowBatch.advance drops that one: the started jobs it no longer holds)."""
+        taken = waiting[:max(lane.batch.room, 0)]
         with self.wake:
-            del lane.waiting[:len(started)]
-            self.tokens[lane.name, "prompt"] += sum(len(job.ids) for job in started)
-        lane.starting += started
-        for row, logits in lane.batch.advance():
-            job = next(j for j in lane.starting if j.pending.row == row)
-            lane.starting.remove(job)
-            job.row = row
-            lane.rows[row] = job
-            self.emit(lane, job, logits)
+            del lane.waiting[:len(taken)]
+        for job in taken:
+            try:
+                job.pending = lane.batch.start(job.ids)
+                lane.starting.append(job)
+            except Exception as e:              # noqa: BLE001 -- this request alone
+                self.fail_job(lane, job, failure(e))
+        try:
+            admitted = lane.batch.advance()
+        except Exception as e:                  # noqa: BLE001 -- the requests it dropped
+            message = failure(e)
+            for job in [j for j in lane.starting if not lane.batch.holds(j.pending)]:
+                self.fail_job(lane, job, message)
+            return
+        for row, logits in admitted:
+            self.joined(lane, next(j for j in lane.starting if j.pending.row == row), logits)
+
+    def decode(self, lane: Lane) -> None:
+        """One decode step of the lane's active rows, each row's token sampled; a failed step is the lane's
+        (`reset_lane`)."""
+        try:
+            logits = lane.batch.step({row: job.tokens[-1] for row, job in lane.rows.items()})
+        except Exception as e:                  # noqa: BLE001 -- no one row to blame
+            return self.reset_lane(lane, failure(e))
+        for row, job in list(lane.rows.items()):
+            self.emit(lane, job, logits[row])
+
+    def joined(self, lane: Lane, job: Job, logits: torch.Tensor) -> None:
+        """job's prompt is in its row (logits [V] of its last position): it decodes from now on."""
+        lane.starting.remove(job)
+        job.row = job.pending.row
+        lane.rows[job.row] = job
+        with self.wake:
+            self.tokens[lane.name, "prompt"] += len(job.ids)
+        self.emit(lane, job, logits)
 
     def emit(self, lane: Lane, job: Job, logits: torch.Tensor) -> None:
+        """`sample`, a failure of which (sampling, stop strings, detokenizing) fails the job alone."""
+        try:
+            self.sample(lane, job, logits)
+        except Exception as e:                  # noqa: BLE001 -- this request alone
+            self.fail_job(lane, job, failure(e))
+
+    def sample(self, lane: Lane, job: Job, logits: torch.Tensor) -> None:
         """Sample job's next token from logits [V], send the new text, finish it at EOS/stop/max_tokens."""
         token = int(job.sampler(logits[None])[0])
         self.observe(lane, job, token not in self.eos)
@@ -283,16 +323,41 @@ class Engine:
             job.send("text", text[job.sent:])
         job.send("done", reason)
 
-    def fail(self, lane: Lane, message: str) -> None:
-        """Send the error to every request of the lane, in flight or waiting; its rows are forgotten (its batch
-        is rebuilt after a failed step, dropped at shutdown)."""
+    def fail_job(self, lane: Lane, job: Job, message: str) -> None:
+        """One request failed: free its row or its staged admission, count it, send it the error (500)."""
+        if lane.rows.get(job.row) is job:
+            del lane.rows[job.row]
+            lane.batch.release(job.row)
+        elif job in lane.starting:
+            lane.starting.remove(job)
+            if lane.batch.holds(job.pending):
+                lane.batch.cancel(job.pending)
+        self.fail_jobs(lane, [job], message)
+
+    def reset_lane(self, lane: Lane, message: str) -> None:
+        """A decode step failed: no one row is to blame, so every request holding a row of the lane's batch fails
+        (500); those whose prefill had not completed go back to the head of the queue, and the lane goes on with
+        a fresh RowBatch (its kept prefixes are lost with the old one)."""
+        again = [j for j in lane.starting if j.pending in lane.batch.pending]
+        self.fail_jobs(lane, list(lane.rows.values()) + [j for j in lane.starting if j not in again], message)
+        for job in again:
+            job.pending = None
         with self.wake:
-            jobs, lane.waiting = list(lane.rows.values()) + lane.starting + lane.waiting, []
+            lane.waiting[:0] = again
+        lane.batch = self.new_batch(lane.make_policy)
+
+    def fail_jobs(self, lane: Lane, jobs: list, message: str) -> None:
+        """Send the error to these jobs of the lane and forget them (their rows and staged admissions are the
+        caller's to free, or its batch's to drop)."""
+        with self.wake:
             self.finished[lane.name, "error"] += len(jobs)
+            lane.waiting = [j for j in lane.waiting if j not in jobs]
         for job in jobs:
+            if lane.rows.get(job.row) is job:
+                del lane.rows[job.row]
+            if job in lane.starting:
+                lane.starting.remove(job)
             job.send("error", message)
-        lane.rows.clear()
-        lane.starting.clear()
 
     def read_kv(self, lane: Lane) -> None:
         """Refresh the lane's kept-prefix counters and KV byte counts for /metrics (here, on the engine thread: the
@@ -457,6 +522,8 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
             return error(400, str(e), param=e.param)
         except QueueFull as e:
             return error(429, str(e), "rate_limit_error", headers={"Retry-After": "1"})
+        except Exception as e:              # noqa: BLE001 -- a failure of this request alone (tokenizing, say)
+            return error(500, failure(e), "server_error")
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": model_id, "kv_policy": job.lane}
         usage = lambda: {"prompt_tokens": len(job.ids), "completion_tokens": len(job.tokens),    # noqa: E731

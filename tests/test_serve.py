@@ -215,6 +215,100 @@ def test_greedy_alongside_others_equals_alone(tiny_dir):
             assert out["usage"]["completion_tokens"] == len(ref.tokens[0])
 
 
+def post(client, body) -> httpx.Response:
+    return client.post("/v1/completions", json={"temperature": 0, **body})
+
+
+def test_a_requests_own_failure_fails_it_alone(tiny_dir, monkeypatch):
+    """Faults injected for one request each (tokenizing, a prefill chunk, sampling, stop handling), sent together
+    with good requests on both started policies: each faulty one alone gets a 500 (a streamed one an error event),
+    every good one the greedy answer it gets alone; /metrics counts the 500s and the server serves on."""
+    flags = ["--policies", TWO, "--max-batch", "3", "--prefill-chunk", "16", "--max-new-tokens-limit", "32",
+             "--max-seq-length", "256"]
+    with running(tiny_dir, *flags) as (client, srv):
+        encode, prefill, hold_back, sampler = (srv.tokenizer.encode, srv.lanes["full"].batch.prefill,
+                                               serve.hold_back, engine.Sampler.__call__)
+        bad_ids = encode("Bad prefill")
+
+        def bad_encode(text, *a, **k):
+            if "Bad tokenizer" in text:
+                raise RuntimeError("tokenizer fault")
+            return encode(text, *a, **k)
+
+        def bad_prefill(model, tokens, *a):
+            if tokens[0].tolist() == bad_ids:
+                raise RuntimeError("prefill fault")
+            return prefill(model, tokens, *a)
+
+        def bad_hold_back(text, stop):
+            if "Bad stop" in stop:
+                raise RuntimeError("stop fault")
+            return hold_back(text, stop)
+
+        def bad_sampler(self, logits):
+            if self.generator is not None and self.generator.initial_seed() == 666:
+                raise RuntimeError("sampler fault")
+            return sampler(self, logits)
+        monkeypatch.setattr(srv.tokenizer, "encode", bad_encode)
+        monkeypatch.setattr(srv.lanes["full"].batch, "prefill", bad_prefill)
+        monkeypatch.setattr(serve, "hold_back", bad_hold_back)
+        monkeypatch.setattr(engine.Sampler, "__call__", bad_sampler)
+        faults = {"tokenizer fault": {"prompt": "Bad tokenizer"}, "prefill fault": {"prompt": "Bad prefill"},
+                  "stop fault": {"prompt": "Hello", "stop": "Bad stop", "kv_policy": "snapkv"},
+                  "sampler fault": {"prompt": "Hello", "seed": 666, "temperature": 1}}
+        good = [(name, p, n) for name in SPECS for p, n in PROMPTS.items()]
+        before = metrics(client)
+        with ThreadPoolExecutor(len(good) + len(faults) + 1) as pool:
+            ok = pool.map(lambda w: complete(client, w[1], w[2], kv_policy=w[0]), good)
+            failed = pool.map(lambda body: post(client, {"max_tokens": 8, **body}), faults.values())
+            streamed = pool.submit(events, client, "/v1/completions", {"prompt": "Bad prefill", "max_tokens": 4})
+            ok, failed, streamed = list(ok), list(failed), streamed.result()
+        after = metrics(client)
+        assert complete(client, "Hello", 4)["usage"]["completion_tokens"] == 4      # a later request
+    for r, message in zip(failed, faults):
+        assert r.status_code == 500 and r.json()["error"] == {"message": f"RuntimeError: {message}",
+                                                              "type": "server_error", "param": None, "code": None}
+    assert streamed[-2:] == [{"error": {"message": "RuntimeError: prefill fault", "type": "server_error",
+                                        "param": None, "code": None}}, "[DONE]"]
+    for name, spec in SPECS.items():
+        refs = alone(tiny_dir, flags, PROMPTS, spec)
+        assert [out["choices"][0]["text"] for out, w in zip(ok, good) if w[0] == name] == [r.texts[0] for r in refs]
+    delta = lambda name, **labels: after.get((name, frozenset(labels.items())), 0) - \
+        before.get((name, frozenset(labels.items())), 0)                                    # noqa: E731
+    assert delta("kvserve_http_requests_total", status="500") == len(faults)
+    assert delta("kvserve_http_requests_total", status="200") == len(good) + 1
+    assert sum(delta("kvserve_requests_finished_total", policy=name, reason="error") for name in SPECS) == 4
+
+
+def test_a_failed_step_fails_its_lanes_rows_only(tiny_dir):
+    """A failed decode step of one policy's batch fails the requests holding its rows (500) and nothing else: a
+    request of that policy still waiting for a row, and the other policy's requests, get their greedy answers."""
+    flags = ["--policies", TWO, "--max-batch", "2", "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
+    prompt, n = next(iter(PROMPTS.items()))
+    with running(tiny_dir, *flags) as (client, srv):
+        batch = srv.lanes["full"].batch
+        step = batch.step
+
+        def flaky(tokens):                  # fails once, when both rows decode
+            if len(tokens) == 2:
+                batch.step = step
+                raise RuntimeError("boom")
+            return step(tokens)
+        batch.step = flaky
+        work = [("full", prompt, n)] * 3 + [("snapkv", prompt, n)] * 2
+        with ThreadPoolExecutor(len(work)) as pool:
+            got = list(pool.map(lambda w: post(client, {"prompt": w[1], "max_tokens": w[2], "kv_policy": w[0]}),
+                                work))
+        assert srv.lanes["full"].batch is not batch                 # a fresh batch
+        assert complete(client, prompt, n)["choices"][0]["text"]
+    errors = [r for r in got if r.status_code == 500]
+    assert len(errors) == 2 and {r.json()["error"]["message"] for r in errors} == {"RuntimeError: boom"}
+    refs = {name: alone(tiny_dir, flags, {prompt: n}, spec)[0].texts[0] for name, spec in SPECS.items()}
+    for r, (name, _, _) in zip(got, work):
+        assert r.status_code == 500 or r.json()["choices"][0]["text"] == refs[name]
+    assert [r.status_code for r in got[3:]] == [200, 200]
+
+
 DOCUMENT = "Notes on the harbour: the boats leave at dawn, the nets dry at noon, the market opens at four. " * 6
 
 
