@@ -13,7 +13,9 @@ import uvicorn
 
 import engine
 import serve
+import serve_engine
 from cache import make_policy
+from prefix_cache import common_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,7 +229,7 @@ def test_a_requests_own_failure_fails_it_alone(tiny_dir, monkeypatch):
              "--max-seq-length", "256"]
     with running(tiny_dir, *flags) as (client, srv):
         encode, prefill, hold_back, sampler = (srv.tokenizer.encode, srv.lanes["full"].batch.prefill,
-                                               serve.hold_back, engine.Sampler.__call__)
+                                               serve_engine.hold_back, engine.Sampler.__call__)
         bad_ids = encode("Bad prefill")
 
         def bad_encode(text, *a, **k):
@@ -251,7 +253,7 @@ def test_a_requests_own_failure_fails_it_alone(tiny_dir, monkeypatch):
             return sampler(self, logits)
         monkeypatch.setattr(srv.tokenizer, "encode", bad_encode)
         monkeypatch.setattr(srv.lanes["full"].batch, "prefill", bad_prefill)
-        monkeypatch.setattr(serve, "hold_back", bad_hold_back)
+        monkeypatch.setattr(serve_engine, "hold_back", bad_hold_back)
         monkeypatch.setattr(engine.Sampler, "__call__", bad_sampler)
         faults = {"tokenizer fault": {"prompt": "Bad tokenizer"}, "prefill fault": {"prompt": "Bad prefill"},
                   "stop fault": {"prompt": "Hello", "stop": "Bad stop", "kv_policy": "snapkv"},
@@ -329,6 +331,41 @@ def test_chunked_prefill_and_prefix_reuse(tiny_dir):
     assert 'kvserve_prefix_hits_total{policy="full"} 1' in metrics, metrics
     for out, ref in zip(got, alone(tiny_dir, flags, questions, "full")):
         assert out["choices"][0]["text"] == ref.texts[0]
+
+
+def test_agnostic_prefix_reuse_for_a_compressing_policy(tiny_dir):
+    """snapkv: the second request sharing a document with the first compresses that shared prefix alone and
+    appends its question (kv_protocol "agnostic", nothing cached yet), the third adopts the kept compressed prefix
+    (cached_tokens); both answers equal engine.generate(question, context=prefill_context(prefix)) for the same
+    split, the first's (its prompt compressed with its question, "aware") engine.generate alone's; `full` says
+    "exact"; with --no-agnostic-reuse every snapkv prompt is "aware"."""
+    flags = ["--policies", TWO, "--max-batch", "2", "--max-new-tokens-limit", "32", "--max-seq-length", "512"]
+    questions = [DOCUMENT + f"Question {i}: when do the boats leave?" for i in range(3)]
+    with running(tiny_dir, *flags) as (client, srv):
+        got = [complete(client, q, 8, kv_policy="snapkv") for q in questions[:2]]
+        chunks = events(client, "/v1/completions", {"prompt": questions[2], "max_tokens": 8, "temperature": 0,
+                                                     "kv_policy": "snapkv"})
+        exact = complete(client, questions[0], 4)
+        prefix = srv.lanes["snapkv"].prefixes
+    ids = [srv.tokenizer.encode(q) for q in questions]
+    split = common_prefix(ids[0], ids[1])
+    assert split >= 32 and ids[2][:split] == ids[0][:split]
+    assert [out["kv_protocol"] for out in got] == ["aware", "agnostic"] and exact["kv_protocol"] == "exact"
+    assert {c["kv_protocol"] for c in chunks[:-1]} == {"agnostic"}
+    cached = [out["usage"]["prompt_tokens_details"]["cached_tokens"] for out in got] + \
+        [chunks[-2]["usage"]["prompt_tokens_details"]["cached_tokens"]]
+    assert cached == [0, 0, split] and prefix["hits"] == 1 and prefix["reused_tokens"] == split
+    args = serve.build_parser().parse_args(["--checkpoint", str(tiny_dir), *flags])
+    model, tokenizer = engine.load_model(tiny_dir, "cpu")
+    new_policy = lambda: engine.kv_policy(make_policy(SPECS["snapkv"]), args)        # noqa: E731
+    ctx = engine.prefill_context(model, tokenizer, ids[0][:split], new_policy, room=32)   # the rows' decode_room
+    refs = engine.generate(model, tokenizer, [q[split:] for q in ids[1:]], 8, context=ctx).texts
+    assert got[1]["choices"][0]["text"] == refs[0]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == refs[1]
+    assert got[0]["choices"][0]["text"] == alone(tiny_dir, flags, {questions[0]: 8}, SPECS["snapkv"])[0].texts[0]
+    with running(tiny_dir, *flags, "--no-agnostic-reuse") as (client, srv):
+        assert [complete(client, q, 8, kv_policy="snapkv")["kv_protocol"] for q in questions] == ["aware"] * 3
+        assert srv.lanes["snapkv"].batch.prefixes is None
 
 
 def test_kv_policy_choices_and_metrics(tiny_dir):
@@ -453,7 +490,7 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_row(tiny_dir):
 
 
 def test_hold_back_keeps_partial_characters_and_stop_prefixes():
-    assert serve.hold_back("abc", []) == 0
-    assert serve.hold_back("ab\ufffd", []) == 1                 # half a UTF-8 character
-    assert serve.hold_back("xab", ["abc", "zz"]) == 2           # may become the stop string "abc"
-    assert serve.hold_back("abc", ["xy"]) == 0
+    assert serve_engine.hold_back("abc", []) == 0
+    assert serve_engine.hold_back("ab\ufffd", []) == 1                 # half a UTF-8 character
+    assert serve_engine.hold_back("xab", ["abc", "zz"]) == 2           # may become the stop string "abc"
+    assert serve_engine.hold_back("abc", ["xy"]) == 0
