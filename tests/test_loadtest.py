@@ -72,7 +72,7 @@ def test_peer_needs_llama_cpp():
 
 def test_a_long_run_reports_a_flat_rss(tiny_dir, tmp_path):
     """--workload short, 60 requests after 8 warm-up ones: the started server's RSS is read before and after from
-    /proc and grows by less than 10% (a loose bound for a short run; docs/results.md has the 500-request runs)."""
+    /proc and grows by less than 10% (a loose bound for a short run; docs/serving.md has the 500-request runs)."""
     out = tmp_path / "rows.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "scripts/loadtest.py", "--server", str(tiny_dir), "--server-flags", SERVER_FLAGS,
