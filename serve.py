@@ -295,7 +295,8 @@ def metric_families(srv: Engine) -> list[Family]:
                    by(lambda lane: len(lane.starting))),
             Family("kvserve_rows_max", "gauge", "rows of the policy's batch (--max-batch)",
                    by(lambda lane: srv.max_batch)),
-            Family("kvserve_prompt_tokens_total", "counter", "prompt tokens of started requests (reused prefixes included)",
+            Family("kvserve_prompt_tokens_total", "counter", "prompt tokens of requests whose prompt is in (reused "
+                   "prefixes included)",
                    by(lambda lane: srv.tokens[lane.name, "prompt"])),
             Family("kvserve_generation_tokens_total", "counter", "tokens generated (EOS not counted)",
                    by(lambda lane: srv.tokens[lane.name, "completion"])),

@@ -125,14 +125,18 @@ def test_compressing_policy_keeps_no_prefix(model):  # noqa: F811
         torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
 
 
-def test_agnostic_reuse_compresses_a_shared_prefix_once(model):  # noqa: F811
-    """agnostic=True, snapkv: a request decoding (its own prompt, aware) while three questions on one 150-token
-    document arrive together: the first's admission compresses the document alone (the boundary it shares with
-    the waiting others), all three adopt it and append their question one decode step each alongside the other
-    rows; each question's logits equal those of its question appended to the compressed document alone
-    (engine.context_rows + prefill_rows + append_tokens), the lone request's those without reuse."""
-    spec, room = "snapkv:budget=40,obs_window=8", NEW + 24
-    prompts = {"solo": prompts_of({"solo": 60}, seed=2)["solo"], **prompts_of({"q1": 12, "q2": 20, "q3": 7}, shared=150)}
+@pytest.mark.parametrize("spec", ["snapkv:budget=40,obs_window=8", "h2o:budget=40",
+                                  "snapkv+quest:budget=128,n_critical=96"])
+def test_agnostic_reuse_compresses_a_shared_prefix_once(model, spec):  # noqa: F811
+    """agnostic=True, a compressing policy (an evicting one, a reader): a request decoding (its own prompt,
+    aware) while three questions on one 150-token document arrive together: the first's admission compresses
+    the document alone (the boundary it shares with the waiting others), all three adopt it and append their
+    question one decode step each alongside the other rows; each question's logits equal those of its question
+    appended to the compressed document alone (engine.context_rows + prefill_rows + append_tokens), the lone
+    request's those without reuse."""
+    room = NEW + 24
+    prompts = {"solo": prompts_of({"solo": 60}, seed=2)["solo"],
+               **prompts_of({"q1": 12, "q2": 20, "q3": 7}, shared=150)}
     arrivals = {"solo": 0, "q1": 2, "q2": 2, "q3": 2}
     batch = engine.RowBatch(model, lambda: make_policy(spec), 4, 400 + room, room, prefix_bytes=1 << 30,
                             min_prefix=16, agnostic=True)
