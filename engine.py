@@ -632,6 +632,9 @@ class Pending:
     reused: int = 0                     # prompt tokens copied from a kept prefix
     snapshot_at: int = 0                # keep the prefix of this many tokens when the prefill reaches it (0: none)
     started: bool = False
+    new_tokens: Optional[int] = None    # tokens it may generate (None: max_new_tokens): what its row must hold
+    protocol: str = "aware"             # how its prompt is held: "exact", "aware" or "agnostic" (RowBatch)
+    question: list[int] = field(default_factory=list)   # agnostic: prompt tokens still to append, one a step
 
 
 class RowBatch:
@@ -648,8 +651,14 @@ class RowBatch:
     budgets, sharing configurations), so requests start only in an empty batch, all those started together
     prefilled as one left-padded batch by one advance (as `generate` does).
 
-    prefix_bytes > 0 keeps prefilled prefixes (prefix_cache.py) when the policy declares prefix_reuse (else
-    `reuse_off` says why none are kept): a prompt starting with a kept prefix prefills only the rest.
+    prefix_bytes > 0 keeps prefilled prefixes (prefix_cache.py) when the policy declares prefix_reuse: a prompt
+    starting with a kept prefix prefills only the rest, exactly (protocol "exact").  With agnostic=True a policy
+    without prefix_reuse that admits rows keeps compressed prefixes instead (the question-agnostic protocol of
+    `prefill_context` / `generate(context=)`): a shared prefix is prefilled and compressed once alone, a prompt
+    starting with it has its row adopt it and appends the rest of its prompt one decode step each (`step` feeds
+    them; `joined` lists the rows whose prompt the latest step completed), protocol "agnostic"; where its
+    question and answer do not fit a row's room (max_new_tokens), its whole prompt is prefilled ("aware").
+    `reuse_off` says why a batch keeps no prefixes.
 
         batch = RowBatch(model, lambda: make_policy("snapkv"), max_batch=8, max_seq_length=4096, max_new_tokens=256)
         p = batch.start(ids)                    # while batch.room > 0
@@ -661,7 +670,7 @@ class RowBatch:
 
     def __init__(self, model: Transformer, make_policy, max_batch: int, max_seq_length: int, max_new_tokens: int,
                  prefill=prefill_step, decode=decode_step, prefill_chunk: int = 1024, prefix_bytes: int = 0,
-                 min_prefix: int = 32):
+                 min_prefix: int = 32, agnostic: bool = False):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.model, self.make_policy, self.max_batch = model, make_policy, max_batch
@@ -680,12 +689,16 @@ class RowBatch:
         self.pending: list[Pending] = []      # started, not yet admitted (oldest first)
         self.prefill_since_step = 0           # prompt tokens prefilled while active rows waited for their next step
         self.prefill_tokens = 0               # prompt tokens prefilled in all (prefix reuse: less than prompted)
+        self.appending: dict[int, Pending] = {}   # agnostic: rows appending the rest of their prompt
+        self.joined: list[int] = []           # rows whose prompt the latest step completed (their logits are its last)
+        self.agnostic = agnostic and self.rows and not self.policy.prefix_reuse
         self.prefixes, self.reuse_off = None, None
-        if prefix_bytes and self.rows and self.policy.prefix_reuse:
+        if prefix_bytes and self.rows and (self.policy.prefix_reuse or self.agnostic):
             self.prefixes = PrefixCache(prefix_bytes, min_prefix)
         elif prefix_bytes:
             self.reuse_off = (f"policy {self.policy.name!r} keeps no prefixes: it cannot continue a prefilled prefix "
-                              f"exactly (prefix_reuse, cache/contract.py)")
+                              f"exactly (prefix_reuse, cache/contract.py), and " +
+                              ("admits whole batches" if not self.rows else "agnostic reuse is off"))
 
     @property
     def active(self) -> list[int]:
@@ -698,45 +711,87 @@ class RowBatch:
             return sum(p < 0 for p in self.next_pos) - len(self.pending)
         return 0 if self.active else self.max_batch - len(self.pending)
 
-    def start(self, ids: list[int], prefix_len: Optional[int] = None) -> Pending:
+    def start(self, ids: list[int], prefix_len: Optional[int] = None, new_tokens: Optional[int] = None) -> Pending:
         """Queue the request `ids` (token ids; prefix_len: where a prefix shared with other requests ends, if
-        known) for admission -> its Pending, holding the row it will take.  ValueError when none is free."""
+        known; new_tokens: the most it may generate, default max_new_tokens) for admission -> its Pending,
+        holding the row it will take.  ValueError when none is free."""
         if not ids:
             raise ValueError("empty prompt")
         if self.room < 1:
             raise ValueError("no room to start a request now (batch.room is 0)")
         taken = {p.row for p in self.pending}
         row = next(r for r in range(self.max_batch) if self.next_pos[r] < 0 and r not in taken)
-        self.pending.append(Pending(list(ids), row, prefix_len))
+        protocol = "exact" if self.policy.prefix_reuse else "aware"
+        self.pending.append(Pending(list(ids), row, prefix_len, new_tokens=new_tokens, protocol=protocol))
         return self.pending[-1]
 
     def cancel(self, pending: Pending) -> None:
-        """Drop a started request before its prefill completes (its client left); its row is free again."""
-        self.pending.remove(pending)
+        """Drop a started request before its prompt is complete (its client left); its row is free again."""
+        if pending in self.pending:
+            self.pending.remove(pending)
+        else:
+            self.release(pending.row)               # an agnostic one appending its question
+
+    def holds(self, pending: Pending) -> bool:
+        """Whether a started request's prompt is still being admitted (False once complete, cancelled or dropped
+        by a failed `advance`)."""
+        return pending in self.pending or self.appending.get(pending.row) is pending
 
     def advance(self) -> list[tuple[int, torch.Tensor]]:
         """One admission step: a prefill chunk of the oldest pending request (admission "row"), or every
         pending request's prefill (admission "batch") -> [(row, logits [V] of the prompt's last position)] of
         the requests whose prefill is now complete: they decode from the next step.  A failure drops the
-        request it happened in (re-raised)."""
+        request it happened in (the whole group under admission "batch"; `holds` tells) and is re-raised."""
         if not self.pending:
             return []
         if not self.rows:
             return self._prefill_group()
         p = self.pending[0]
         try:
-            logits = self._chunk(p)
+            context = self._context(p) if self.agnostic and self.prefixes is not None and not p.started else None
+            logits = None if context is not None else self._chunk(p)
         except BaseException:
             self.pending.remove(p)
             raise
-        if logits is None:
+        if context is None and logits is None:
             return []
         self.pending.remove(p)
         if not self.active:
             self.steps = 0
-        self.policy.adopt(p.row, self.scratch)
-        self.next_pos[p.row] = len(p.ids)
+        self.policy.adopt(p.row, self.scratch if context is None else context)
+        self.next_pos[p.row] = p.done
+        if context is not None:
+            self.appending[p.row] = p
+            return []
         return [(p.row, logits)]
+
+    def _context(self, p: Pending):
+        """The agnostic protocol for p: a kept compressed prefix of its prompt, or one it shares with others (the
+        same boundary as exact reuse), compressed now -> that one-row instance, p.question the rest of its prompt;
+        None where none is shared or the rest and p's answer would not fit a row's room (decode_room)."""
+        room = self.max_new_tokens - (self.max_new_tokens if p.new_tokens is None else p.new_tokens)
+        shortest = max(len(p.ids) - room, 1)
+        n, context = self.prefixes.lookup(p.ids, shortest)
+        at = self.prefixes.boundary(p.ids, [q.ids for q in self.pending if q is not p], p.prefix_len)
+        if context is None and at >= shortest:
+            n, context = at, self._compress(p.ids[:at])
+        elif context is not None:
+            p.reused = n
+        if context is not None:
+            p.started, p.done, p.protocol, p.question = True, n, "agnostic", p.ids[n:]
+        return context
+
+    def _compress(self, ids: list[int]):
+        """ids prefilled and compressed alone in a one-row instance set up as the rows are (prefill_context's
+        steps), kept in the prefix LRU -> that instance."""
+        try:
+            context = context_rows(self.model, self.make_policy, self.max_new_tokens, self.max_seq_length)
+            prefill_rows(self.model, ids, self.prefill_chunk)
+        finally:
+            self.model.cache = self.policy
+        self.count_prefill(len(ids))
+        self.prefixes.insert(tuple(ids), context, context.kv_bytes()["allocated"])
+        return context
 
     def admit(self, requests: Sequence[list[int]]) -> list[tuple[int, torch.Tensor]]:
         """Admit the first of `requests` (token-id lists) that fit now -> [(row, logits [V] of the prompt's
@@ -758,7 +813,11 @@ class RowBatch:
         self.batch_size = len(group)
         self.next_pos = [len(ids) for ids in group] + [-1] * (self.max_batch - len(group))
         self.steps = 0
-        logits = run_prefill(self.model, tokens, input_pos, self.prefill, self.prefill_chunk)
+        try:
+            logits = run_prefill(self.model, tokens, input_pos, self.prefill, self.prefill_chunk)
+        except BaseException:
+            self.next_pos = [-1] * self.max_batch       # the group is dropped: the batch is empty again
+            raise
         return list(enumerate(logits))
 
     def count_prefill(self, n: int) -> None:
@@ -791,7 +850,7 @@ class RowBatch:
     def _begin(self, p: Pending) -> None:
         """The scratch starts p's prompt: from the longest kept prefix of it, if any; fixes where to snapshot."""
         self.scratch.reset()
-        if self.prefixes is not None:
+        if self.prefixes is not None and not self.agnostic:
             n, snapshot = self.prefixes.lookup(p.ids)
             if snapshot is not None:
                 self.scratch.adopt(0, snapshot)
@@ -811,10 +870,13 @@ class RowBatch:
         self.prefixes.insert(tuple(p.ids[:p.done]), snapshot, snapshot.kv_bytes()["allocated"])
 
     def step(self, tokens: dict[int, int]) -> torch.Tensor:
-        """One decode step: tokens {row: the token at the row's next position} for every active row ->
-        logits [B, V] (rows not given are free: their logits mean nothing)."""
-        if sorted(tokens) != self.active:
-            raise ValueError(f"step needs one token for each active row {self.active}, got rows {sorted(tokens)}")
+        """One decode step: tokens {row: the token at the row's next position} for every active row but those
+        appending their prompt (fed its next token here) -> logits [B, V] (rows not given are free, or append:
+        their logits mean nothing, but for the rows in `joined`, whose prompt is now complete)."""
+        answering = [r for r in self.active if r not in self.appending]
+        if sorted(tokens) != answering:
+            raise ValueError(f"step needs one token for each active row {answering}, got rows {sorted(tokens)}")
+        tokens = {**tokens, **{row: p.question[0] for row, p in self.appending.items()}}
         device = self.model.output.weight.device
         token = torch.zeros(self.batch_size, 1, dtype=torch.long)
         pos = torch.full((self.batch_size, 1), -1, dtype=torch.long)
@@ -823,6 +885,12 @@ class RowBatch:
         logits = run_decode(self.model, token.to(device), pos.to(device), self.steps, self.decode)
         for row in tokens:
             self.next_pos[row] += 1
+        self.joined = []
+        for row, p in list(self.appending.items()):
+            del p.question[0]
+            if not p.question:
+                del self.appending[row]
+                self.joined.append(row)
         self.steps += 1
         self.prefill_since_step = 0
         return logits
@@ -832,6 +900,7 @@ class RowBatch:
         if self.next_pos[row] < 0:
             raise ValueError(f"row {row} holds no request")
         self.next_pos[row] = -1
+        self.appending.pop(row, None)
         if self.rows:
             self.policy.release(row)
 

@@ -46,10 +46,12 @@ class PrefixCache:
         self.recent: deque = deque(maxlen=recent)    # prompts seen, for choosing boundaries
         self.bytes = self.hits = self.misses = self.evictions = self.reused_tokens = 0
 
-    def lookup(self, ids: Sequence[int]) -> tuple[int, Optional[object]]:
-        """The longest kept prefix of `ids` shorter than ids -> (its length, snapshot), or (0, None)."""
+    def lookup(self, ids: Sequence[int], shortest: int = 1) -> tuple[int, Optional[object]]:
+        """The longest kept prefix of `ids` shorter than ids and at least `shortest` tokens long -> (its length,
+        snapshot), or (0, None)."""
         ids = list(ids)
-        best = max((k for k in self.entries if len(k) < len(ids) and ids[:len(k)] == list(k)), key=len, default=None)
+        best = max((k for k in self.entries if shortest <= len(k) < len(ids) and ids[:len(k)] == list(k)), key=len,
+                   default=None)
         if best is None:
             self.misses += 1
             return 0, None

@@ -5,10 +5,11 @@
 
 POST /v1/completions and /v1/chat/completions (non-streaming and `stream: true`, server-sent events ending
 with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).  One engine thread owns the
-model and the batches: request handlers only validate, enqueue and await what the engine sends back.  Each
-started policy (--policies) has its own RowBatch; a request's `kv_policy` field picks one (default: the first).
-A request joins its policy's running batch at the next step boundary (its prompt prefilled whole), leaves at
-EOS, `max_tokens`, a `stop` string or its client's disconnect; at most --max-batch rows run per policy,
+model and the batches (serve_engine.py): request handlers only validate, enqueue and await what the engine
+sends back.  Each started policy (--policies) has its own RowBatch; a request's `kv_policy` field picks one
+(default: the first).  A request joins its policy's running batch at the next step boundary (its prompt
+prefilled in chunks between the rows' decode steps, or from a kept shared prefix), leaves at EOS,
+`max_tokens`, a `stop` string or its client's disconnect; at most --max-batch rows run per policy,
 --max-queue more wait (all policies together), beyond that the answer is 429.  docs/serving.md: the API.
 """
 from __future__ import annotations
@@ -23,12 +24,9 @@ import asyncio
 import json
 import signal
 import sys
-import threading
 import time
 import uuid
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import jinja2
 import torch
@@ -36,8 +34,8 @@ import torch
 import engine
 from cache import PolicyError, make_policy, parse_spec_list
 from checkpoint import CheckpointError
-from serve_metrics import Family, Histogram, exposition
-from tokenizer import unfinished_tail
+from serve_engine import Engine, Job, QueueFull, failure
+from serve_metrics import Family, exposition, resident_bytes
 
 try:
     import uvicorn
@@ -55,271 +53,6 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: Optional[str] = None):
         super().__init__(message)
         self.param = param
-
-
-class QueueFull(RuntimeError):
-    """Every row is busy and --max-queue requests already wait: 429."""
-
-
-# --------------------------------------------------------------------------- one request
-
-@dataclass
-class Job:
-    """One generation request, shared by its HTTP handler (which reads `out`) and the engine thread."""
-    ids: list[int]
-    max_tokens: int
-    sampler: engine.Sampler
-    stop: list[str]
-    lane: str                         # the name of the started policy that serves it
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)   # ("text", str)... ("done", reason) or ("error", msg)
-    tokens: list[int] = field(default_factory=list)
-    sent: int = 0                     # characters of the text already sent
-    cancelled: bool = False           # set by the handler when its client goes away
-    pending: Optional[engine.Pending] = None   # its staged admission (RowBatch.start), while its prompt is prefilled
-    row: int = -1                     # its row in the lane's RowBatch, once admitted
-    submitted: float = field(default_factory=time.monotonic)
-    last: Optional[float] = None      # when its latest token was sampled (time.monotonic)
-
-    def send(self, *item) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
-
-
-def hold_back(text: str, stop: list[str]) -> int:
-    """Characters at the end of `text` that must not be sent yet: a partial UTF-8 character or the start of a
-    stop string."""
-    return max([unfinished_tail(text)] + [k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])])
-
-
-# --------------------------------------------------------------------------- the engine thread
-
-@dataclass
-class Lane:
-    """One started policy: its own RowBatch (at most --max-batch rows), the requests waiting for one of its rows
-    (first come, first served) and those in its rows."""
-    name: str                         # the spec's NAME[@LABEL]: what a request's kv_policy names
-    spec: str                         # the whole spec, as started
-    make_policy: Callable
-    batch: engine.RowBatch
-    waiting: list = field(default_factory=list)          # [Job], guarded by Engine.wake
-    starting: list = field(default_factory=list)         # [Job] started in the batch, prompt being prefilled
-    rows: dict = field(default_factory=dict)             # row -> Job (the engine thread's own)
-    kv: dict = field(default_factory=dict)               # the policy's latest kv_bytes(), read by /metrics
-    kv_at: float = 0.0                                   # when it was read (time.monotonic)
-    prefixes: dict = field(default_factory=dict)         # its kept prefixes' stats (prefix_cache.py), read with kv
-
-
-class Engine:
-    """Owns the model, the tokenizer and one Lane per started policy; `run` (its own thread) goes round the
-    lanes: each admits its waiting jobs into free rows, decodes one step of its active rows, samples each row
-    with its own settings and streams the text back to the handlers.  The lanes share the model: before a
-    lane runs, the model's cache is pointed at that lane's policy."""
-
-    TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)       # seconds
-    ITL_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-
-    def __init__(self, model, tokenizer, policies: dict, max_batch: int, max_queue: int, max_seq_length: int,
-                 max_new_tokens: int, steps=(engine.prefill_step, engine.decode_step), prefill_chunk: int = 256,
-                 prefix_bytes: int = 0):
-        """policies: {name: (spec text, a function making a fresh policy instance)}, the first the default;
-        steps: the (prefill, decode) step functions (engine.compiled_steps for --compile); prefill_chunk: prompt
-        tokens prefilled between two decode steps; prefix_bytes: kept prefixes per lane (prefix_cache.py)."""
-        self.model, self.tokenizer = model, tokenizer
-        self.prefill_chunk, self.prefix_bytes = prefill_chunk, prefix_bytes
-        self.max_batch, self.max_queue = max_batch, max_queue
-        self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
-        self.steps = steps
-        self.lanes = {name: Lane(name, spec, make, self.new_batch(make)) for name, (spec, make) in policies.items()}
-        self.eos = set(tokenizer.eos_ids)
-        self.finished: Counter = Counter()          # (lane, "stop"/"length"/"cancelled"/"error") -> requests
-        self.tokens: Counter = Counter()            # (lane, "prompt"/"completion") -> tokens
-        self.http: Counter = Counter()              # HTTP status of the generation requests -> count
-        self.ttft = {name: Histogram(self.TTFT_BOUNDS) for name in self.lanes}
-        self.itl = {name: Histogram(self.ITL_BOUNDS) for name in self.lanes}
-        self.wake = threading.Condition()           # guards the queues and the counters above
-        self.stopping = False
-        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
-        for lane in self.lanes.values():
-            self.read_kv(lane)
-
-    def new_batch(self, make_policy) -> engine.RowBatch:
-        prefill, decode = self.steps
-        return engine.RowBatch(self.model, make_policy, self.max_batch, self.max_seq_length, self.max_new_tokens,
-                               prefill=prefill, decode=decode, prefill_chunk=self.prefill_chunk,
-                               prefix_bytes=self.prefix_bytes)
-
-    def submit(self, job: Job) -> None:
-        with self.wake:
-            waiting = sum(len(lane.waiting) for lane in self.lanes.values())
-            if waiting >= self.max_queue:
-                raise QueueFull(f"{waiting} requests already wait for a row; try again later")
-            self.lanes[job.lane].waiting.append(job)
-            self.wake.notify()
-
-    def stop(self) -> None:
-        with self.wake:
-            self.stopping = True
-            self.wake.notify()
-        self.thread.join(timeout=30)
-
-    def health(self) -> dict:
-        with self.wake:
-            lanes = {name: {"spec": lane.spec, "rows_in_use": len(lane.rows), "prefilling": len(lane.starting),
-                            "queue_depth": len(lane.waiting)} for name, lane in self.lanes.items()}
-            requests = Counter()
-            for (_, outcome), n in self.finished.items():
-                requests[outcome] += n
-            return {"status": "ok", "rows_in_use": sum(p["rows_in_use"] for p in lanes.values()),
-                    "max_batch": self.max_batch, "queue_depth": sum(p["queue_depth"] for p in lanes.values()),
-                    "max_queue": self.max_queue, "requests": dict(requests), "policies": lanes}
-
-    def run(self) -> None:
-        with torch.inference_mode():
-            while True:
-                with self.wake:
-                    while not (self.stopping or any(lane.waiting or lane.starting or lane.rows
-                                                    for lane in self.lanes.values())):
-                        self.wake.wait()
-                    if self.stopping:
-                        break
-                    waiting = {name: self.drop_cancelled(lane) for name, lane in self.lanes.items()}
-                for lane in self.lanes.values():
-                    if waiting[lane.name] or lane.starting or lane.rows:
-                        self.run_lane(lane, waiting[lane.name])
-        for lane in self.lanes.values():
-            self.fail(lane, "the server is shutting down")
-
-    def drop_cancelled(self, lane: Lane) -> list:
-        """(Under the lock) forget the waiting jobs whose clients went away -> the lane's waiting jobs."""
-        for job in [j for j in lane.waiting if j.cancelled]:
-            lane.waiting.remove(job)
-            self.finished[lane.name, "cancelled"] += 1
-        return list(lane.waiting)
-
-    def run_lane(self, lane: Lane, waiting: list) -> None:
-        """One iteration of a lane; a failure fails the lane's requests and the lane goes on with a fresh
-        RowBatch (the other lanes are not touched)."""
-        try:
-            self.iterate(lane, waiting)
-        except Exception as e:                      # noqa: BLE001 -- fail the requests in flight, keep serving
-            self.fail(lane, f"{type(e).__name__}: {e}")
-            lane.batch = self.new_batch(lane.make_policy)       # a clean one
-        self.read_kv(lane)
-
-    def iterate(self, lane: Lane, waiting: list) -> None:
-        """Drop the requests whose clients went away, one admission step, then one decode step of every active row."""
-        self.model.cache = lane.batch.policy        # the lanes share the model: this lane's cache
-        for job in list(lane.rows.values()):
-            if job.cancelled:
-                self.finish(lane, job, "cancelled")
-        for job in [j for j in lane.starting if j.cancelled]:
-            lane.batch.cancel(job.pending)
-            lane.starting.remove(job)
-            with self.wake:
-                self.finished[lane.name, "cancelled"] += 1
-        self.admit(lane, waiting)
-        if lane.rows:
-            logits = lane.batch.step({row: job.tokens[-1] for row, job in lane.rows.items()})
-            for row, job in list(lane.rows.items()):
-                self.emit(lane, job, logits[row])
-
-    def admit(self, lane: Lane, waiting: list) -> None:
-        """Admission, the one place prompts are prefilled: waiting jobs start while the batch has room (each
-        reserves a row, first come first served), then one RowBatch.advance: one prefill chunk of the oldest
-        started prompt (a compressing policy's whole prompt), so prompts alternate with the rows' decode steps.
-        A job whose prompt is complete samples its first token from the prompt's last logits."""
-        started = []
-        for job in waiting[:max(lane.batch.room, 0)]:
-            job.pending = lane.batch.start(job.ids)
-            started.append(job)
-        with self.wake:
-            del lane.waiting[:len(started)]
-            self.tokens[lane.name, "prompt"] += sum(len(job.ids) for job in started)
-        lane.starting += started
-        for row, logits in lane.batch.advance():
-            job = next(j for j in lane.starting if j.pending.row == row)
-            lane.starting.remove(job)
-            job.row = row
-            lane.rows[row] = job
-            self.emit(lane, job, logits)
-
-    def emit(self, lane: Lane, job: Job, logits: torch.Tensor) -> None:
-        """Sample job's next token from logits [V], send the new text, finish it at EOS/stop/max_tokens."""
-        token = int(job.sampler(logits[None])[0])
-        self.observe(lane, job, token not in self.eos)
-        if token in self.eos:
-            return self.finish(lane, job, "stop", self.tokenizer.decode(job.tokens) if job.tokens else "")
-        job.tokens.append(token)
-        text = self.tokenizer.decode(job.tokens)
-        cut = min([i for i in (text.find(s, max(job.sent - len(s), 0)) for s in job.stop) if i >= 0], default=-1)
-        if cut >= 0:
-            return self.finish(lane, job, "stop", text[:cut])
-        if len(job.tokens) >= job.max_tokens:
-            return self.finish(lane, job, "length", text)
-        end = len(text) - hold_back(text, job.stop)
-        if end > job.sent:
-            job.send("text", text[job.sent:end])
-            job.sent = end
-
-    def observe(self, lane: Lane, job: Job, generated: bool) -> None:
-        """Time a sampled token (TTFT for the first, inter-token latency after) and count it if it is text."""
-        now = time.monotonic()
-        with self.wake:
-            if job.last is None:
-                self.ttft[lane.name].observe(now - job.submitted)
-            else:
-                self.itl[lane.name].observe(now - job.last)
-            self.tokens[lane.name, "completion"] += generated
-        job.last = now
-
-    def finish(self, lane: Lane, job: Job, reason: str, text: str = "") -> None:
-        """Free job's row and count it, then send its last text and the end (a client that reads the end
-        finds the row free and the count made)."""
-        del lane.rows[job.row]
-        lane.batch.release(job.row)
-        with self.wake:
-            self.finished[lane.name, reason] += 1
-        if len(text) > job.sent:
-            job.send("text", text[job.sent:])
-        job.send("done", reason)
-
-    def fail(self, lane: Lane, message: str) -> None:
-        """Send the error to every request of the lane, in flight or waiting; its rows are forgotten (its batch
-        is rebuilt after a failed step, dropped at shutdown)."""
-        with self.wake:
-            jobs, lane.waiting = list(lane.rows.values()) + lane.starting + lane.waiting, []
-            self.finished[lane.name, "error"] += len(jobs)
-        for job in jobs:
-            job.send("error", message)
-        lane.rows.clear()
-        lane.starting.clear()
-
-    def read_kv(self, lane: Lane) -> None:
-        """Refresh the lane's kept-prefix counters and KV byte counts for /metrics (here, on the engine thread: the
-        buffers are its own), the KV bytes at most every quarter second while rows run."""
-        now = time.monotonic()
-        prefixes = lane.batch.prefixes.stats() if lane.batch.prefixes else {}     # host counters: always fresh
-        with self.wake:
-            lane.prefixes = prefixes
-        if lane.rows and now - lane.kv_at < 0.25:
-            return
-        kv = lane.batch.policy.kv_bytes()
-        with self.wake:
-            lane.kv, lane.kv_at = kv, now
-
-    def warm_up(self) -> None:
-        """Run every lane through a few decode steps of --max-batch short requests, so that a compiled step
-        (--compile) is compiled before the first request."""
-        with torch.inference_mode():
-            for lane in self.lanes.values():
-                self.model.cache = lane.batch.policy
-                ids = [0] * engine.warmup_length(lane.batch.policy)
-                rows = {row: int(logits.argmax()) for row, logits in lane.batch.admit([ids] * self.max_batch)}
-                for _ in range(3):
-                    logits = lane.batch.step(rows)
-                    rows = {row: int(logits[row].argmax()) for row in rows}
-                for row in rows:
-                    lane.batch.release(row)
 
 
 # --------------------------------------------------------------------------- request parsing
@@ -457,6 +190,8 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
             return error(400, str(e), param=e.param)
         except QueueFull as e:
             return error(429, str(e), "rate_limit_error", headers={"Retry-After": "1"})
+        except Exception as e:              # noqa: BLE001 -- a failure of this request alone (tokenizing, say)
+            return error(500, failure(e), "server_error")
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": model_id, "kv_policy": job.lane}
         usage = lambda: {"prompt_tokens": len(job.ids), "completion_tokens": len(job.tokens),    # noqa: E731
@@ -471,6 +206,8 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
                 kind, value = await job.out.get()
                 if kind == "text":
                     text.append(value)
+                elif kind == "start":
+                    head["kv_protocol"] = value
                 elif kind == "error":
                     return error(500, value, "server_error")
                 else:
@@ -501,11 +238,13 @@ def make_app(srv: Engine, model_id: str) -> "Starlette":
 
         done = False
         try:
-            if chat:
-                yield chunk({"role": "assistant", "content": ""})
             while not done:
                 kind, value = await job.out.get()
-                if kind == "text":
+                if kind == "start":                 # the prompt is in: how it is held is known
+                    head["kv_protocol"] = value
+                    if chat:
+                        yield chunk({"role": "assistant", "content": ""})
+                elif kind == "text":
                     yield chunk({"content": value})
                 elif kind == "error":
                     done = True
@@ -556,12 +295,13 @@ def metric_families(srv: Engine) -> list[Family]:
                    by(lambda lane: len(lane.starting))),
             Family("kvserve_rows_max", "gauge", "rows of the policy's batch (--max-batch)",
                    by(lambda lane: srv.max_batch)),
-            Family("kvserve_prompt_tokens_total", "counter", "prompt tokens of started requests (reused prefixes included)",
+            Family("kvserve_prompt_tokens_total", "counter", "prompt tokens of requests whose prompt is in (reused "
+                   "prefixes included)",
                    by(lambda lane: srv.tokens[lane.name, "prompt"])),
             Family("kvserve_generation_tokens_total", "counter", "tokens generated (EOS not counted)",
                    by(lambda lane: srv.tokens[lane.name, "completion"])),
             Family("kvserve_prefix_reused_tokens_total", "counter", "prompt tokens copied from a kept prefix "
-                   "instead of prefilled (full only)", by(lambda lane: lane.prefixes.get("reused_tokens", 0))),
+                   "instead of prefilled", by(lambda lane: lane.prefixes.get("reused_tokens", 0))),
             Family("kvserve_prefix_hits_total", "counter", "prompts that started from a kept prefix",
                    by(lambda lane: lane.prefixes.get("hits", 0))),
             Family("kvserve_prefix_bytes", "gauge", "bytes of the kept prefixes (--prefix-cache-mb bounds them)",
@@ -574,6 +314,8 @@ def metric_families(srv: Engine) -> list[Family]:
                    [s for lane in lanes for s in srv.ttft[lane.name].samples({"policy": lane.name})]),
             Family("kvserve_inter_token_latency_seconds", "histogram", "between a request's sampled tokens",
                    [s for lane in lanes for s in srv.itl[lane.name].samples({"policy": lane.name})]),
+            Family("process_resident_memory_bytes", "gauge", "the server process's resident set size",
+                   [({}, rss) for rss in [resident_bytes()] if rss is not None]),
         ]
 
 
@@ -596,7 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "compresses the prompt prefills it in one pass)")
     p.add_argument("--prefix-cache-mb", type=float, default=256,
                    help="MiB per policy of prefilled prompt prefixes kept for reuse (a prompt starting with a kept "
-                        "prefix prefills only the rest; exact, full only: prefix_cache.py); 0: off")
+                        "prefix prefills only the rest: exact with full, compressed without the question with "
+                        "--agnostic-reuse: prefix_cache.py); 0: off")
+    p.add_argument("--agnostic-reuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="a policy that compresses the prompt keeps shared prefixes compressed without their question "
+                        "and appends each request's question (the question-agnostic protocol; responses say "
+                        "kv_protocol 'agnostic'); --no-agnostic-reuse: every prompt is compressed with its question "
+                        "('aware'). Within --prefix-cache-mb")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", help="the id /v1/models reports and requests may name (default: the checkpoint's)")
@@ -641,7 +389,7 @@ def build_engine(args) -> Engine:
                                                                                      engine.decode_step)
     srv = Engine(model, tokenizer, {spec.variant: (str(spec), maker(spec)) for spec in specs}, args.max_batch,
                  args.max_queue, max_seq_length, args.max_new_tokens_limit, steps, args.prefill_chunk,
-                 int(args.prefix_cache_mb * 2 ** 20))
+                 int(args.prefix_cache_mb * 2 ** 20), args.agnostic_reuse)
     if args.compile:
         srv.warm_up()
     return srv

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 from dataclasses import dataclass, field
 
 
@@ -66,3 +67,12 @@ def exposition(families: list[Family]) -> str:
             suffix, labels, value = sample if len(sample) == 3 else ("", *sample)
             lines.append(f"{f.name}{suffix}{label_text(labels)} {number(value)}")
     return "\n".join(lines) + "\n"
+
+
+def resident_bytes():
+    """This process's resident set size now (Linux's /proc/self/statm), or None where there is no /proc."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None

@@ -13,9 +13,17 @@ environment's OMP_WAIT_POLICY (ACTIVE unless set).
 Workloads (text from data/, cut to about --doc-tokens tokens at ~4 characters a token, on a word boundary):
     docs      request i asks a question about its own document (essay i of data/paul_graham_essays, ~1.5k tokens)
     one-doc   every request asks a different question about one document (~3k tokens): a shared prefix
+    short     request i is only question i (a dozen tokens): many small requests, for long runs (--rss)
 Every request streams (`stream: true`, usage asked for) with temperature 0.  Per side: requests/s, output
 tokens/s (usage's completion_tokens, else the content chunks), time to first token and inter-token latency
 (between content chunks) p50/p95, and errors (HTTP status or error event, the first message kept).
+
+Memory: each side's server resident set size (RSS) before the workload (after --warmup requests, not timed)
+and after it, and its growth in %: read from /proc/PID/status for a server this script starts, else from the
+`process_resident_memory_bytes` gauge of the server's /metrics (serve.py has it; absent: not reported).
+
+    python scripts/loadtest.py --server checkpoints/SmolLM2-135M-Instruct --server-flags "--policy snapkv:budget=64" \
+        --workload short --requests 500 --concurrency 8 --max-tokens 8 --threads 1 --warmup 16
 """
 from __future__ import annotations
 
@@ -70,8 +78,10 @@ def workload(name: str, requests: int, doc_tokens: Optional[int]) -> list[str]:
         docs = [document(i, doc_tokens or 1500) for i in range(requests)]
     elif name == "one-doc":
         docs = [document(0, doc_tokens or 3000)] * requests
+    elif name == "short":
+        return [f"Question {i + 1}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(requests)]
     else:
-        raise ValueError(f"unknown workload {name!r}: docs or one-doc")
+        raise ValueError(f"unknown workload {name!r}: docs, one-doc or short")
     return [f"Read the text below and answer the question.\n\n{doc}\n\nQuestion {i + 1}: "
             f"{QUESTIONS[i % len(QUESTIONS)]}" for i, doc in enumerate(docs)]
 
@@ -175,10 +185,12 @@ def table(rows: list[dict]) -> str:
     cols = [("side", "side", "{}"), ("ok", "ok", "{}"), ("errors", "err", "{}"), ("wall_s", "wall s", "{:.1f}"),
             ("requests_per_s", "req/s", "{:.3f}"), ("output_tokens_per_s", "out tok/s", "{:.1f}"),
             ("ttft_p50_s", "TTFT p50", "{:.2f}"), ("ttft_p95_s", "TTFT p95", "{:.2f}"),
-            ("itl_p50_s", "ITL p50 ms", "{:.1f}"), ("itl_p95_s", "ITL p95 ms", "{:.1f}")]
+            ("itl_p50_s", "ITL p50 ms", "{:.1f}"), ("itl_p95_s", "ITL p95 ms", "{:.1f}"),
+            ("rss_start_mib", "RSS start MiB", "{:.1f}"), ("rss_end_mib", "RSS end MiB", "{:.1f}"),
+            ("rss_growth_pct", "RSS growth %", "{:+.2f}")]
 
     def cell(row, key, fmt):
-        v = row[key]
+        v = row.get(key)
         return "-" if v is None else fmt.format(v * 1000 if key.startswith("itl") else v)
     lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r, k, f) for k, _, f in cols) + " |" for r in rows]
@@ -240,16 +252,52 @@ class Started:
         self.log.close()
 
 
-def run_side(side: str, url: Optional[str], started: Optional[tuple], args, prompts: list[str]) -> dict:
-    """One side's workload: against `url`, or a server started from (kind, target, flags) and stopped after."""
-    server = Started(*started[:2], args.threads, started[2], args.startup_timeout) if started else None
+def rss_of(pid: int) -> Optional[int]:
+    """Resident set size of process `pid` in bytes (VmRSS of Linux's /proc/PID/status); None where unreadable."""
     try:
-        results, wall = asyncio.run(run_workload(server.url if server else url, prompts, args.concurrency, args.api,
-                                                 args.model, args.max_tokens, json.loads(args.extra), args.timeout))
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("VmRSS:")), None)
+
+
+def rss_metric(url: str) -> Optional[int]:
+    """The `process_resident_memory_bytes` gauge of the server's GET /metrics; None where it has none."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    return next((int(float(line.split()[1])) for line in text.splitlines()
+                 if line.startswith("process_resident_memory_bytes ")), None)
+
+
+def memory(before: Optional[int], after: Optional[int]) -> dict:
+    """RSS before and after the workload (MiB) and its growth (%); None where not measured."""
+    if before is None or after is None:
+        return {"rss_start_mib": None, "rss_end_mib": None, "rss_growth_pct": None}
+    return {"rss_start_mib": before / 2**20, "rss_end_mib": after / 2**20, "rss_growth_pct": 100 * (after / before - 1)}
+
+
+def run_side(side: str, url: Optional[str], started: Optional[tuple], args, prompts: list[str]) -> dict:
+    """One side's workload: against `url`, or a server started from (kind, target, flags) and stopped after;
+    --warmup requests first (untimed), the server's RSS read before and after the workload."""
+    server = Started(*started[:2], args.threads, started[2], args.startup_timeout) if started else None
+    url = server.url if server else url
+    rss = (lambda: rss_of(server.proc.pid)) if server else (lambda: rss_metric(url))    # noqa: E731
+
+    def run(batch: list[str]):
+        return asyncio.run(run_workload(url, batch, args.concurrency, args.api, args.model, args.max_tokens,
+                                        json.loads(args.extra), args.timeout))
+    try:
+        if args.warmup:
+            run(prompts[:args.warmup])
+        before = rss()
+        results, wall = run(prompts)
+        after = rss()
     finally:
         if server:
             server.stop()
-    return summarize(side, results, wall)
+    return {**summarize(side, results, wall), **memory(before, after)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,9 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer", choices=["llama.cpp"], help="also start llama-cpp-python's server and run the same workload")
     p.add_argument("--gguf", default=str(DEFAULT_GGUF), help="the GGUF file the llama.cpp peer serves")
     p.add_argument("--peer-flags", default="", help="more llama_cpp.server flags, one string")
-    p.add_argument("--workload", choices=["docs", "one-doc"], default="docs")
+    p.add_argument("--workload", choices=["docs", "one-doc", "short"], default="docs")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=0, help="requests (the workload's first) sent before the RSS is "
+                                                         "read and the workload timed")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--doc-tokens", type=int, help="document length in tokens (default: docs 1500, one-doc 3000)")
     p.add_argument("--api", choices=["chat", "completions"], default="chat")
@@ -283,8 +333,9 @@ def main(argv=None) -> int:
     if args.peer and importlib.util.find_spec("llama_cpp") is None:
         print(PEER_MISSING, file=sys.stderr)
         return 2
-    if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
-        print("error: --requests, --concurrency and --max-tokens must be at least 1", file=sys.stderr)
+    if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1 or args.warmup < 0:
+        print("error: --requests, --concurrency and --max-tokens must be at least 1, --warmup at least 0",
+              file=sys.stderr)
         return 2
     prompts = workload(args.workload, args.requests, args.doc_tokens)
     sides = ([("url", args.url, None)] if args.url else []) + \

@@ -21,6 +21,8 @@ SERVER_FLAGS = "--max-batch 2 --max-new-tokens-limit 16 --max-seq-length 512"
 
 
 def test_workloads_share_what_they_should():
+    assert loadtest.workload("short", 2, None) == ["Question 1: " + loadtest.QUESTIONS[0],
+                                                   "Question 2: " + loadtest.QUESTIONS[1]]
     docs = loadtest.workload("docs", 3, 100)
     assert len(set(docs)) == 3 and all(350 < len(d) < 600 for d in docs)       # ~100 tokens of text each
     one = loadtest.workload("one-doc", 3, 100)
@@ -37,6 +39,8 @@ def test_client_measures_a_running_server(tiny_dir):
         prompts = loadtest.workload("one-doc", 4, 60)
         results, wall = asyncio.run(loadtest.run_workload(str(client.base_url), prompts, 2, "completions", None,
                                                           8, {}, 120))
+        rss = loadtest.rss_metric(str(client.base_url).rstrip("/"))       # this process: the server runs in it
+        assert abs(rss / loadtest.rss_of(os.getpid()) - 1) < 0.05
     row = loadtest.summarize("ours", results, wall)
     assert (row["ok"], row["errors"]) == (4, 0), row
     assert 4 <= row["output_tokens"] <= 32 and row["prompt_tokens"] > 4 * 60 // 2
@@ -64,3 +68,20 @@ def test_peer_needs_llama_cpp():
     r = subprocess.run([sys.executable, "scripts/loadtest.py", "--peer", "llama.cpp"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == loadtest.PEER_MISSING
+
+
+def test_a_long_run_reports_a_flat_rss(tiny_dir, tmp_path):
+    """--workload short, 60 requests after 8 warm-up ones: the started server's RSS is read before and after from
+    /proc and grows by less than 10% (a loose bound for a short run; docs/serving.md has the 500-request runs)."""
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "scripts/loadtest.py", "--server", str(tiny_dir), "--server-flags", SERVER_FLAGS,
+                        "--workload", "short", "--requests", "60", "--warmup", "8", "--concurrency", "8",
+                        "--max-tokens", "8", "--threads", "1", "--api", "completions", "--json", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = json.loads(out.read_text())
+    assert (row["ok"], row["errors"]) == (60, 0), row
+    assert 100 < row["rss_start_mib"] < 4000 and row["rss_end_mib"] > 0
+    assert row["rss_growth_pct"] == pytest.approx(100 * (row["rss_end_mib"] / row["rss_start_mib"] - 1))
+    assert row["rss_growth_pct"] < 10, row

@@ -13,9 +13,10 @@ from tests.test_policy_matrix import ARGS, model  # noqa: F401  (model: the tiny
 NEW = 16
 
 
-def drive(batch: engine.RowBatch, prompts: dict, arrivals: dict, staged: bool, prefix_len=None):
+def drive(batch: engine.RowBatch, prompts: dict, arrivals: dict, staged: bool, prefix_len=None, new_tokens=None):
     """Greedy-decode `prompts` through `batch`: request n arrives at loop turn arrivals[n] (first come, first
     served) and leaves after NEW tokens.  Staged: start what fits, then one `advance` per turn; else `admit`.
+    A request admitted from a kept compressed prefix (agnostic) joins when a step completes its prompt.
     -> (logits [NEW, V] per request, [(prompt tokens prefilled since the last step, requests mid-prefill)]
     at each decode step)."""
     got: dict = {n: [] for n in prompts}
@@ -26,7 +27,7 @@ def drive(batch: engine.RowBatch, prompts: dict, arrivals: dict, staged: bool, p
             if staged:
                 while waiting and batch.room > 0:
                     n = waiting.pop(0)
-                    starting[batch.start(prompts[n], prefix_len).row] = n
+                    starting[batch.start(prompts[n], prefix_len, new_tokens).row] = n
                 admitted = batch.advance()
                 names = [starting.pop(row) for row, _ in admitted]
             else:
@@ -35,7 +36,7 @@ def drive(batch: engine.RowBatch, prompts: dict, arrivals: dict, staged: bool, p
             for (row, logits), n in zip(admitted, names):
                 rows[n] = row
                 got[n].append(logits)
-            if rows:
+            if rows or batch.appending:
                 steps.append((batch.prefill_since_step, len(batch.pending)))
                 logits = batch.step({r: int(got[n][-1].argmax()) for n, r in rows.items()})
                 for n, r in list(rows.items()):
@@ -43,7 +44,10 @@ def drive(batch: engine.RowBatch, prompts: dict, arrivals: dict, staged: bool, p
                     if len(got[n]) == NEW:
                         batch.release(r)
                         del rows[n]
-            if not rows and not waiting and not batch.pending and t > max(arrivals.values()):
+                for r in batch.joined:
+                    rows[starting[r]] = r
+                    got[starting.pop(r)].append(logits[r])
+            if not (rows or waiting or batch.pending or batch.appending) and t > max(arrivals.values()):
                 break
     assert all(len(v) == NEW for v in got.values()), "a request did not finish"
     return {n: torch.stack(v) for n, v in got.items()}, steps
@@ -119,6 +123,40 @@ def test_compressing_policy_keeps_no_prefix(model):  # noqa: F811
     ref, _ = drive(row_batch(model, "snapkv"), prompts, dict.fromkeys(prompts, 0), staged=False)
     for n in prompts:
         torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=40,obs_window=8", "h2o:budget=40",
+                                  "snapkv+quest:budget=128,n_critical=96"])
+def test_agnostic_reuse_compresses_a_shared_prefix_once(model, spec):  # noqa: F811
+    """agnostic=True, a compressing policy (an evicting one, a reader): a request decoding (its own prompt,
+    aware) while three questions on one 150-token document arrive together: the first's admission compresses
+    the document alone (the boundary it shares with the waiting others), all three adopt it and append their
+    question one decode step each alongside the other rows; each question's logits equal those of its question
+    appended to the compressed document alone (engine.context_rows + prefill_rows + append_tokens), the lone
+    request's those without reuse."""
+    room = NEW + 24
+    prompts = {"solo": prompts_of({"solo": 60}, seed=2)["solo"],
+               **prompts_of({"q1": 12, "q2": 20, "q3": 7}, shared=150)}
+    arrivals = {"solo": 0, "q1": 2, "q2": 2, "q3": 2}
+    batch = engine.RowBatch(model, lambda: make_policy(spec), 4, 400 + room, room, prefix_bytes=1 << 30,
+                            min_prefix=16, agnostic=True)
+    got, _ = drive(batch, prompts, arrivals, staged=True, new_tokens=NEW)
+    ref, _ = drive(engine.RowBatch(model, lambda: make_policy(spec), 4, 400 + room, room), {"solo": prompts["solo"]},
+                   {"solo": 0}, staged=True)
+    torch.testing.assert_close(got["solo"], ref["solo"], atol=1e-5, rtol=1e-5)
+    stats = batch.prefixes.stats()
+    assert (stats["hits"], stats["reused_tokens"], stats["entries"]) == (2, 300, 1), stats
+    with torch.inference_mode():
+        for n in ("q1", "q2", "q3"):
+            context = engine.context_rows(model, lambda: make_policy(spec), room, 400 + room)
+            engine.prefill_rows(model, prompts[n][:150], 1024)
+            engine.context_rows(model, lambda: make_policy(spec), room, 400 + room).adopt(0, context)
+            logits = [engine.append_tokens(model, prompts[n][150:], 150)[0]]
+            for i in range(NEW - 1):
+                token = logits[-1].argmax()[None, None]
+                pos = torch.tensor([[len(prompts[n]) + i]])
+                logits.append(engine.run_decode(model, token, pos, len(prompts[n]) - 150 + i)[0])
+            torch.testing.assert_close(got[n], torch.stack(logits), atol=1e-5, rtol=1e-5)
 
 
 def test_prefix_cache_is_a_byte_bounded_lru():

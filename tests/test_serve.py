@@ -13,7 +13,9 @@ import uvicorn
 
 import engine
 import serve
+import serve_engine
 from cache import make_policy
+from prefix_cache import common_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,6 +217,100 @@ def test_greedy_alongside_others_equals_alone(tiny_dir):
             assert out["usage"]["completion_tokens"] == len(ref.tokens[0])
 
 
+def post(client, body) -> httpx.Response:
+    return client.post("/v1/completions", json={"temperature": 0, **body})
+
+
+def test_a_requests_own_failure_fails_it_alone(tiny_dir, monkeypatch):
+    """Faults injected for one request each (tokenizing, a prefill chunk, sampling, stop handling), sent together
+    with good requests on both started policies: each faulty one alone gets a 500 (a streamed one an error event),
+    every good one the greedy answer it gets alone; /metrics counts the 500s and the server serves on."""
+    flags = ["--policies", TWO, "--max-batch", "3", "--prefill-chunk", "16", "--max-new-tokens-limit", "32",
+             "--max-seq-length", "256"]
+    with running(tiny_dir, *flags) as (client, srv):
+        encode, prefill, hold_back, sampler = (srv.tokenizer.encode, srv.lanes["full"].batch.prefill,
+                                               serve_engine.hold_back, engine.Sampler.__call__)
+        bad_ids = encode("Bad prefill")
+
+        def bad_encode(text, *a, **k):
+            if "Bad tokenizer" in text:
+                raise RuntimeError("tokenizer fault")
+            return encode(text, *a, **k)
+
+        def bad_prefill(model, tokens, *a):
+            if tokens[0].tolist() == bad_ids:
+                raise RuntimeError("prefill fault")
+            return prefill(model, tokens, *a)
+
+        def bad_hold_back(text, stop):
+            if "Bad stop" in stop:
+                raise RuntimeError("stop fault")
+            return hold_back(text, stop)
+
+        def bad_sampler(self, logits):
+            if self.generator is not None and self.generator.initial_seed() == 666:
+                raise RuntimeError("sampler fault")
+            return sampler(self, logits)
+        monkeypatch.setattr(srv.tokenizer, "encode", bad_encode)
+        monkeypatch.setattr(srv.lanes["full"].batch, "prefill", bad_prefill)
+        monkeypatch.setattr(serve_engine, "hold_back", bad_hold_back)
+        monkeypatch.setattr(engine.Sampler, "__call__", bad_sampler)
+        faults = {"tokenizer fault": {"prompt": "Bad tokenizer"}, "prefill fault": {"prompt": "Bad prefill"},
+                  "stop fault": {"prompt": "Hello", "stop": "Bad stop", "kv_policy": "snapkv"},
+                  "sampler fault": {"prompt": "Hello", "seed": 666, "temperature": 1}}
+        good = [(name, p, n) for name in SPECS for p, n in PROMPTS.items()]
+        before = metrics(client)
+        with ThreadPoolExecutor(len(good) + len(faults) + 1) as pool:
+            ok = pool.map(lambda w: complete(client, w[1], w[2], kv_policy=w[0]), good)
+            failed = pool.map(lambda body: post(client, {"max_tokens": 8, **body}), faults.values())
+            streamed = pool.submit(events, client, "/v1/completions", {"prompt": "Bad prefill", "max_tokens": 4})
+            ok, failed, streamed = list(ok), list(failed), streamed.result()
+        after = metrics(client)
+        assert complete(client, "Hello", 4)["usage"]["completion_tokens"] == 4      # a later request
+    for r, message in zip(failed, faults):
+        assert r.status_code == 500 and r.json()["error"] == {"message": f"RuntimeError: {message}",
+                                                              "type": "server_error", "param": None, "code": None}
+    assert streamed[-2:] == [{"error": {"message": "RuntimeError: prefill fault", "type": "server_error",
+                                        "param": None, "code": None}}, "[DONE]"]
+    for name, spec in SPECS.items():
+        refs = alone(tiny_dir, flags, PROMPTS, spec)
+        assert [out["choices"][0]["text"] for out, w in zip(ok, good) if w[0] == name] == [r.texts[0] for r in refs]
+    delta = lambda name, **labels: after.get((name, frozenset(labels.items())), 0) - \
+        before.get((name, frozenset(labels.items())), 0)                                    # noqa: E731
+    assert delta("kvserve_http_requests_total", status="500") == len(faults)
+    assert delta("kvserve_http_requests_total", status="200") == len(good) + 1
+    assert sum(delta("kvserve_requests_finished_total", policy=name, reason="error") for name in SPECS) == 4
+
+
+def test_a_failed_step_fails_its_lanes_rows_only(tiny_dir):
+    """A failed decode step of one policy's batch fails the requests holding its rows (500) and nothing else: a
+    request of that policy still waiting for a row, and the other policy's requests, get their greedy answers."""
+    flags = ["--policies", TWO, "--max-batch", "2", "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
+    prompt, n = next(iter(PROMPTS.items()))
+    with running(tiny_dir, *flags) as (client, srv):
+        batch = srv.lanes["full"].batch
+        step = batch.step
+
+        def flaky(tokens):                  # fails once, when both rows decode
+            if len(tokens) == 2:
+                batch.step = step
+                raise RuntimeError("boom")
+            return step(tokens)
+        batch.step = flaky
+        work = [("full", prompt, n)] * 3 + [("snapkv", prompt, n)] * 2
+        with ThreadPoolExecutor(len(work)) as pool:
+            got = list(pool.map(lambda w: post(client, {"prompt": w[1], "max_tokens": w[2], "kv_policy": w[0]}),
+                                work))
+        assert srv.lanes["full"].batch is not batch                 # a fresh batch
+        assert complete(client, prompt, n)["choices"][0]["text"]
+    errors = [r for r in got if r.status_code == 500]
+    assert len(errors) == 2 and {r.json()["error"]["message"] for r in errors} == {"RuntimeError: boom"}
+    refs = {name: alone(tiny_dir, flags, {prompt: n}, spec)[0].texts[0] for name, spec in SPECS.items()}
+    for r, (name, _, _) in zip(got, work):
+        assert r.status_code == 500 or r.json()["choices"][0]["text"] == refs[name]
+    assert [r.status_code for r in got[3:]] == [200, 200]
+
+
 DOCUMENT = "Notes on the harbour: the boats leave at dawn, the nets dry at noon, the market opens at four. " * 6
 
 
@@ -235,6 +331,41 @@ def test_chunked_prefill_and_prefix_reuse(tiny_dir):
     assert 'kvserve_prefix_hits_total{policy="full"} 1' in metrics, metrics
     for out, ref in zip(got, alone(tiny_dir, flags, questions, "full")):
         assert out["choices"][0]["text"] == ref.texts[0]
+
+
+def test_agnostic_prefix_reuse_for_a_compressing_policy(tiny_dir):
+    """snapkv: the second request sharing a document with the first compresses that shared prefix alone and
+    appends its question (kv_protocol "agnostic", nothing cached yet), the third adopts the kept compressed prefix
+    (cached_tokens); both answers equal engine.generate(question, context=prefill_context(prefix)) for the same
+    split, the first's (its prompt compressed with its question, "aware") engine.generate alone's; `full` says
+    "exact"; with --no-agnostic-reuse every snapkv prompt is "aware"."""
+    flags = ["--policies", TWO, "--max-batch", "2", "--max-new-tokens-limit", "32", "--max-seq-length", "512"]
+    questions = [DOCUMENT + f"Question {i}: when do the boats leave?" for i in range(3)]
+    with running(tiny_dir, *flags) as (client, srv):
+        got = [complete(client, q, 8, kv_policy="snapkv") for q in questions[:2]]
+        chunks = events(client, "/v1/completions", {"prompt": questions[2], "max_tokens": 8, "temperature": 0,
+                                                     "kv_policy": "snapkv"})
+        exact = complete(client, questions[0], 4)
+        prefix = srv.lanes["snapkv"].prefixes
+    ids = [srv.tokenizer.encode(q) for q in questions]
+    split = common_prefix(ids[0], ids[1])
+    assert split >= 32 and ids[2][:split] == ids[0][:split]
+    assert [out["kv_protocol"] for out in got] == ["aware", "agnostic"] and exact["kv_protocol"] == "exact"
+    assert {c["kv_protocol"] for c in chunks[:-1]} == {"agnostic"}
+    cached = [out["usage"]["prompt_tokens_details"]["cached_tokens"] for out in got] + \
+        [chunks[-2]["usage"]["prompt_tokens_details"]["cached_tokens"]]
+    assert cached == [0, 0, split] and prefix["hits"] == 1 and prefix["reused_tokens"] == split
+    args = serve.build_parser().parse_args(["--checkpoint", str(tiny_dir), *flags])
+    model, tokenizer = engine.load_model(tiny_dir, "cpu")
+    new_policy = lambda: engine.kv_policy(make_policy(SPECS["snapkv"]), args)        # noqa: E731
+    ctx = engine.prefill_context(model, tokenizer, ids[0][:split], new_policy, room=32)   # the rows' decode_room
+    refs = engine.generate(model, tokenizer, [q[split:] for q in ids[1:]], 8, context=ctx).texts
+    assert got[1]["choices"][0]["text"] == refs[0]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == refs[1]
+    assert got[0]["choices"][0]["text"] == alone(tiny_dir, flags, {questions[0]: 8}, SPECS["snapkv"])[0].texts[0]
+    with running(tiny_dir, *flags, "--no-agnostic-reuse") as (client, srv):
+        assert [complete(client, q, 8, kv_policy="snapkv")["kv_protocol"] for q in questions] == ["aware"] * 3
+        assert srv.lanes["snapkv"].batch.prefixes is None
 
 
 def test_kv_policy_choices_and_metrics(tiny_dir):
@@ -359,7 +490,7 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_row(tiny_dir):
 
 
 def test_hold_back_keeps_partial_characters_and_stop_prefixes():
-    assert serve.hold_back("abc", []) == 0
-    assert serve.hold_back("ab\ufffd", []) == 1                 # half a UTF-8 character
-    assert serve.hold_back("xab", ["abc", "zz"]) == 2           # may become the stop string "abc"
-    assert serve.hold_back("abc", ["xy"]) == 0
+    assert serve_engine.hold_back("abc", []) == 0
+    assert serve_engine.hold_back("ab\ufffd", []) == 1                 # half a UTF-8 character
+    assert serve_engine.hold_back("xab", ["abc", "zz"]) == 2           # may become the stop string "abc"
+    assert serve_engine.hold_back("abc", ["xy"]) == 0
