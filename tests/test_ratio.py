@@ -17,6 +17,7 @@ import torch
 import engine
 from cache import POLICIES, PolicyError, make_policy, policy_params
 from cache.base import fill_to_cap, pyramid_budgets
+from cache.quantized import with_kv_bits
 from tests.helpers import greedy_logits, kept
 from tests.test_policy_matrix import ARGS, NEW, alone, model, serve  # noqa: F401  (model: the fixture)
 
@@ -135,3 +136,32 @@ def test_bad_budget_or_ratio_is_a_one_line_error(name, args, message):
 def test_ratio_goes_to_the_storage_policy_under_a_reader():
     policy = make_policy("snapkv+quest:ratio=0.5")
     assert policy.inner.ratio == 0.5 and policy.inner.budget is None
+
+
+@pytest.mark.parametrize("name", BUDGETED)
+def test_ratio_under_kivi_storage_keeps_each_rows_budget(model, name):
+    """4-bit KIVI slots (cache/quantized.py) under ratio=: finite logits, and no row keeps more prompt tokens
+    in a layer than its own budget there."""
+    policy = with_kv_bits(make_policy(name, spec(name, "ratio=0.5")), 4, 8, 16)
+    logits, held = greedy(model, policy, [prompt(n, n) for n in LENGTHS], max(LENGTHS) + STEPS + 1)
+    assert torch.isfinite(logits).all()
+    for layer in range(ARGS.n_layers):
+        for b, n in enumerate(LENGTHS):
+            prompt_kept = max(sum(p < n for p in head) for head in held[layer][b])
+            assert prompt_kept <= policy.row_budget[b, layer], (layer, b)
+
+
+@pytest.mark.parametrize("text", ["snapkv:ratio=0.5", "h2o:ratio=0.75"])
+def test_a_compressed_context_resolves_the_ratio_from_the_context_alone(tiny_dir, essay_text, text):
+    """The agnostic protocol (engine.prefill_context): the ratio resolves against the context's tokens (the
+    question is appended after); questions answered together get the answers each gets asked alone, their
+    rows holding the context's budget."""
+    model, tok = engine.load_model(tiny_dir)
+    ctx = engine.prefill_context(model, tok, essay_text[:1500], lambda: make_policy(text), room=40)
+    ratio = float(text.split("=")[1])
+    assert ctx.policy.describe()["resolved_budget"] == int(len(ctx.ids) * (1 - ratio))
+    questions = ["\n\nQuestion: What is this text about?", "\n\nQuestion: Who?"]
+    together = engine.generate(model, tok, questions, 12, context=ctx)
+    assert model.cache.describe()["resolved_budget"] == int(len(ctx.ids) * (1 - ratio))
+    for q, tokens in zip(questions, together.tokens):
+        assert engine.generate(model, tok, [q], 12, context=ctx).tokens[0] == tokens
