@@ -50,9 +50,9 @@ class D2OPolicy(HeadAgg, Budget, EvictionPolicy):
     defer_compression = True
 
     def validate(self) -> None:
-        super().validate()
         if self.n_sink < 0 or (self.budget is not None and self.budget < self.min_budget()):
             raise ValueError(f"budget ({self.budget}) must be at least n_sink ({self.n_sink}) + 2")
+        super().validate()
         if not 0 <= self.dense_share <= 1:
             raise ValueError(f"dense_share must be in [0, 1], got {self.dense_share}")
         if self.dense_factor < 1 or not 0 < self.ema_beta <= 1 or not 0 < self.recent_share < 1:

@@ -23,9 +23,9 @@ class SnapKVPolicy(HeadAgg, Budget, EvictionPolicy):
     appending = True
 
     def validate(self) -> None:
-        super().validate()
         if self.obs_window < 1 or (self.budget is not None and self.budget < self.min_budget()):
             raise ValueError(f"budget ({self.budget}) must be at least the obs_window ({self.obs_window}), obs_window >= 1")
+        super().validate()
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd and positive, got {self.kernel}")
         if self.pooling not in ("max", "avg"):

@@ -374,7 +374,8 @@ def test_d2o_dense_share_picks_the_lowest_variance_layers():
     variances = [5.0, 300.0, 1.0, 80.0, 900.0, 40.0, 7.0, 60.0]            # lowest two: layers 2 and 0
     assert policy.dense_layers(variances) == [True, False, True, False, False, False, False, False]
     policy.plan([{"variance": torch.tensor(v)} for v in variances])
-    assert policy.budgets[0] == policy.budgets[2] == 2 * policy.budgets[1] and sum(policy.budgets) == 800
+    budgets = policy.layer_budgets(100, 20)                                # a row's split of its budget
+    assert budgets[0] == budgets[2] == 2 * budgets[1] and sum(budgets) == 800
     assert [v * 10 for v in variances] and policy.dense_layers([v * 10 for v in variances]) == \
         policy.dense_layers(variances)                                   # scale-free: longer prompts, same layers
     assert make_policy("d2o", "gate=50").dense_layers(variances) == [True, False, True, False, False, True, True, False]
