@@ -478,7 +478,8 @@ class EvictionPolicy:
     def decode_victim(self, layer: int) -> Tensor:
         """Slot [B, H_kv] an evicting layer overwrites: an empty slot while there is one, else the slot of
         lowest `score` outside the first n_sink and the recent window."""
-        return self.lowest(layer, self.score[layer], self.protected(layer, self.n_sink, self.row_window[:, layer, None, None]))
+        window = self.row_window[:, layer, None, None]          # each row's
+        return self.lowest(layer, self.score[layer], self.protected(layer, self.n_sink, window))
 
     def observe(self, layer: int, p_old: Tensor, p_new: Tensor) -> None:
         """Decode attention probabilities (decode_attention policies): [B, H_kv, G, C], [.., 1]."""
@@ -517,7 +518,8 @@ class EvictionPolicy:
         self.row_window = torch.zeros(max_batch_size, n, dtype=torch.long, device=device)
         # per layer, the budget storage holds: until a prompt arrives, that of a max_seq_length-token prompt
         # (with a ratio the largest any prompt gets: the bound of fixed storage)
-        self.budgets = self.layer_budgets(self.resolve_budget(max_seq_length), max_seq_length) if self.budgeted else None
+        if self.budgeted:
+            self.budgets = self.layer_budgets(self.resolve_budget(max_seq_length), max_seq_length)
         # rows that join a running batch: storage allocated once here (at the bound above), reused by every request
         self.fixed_storage = self.decode_room is not None and self.admission == "row"
         if self.fixed_storage:
