@@ -18,7 +18,7 @@ import engine
 from cache import POLICIES, PolicyError, make_policy, policy_params
 from cache.base import fill_to_cap, pyramid_budgets
 from cache.quantized import with_kv_bits
-from tests.helpers import greedy_logits, kept
+from tests.helpers import Ids, fresh_compiles, greedy_logits, kept, tiny_hf_model
 from tests.test_policy_matrix import ARGS, NEW, alone, model, serve  # noqa: F401  (model: the fixture)
 
 BUDGETED = sorted(name for name, cls in POLICIES.items() if "ratio" in policy_params(cls))
@@ -165,3 +165,19 @@ def test_a_compressed_context_resolves_the_ratio_from_the_context_alone(tiny_dir
     assert model.cache.describe()["resolved_budget"] == int(len(ctx.ids) * (1 - ratio))
     for q, tokens in zip(questions, together.tokens):
         assert engine.generate(model, tok, [q], 12, context=ctx).tokens[0] == tokens
+
+
+def test_compiled_decode_under_a_ratio_never_recompiles(tmp_path):
+    """engine.generate(compile=True) under ratio= (h2o: an evicting layer, whose decode reads the per-row budgets
+    and windows as tensors; snapkv passed too, 2026-11-26, left out for time): a second request with other
+    prompt lengths (other budgets, another storage size) reuses the graphs and decodes what eager decodes."""
+    _, ours = tiny_hf_model("tied_gqa3", tmp_path)
+    counters = fresh_compiles()
+    prompts = [[t % 120 for t in prompt(n, n)] for n in (30, 41)]
+    text = "h2o:ratio=0.5,n_sink=2"
+    engine.generate(ours, Ids(), prompts, max_new_tokens=6, compile=True, policy=make_policy(text))
+    graphs = counters["stats"]["unique_graphs"]
+    longer = [p + p[:9] for p in prompts]
+    second = engine.generate(ours, Ids(), longer, max_new_tokens=8, compile=True, policy=make_policy(text))
+    assert counters["stats"]["unique_graphs"] == graphs, "a new request recompiled"
+    assert second.tokens == engine.generate(ours, Ids(), longer, max_new_tokens=8, policy=make_policy(text)).tokens
