@@ -649,7 +649,9 @@ class RowBatch:
     decodes all rows together, each at its own position; free rows ride along at position -1 and nothing of
     theirs is read or kept.  A policy with admission "batch" makes decisions for the whole batch (layer
     budgets, sharing configurations), so requests start only in an empty batch, all those started together
-    prefilled as one left-padded batch by one advance (as `generate` does).
+    prefilled as one left-padded batch by one advance (as `generate` does).  Storage is fixed when the batch
+    is made: a policy with `ratio=` (its budget a share of each prompt) holds in every row the budget of a
+    max_seq_length-token prompt, and each request resolves its own, smaller or equal, at admission.
 
     prefix_bytes > 0 keeps prefilled prefixes (prefix_cache.py) when the policy declares prefix_reuse: a prompt
     starting with a kept prefix prefills only the rest, exactly (protocol "exact").  With agnostic=True a policy
@@ -974,8 +976,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-prefill", action="store_true",
                    help="with --compile, the prefill step too (on CPU eager prefill is faster)")
     p.add_argument("--max-seq-length", type=int, help="cache length (prompt + new tokens); default: just enough")
-    p.add_argument("--policy", default="full", help=f"KV-cache policy spec NAME[:key=value,...], e.g. snapkv:budget=128 "
-                                                    f"or snapkv+hshare:preset=short; NAME one of {', '.join(policy_names())}")
+    p.add_argument("--policy", default="full", help=f"KV-cache policy spec NAME[:key=value,...], e.g. snapkv:budget=128, "
+                                                    f"snapkv:ratio=0.5 (half the prompt removed) or "
+                                                    f"snapkv+hshare:preset=short; NAME one of {', '.join(policy_names())}")
     p.add_argument("--policy-args", default="", help="more policy parameters, k=v,k=v (--policy X --policy-args k=v "
                                                      "is the same as --policy X:k=v)")
     add_kv_flags(p)

@@ -9,6 +9,24 @@ import engine
 from checkpoint import build_model, read_hf_dir
 
 
+class Ids:
+    """The smallest tokenizer engine.generate needs: prompts given as ids (EOS 127, pad 0)."""
+    eos_ids, pad_id = [127], 0
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def fresh_compiles() -> dict:
+    """Forget every compiled graph (dynamo's and engine.compiled_steps') -> dynamo's counters, cleared: a test
+    then counts the graphs it compiles (counters["stats"]["unique_graphs"])."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    engine._compiled.clear()
+    return counters
+
+
 def tiny_hf_model(kind: str, tmp_path):
     """(transformers model, our model loaded from its saved directory) with random weights:
     'llama31' (llama3 rope scaling), 'mistral' (sliding window 8, head_dim 32), 'tied_gqa3'."""

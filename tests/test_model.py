@@ -9,7 +9,7 @@ import engine
 from cache import make_policy
 import model as model_module
 from model import ModelArgs
-from tests.helpers import compiled_and_eager_decode, tiny_hf_model
+from tests.helpers import Ids, compiled_and_eager_decode, fresh_compiles, tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -167,19 +167,8 @@ def test_generate_compiled_warms_up_and_never_recompiles(policy, tmp_path):
     """engine.generate(compile=True): compilation happens in the warm-up; a second request
     with another prompt length decodes with the same graphs and the same tokens as eager.  The
     prefill step is compiled too (compile_prefill) except for streaming, which checks the default."""
-    from torch._dynamo.utils import counters
-
     _, ours = tiny_hf_model("tied_gqa3", tmp_path)
-
-    class Ids:  # the smallest tokenizer generate() needs: prompts given as ids
-        eos_ids, pad_id = [127], 0
-
-        def decode(self, ids):
-            return " ".join(map(str, ids))
-
-    torch._dynamo.reset()
-    counters.clear()
-    engine._compiled.clear()
+    counters = fresh_compiles()
     torch.manual_seed(1)
     # full: batch 1 (a [1, 1] token's stride is free to differ between warm-up and loop: it once recompiled)
     prompts = [torch.randint(0, 120, (n,)).tolist() for n in ((9,) if policy == "full" else (9, 14))]
