@@ -210,7 +210,9 @@ def server_command(kind: str, target: str, port: int, threads: int, flags: str) 
     if kind == "ours":
         return [sys.executable, str(ROOT / "serve.py"), "--checkpoint", target, "--port", str(port), *shlex.split(flags)]
     return [sys.executable, "-m", "llama_cpp.server", "--model", target, "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096", *shlex.split(flags)]
+            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
+            "--interrupt_requests", "False",     # its default cuts a streaming request short when the next arrives
+            *shlex.split(flags)]
 
 
 class Started:
