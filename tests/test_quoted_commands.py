@@ -176,6 +176,9 @@ def check_options(entry: str, ns: argparse.Namespace) -> None:
         suite.resolve_options(ns)
         suite.parse_policies(ns.policies)
         suite.parse_tasks(ns.tasks)
+    elif entry == "eval.lm_eval_adapter":      # lm-eval's own CLI: our keys are in --model_args
+        from eval import lm_eval_adapter
+        lm_eval_adapter.new_policy(lm_eval_adapter.parse_settings(ns.model_args))
     elif all(hasattr(ns, a) for a in ("policy", "kv_bits", "kv_dtype", "dtype", "device")):
         engine.kv_policy(make_policy(ns.policy, getattr(ns, "policy_args", "")), ns)
 
