@@ -101,6 +101,16 @@ def parse_settings(given: dict) -> Settings:
     return settings
 
 
+def harness_config(model_args: dict, config: dict) -> dict:
+    """The harness's own settings that reach the model (batch_size, device; max_batch_size has no use here).
+    Its CLI always sends a device (default cuda:0): it is ignored where model_args name one, and, as the
+    harness's HF model does, where it names CUDA and none is available (the engine's default then: cpu)."""
+    out = {k: v for k, v in config.items() if v is not None and k != "max_batch_size"}
+    if "device" in model_args or str(out.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
+        out.pop("device", None)
+    return out
+
+
 def new_policy(settings: Settings):
     """A fresh policy of settings.policy with its KV storage (PolicyError/UsageError for bad input)."""
     return engine.kv_policy(make_policy(settings.policy), settings)
@@ -115,7 +125,7 @@ class KVPolicyLM(TemplateLM):
 
     def __init__(self, **model_args):
         super().__init__()
-        self.settings = parse_settings({k: v for k, v in model_args.items() if k != "max_batch_size"})
+        self.settings = parse_settings(model_args)
         new_policy(self.settings)                   # a bad spec or storage fails before the model loads
         self.model, self.tokenizer = engine.load_model(self.settings.checkpoint, self.settings.device,
                                                        self.settings.dtype)
@@ -135,7 +145,11 @@ class KVPolicyLM(TemplateLM):
             args = key_val_to_dict(arg_string or "")
         except ValueError as e:
             raise UsageError(f"model_args {arg_string!r}: {e}") from None
-        return cls(**args, **{k: v for k, v in (additional_config or {}).items() if v is not None})
+        return cls.create_from_arg_obj(args, additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: Optional[dict] = None) -> "KVPolicyLM":
+        return cls(**arg_dict, **harness_config(arg_dict, additional_config or {}))
 
     def new_policy(self):
         return new_policy(self.settings)
