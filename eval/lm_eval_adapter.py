@@ -102,12 +102,12 @@ def parse_settings(given: dict) -> Settings:
 
 
 def harness_config(model_args: dict, config: dict) -> dict:
-    """The harness's own settings that reach the model (batch_size, device; max_batch_size has no use here).
-    Its CLI always sends a device (default cuda:0): it is ignored where model_args name one, and, as the
-    harness's HF model does, where it names CUDA and none is available (the engine's default then: cpu)."""
-    out = {k: v for k, v in config.items() if v is not None and k != "max_batch_size"}
-    if "device" in model_args or str(out.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
-        out.pop("device", None)
+    """The harness's own settings that reach the model (batch_size, device; max_batch_size has no use here),
+    each unless model_args name it.  Its CLI always sends a device (default cuda:0): as the harness's HF model
+    does, one naming CUDA where none is available is dropped (the engine's default then: cpu)."""
+    out = {k: v for k, v in config.items() if v is not None and k not in model_args and k != "max_batch_size"}
+    if str(out.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
+        del out["device"]
     return out
 
 

@@ -170,9 +170,12 @@ def test_simple_evaluate_runs_a_local_task_offline(tiny_dir, tmp_path, monkeypat
     assert res["kv_ppl"]["byte_perplexity,none"] == pytest.approx(float(torch.tensor(nll / n_bytes).exp()), rel=1e-6)
 
 
-def run_cli(*argv, env=None):
+def run_cli(*argv):
+    """The adapter's CLI in a subprocess, offline; its plumbing is under test, so the torch twins of the C++
+    kernels run (KVC_CPU_KERNELS=0: no wait on a kernel build another process holds)."""
     return subprocess.run([sys.executable, "-m", "eval.lm_eval_adapter", *argv], capture_output=True, text=True,
-                          cwd=ROOT, env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=600)
+                          cwd=ROOT, env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1", "KVC_CPU_KERNELS": "0"},
+                          timeout=600)
 
 
 def test_the_cli_runs_a_local_task_and_writes_results(tiny_dir, tmp_path):
@@ -205,7 +208,7 @@ def test_the_harness_device_falls_back_like_its_hf_model():
     cuda = torch.cuda.is_available()
     assert adapter.harness_config({}, {"device": "cuda:0", "batch_size": 1, "max_batch_size": None}) == (
         {"device": "cuda:0", "batch_size": 1} if cuda else {"batch_size": 1})
-    assert adapter.harness_config({"device": "cpu"}, {"device": "cuda:0"}) == {}
+    assert adapter.harness_config({"device": "cpu", "batch_size": 1}, {"device": "cuda:0", "batch_size": 1}) == {}
     assert adapter.harness_config({}, {"device": "cpu"}) == {"device": "cpu"}
 
 
