@@ -176,6 +176,9 @@ def check_options(entry: str, ns: argparse.Namespace) -> None:
         suite.resolve_options(ns)
         suite.parse_policies(ns.policies)
         suite.parse_tasks(ns.tasks)
+    elif entry == "eval.lm_eval_adapter":      # lm-eval's own CLI: our keys are in --model_args
+        from eval import lm_eval_adapter
+        lm_eval_adapter.new_policy(lm_eval_adapter.parse_settings(ns.model_args))
     elif all(hasattr(ns, a) for a in ("policy", "kv_bits", "kv_dtype", "dtype", "device")):
         engine.kv_policy(make_policy(ns.policy, getattr(ns, "policy_args", "")), ns)
 
@@ -205,7 +208,7 @@ def test_the_docs_quote_commands_of_every_kind():
     """The extractor finds the documented commands (a broken extractor would pass everything)."""
     entries = {q.entry for q in quoted_commands()}
     for expected in ("engine.py", "serve.py", "quantize.py", "scripts/benchmark.py", "scripts/peers.py",
-                     "scripts/download.py", "scripts/reproduce.py", "eval.suite", "eval.needle"):
+                     "scripts/download.py", "scripts/reproduce.py", "eval.suite", "eval.needle", "eval.lm_eval_adapter"):
         assert expected in entries, f"no quoted command runs {expected}"
 
 
@@ -214,11 +217,15 @@ def test_the_checker_refuses_what_the_cli_refuses():
            Quoted("x:2", "", "scripts/benchmark.py", ["--policy-args", "budget=1"], False),
            Quoted("x:3", "", "engine.py", ["--checkpoint", "c", "--no-such-flag"], False),
            Quoted("x:4", "", "eval.similarity", ["--policy", "snapkv"], False),
-           Quoted("x:5", "", "engine.py", ["--checkpoint", "c", "--policy", "pod", "--kv-bits", "4"], False)]
+           Quoted("x:5", "", "engine.py", ["--checkpoint", "c", "--policy", "pod", "--kv-bits", "4"], False),
+           Quoted("x:7", "", "eval.lm_eval_adapter", ["--model_args", "checkpoint=c,policy=nosuch", "--tasks", "t"], False),
+           Quoted("x:8", "", "eval.lm_eval_adapter", ["--model_args", "checkpoint=c,polcy=full", "--tasks", "t"], False)]
     for q in bad:
         assert refusal(q) is not None, q.argv
     assert refusal(Quoted("x:6", "", "engine.py", ["--checkpoint", "c", "--policy", "snapkv:budget=64"],
                           False)) is None
+    assert refusal(Quoted("x:9", "", "eval.lm_eval_adapter", ["--model_args", 'checkpoint=c,policy="snapkv:budget=64,obs_window=8"',
+                                                              "--tasks", "t"], False)) is None
 
 
 def test_every_quoted_command_parses():
