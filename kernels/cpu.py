@@ -15,6 +15,7 @@ sparse readers', KIVI's, the dense caches' and the weight-quantized linear layer
                                        KVC_KIVI_ARITH chooses, see kivi_arith_default)
     kivi_write_cpu / kivi_write_range_cpu  == SlotStore.write_torch / write_range_torch, bit for bit
     dense_attention_cpu(q, k, v, n)    decode attention over fp32 or bf16 rows [0, n), all visible
+                                       (vector width: attention_lanes(), KVC_ATTN_LANES)
     decode_attention(q, k, v, visible) == model.grouped_attention of one decode query over a dense cache
                                        (the C++ kernel on fp32 CPU tensors, grouped_attention otherwise)
     kvc::dense_decode                  == dense_decode_torch: a decode step's attention over a DenseCache
@@ -164,7 +165,7 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("kvc::dense_attention")
-    def _(q, k, v, n, scale):
+    def _(q, k, v, n, scale, lanes=0):
         return torch.empty_like(q)
 
     @torch.library.register_fake("kvc::select_top")
@@ -173,7 +174,7 @@ def _register_fakes() -> None:
         return (scores.new_empty((B, H, n), dtype=torch.long), scores.new_empty((B, H, n), dtype=torch.bool))
 
     @torch.library.register_fake("kvc::decode_attention")
-    def _(q, k, v, visible, scale):
+    def _(q, k, v, visible, scale, lanes=0):
         return torch.empty_like(q)
 
     @torch.library.register_fake("kvc::rms_norm")
@@ -187,7 +188,7 @@ def _register_fakes() -> None:
         return qkv.new_empty((B, Hq, T, D)), qkv.new_empty((B, Hkv, T, D)), qkv.new_empty((B, Hkv, T, D))
 
     @torch.library.register_fake("kvc::dense_decode")
-    def _(qkv, cos, sin, k_cache, v_cache, visible, start, Hq, Hkv, scale):
+    def _(qkv, cos, sin, k_cache, v_cache, visible, start, Hq, Hkv, scale, lanes=0):
         return qkv.new_empty((qkv.shape[0], 1, Hq * (qkv.shape[2] // (Hq + 2 * Hkv))))
 
     @torch.library.register_fake("kvc::add_rms_norm")
@@ -315,11 +316,27 @@ def kivi_write_range_cpu(buf, start: int, k: Tensor, v: Tensor, pos: Tensor, now
                                    _unit_stride_rows(pos), now.contiguous(), buf.bits, buf.group)
 
 
+_attn_lanes: Optional[int] = None           # KVC_ATTN_LANES, resolved once (attention_lanes)
+
+
+def attention_lanes() -> int:
+    """The vector width of the dense decode attention ops (kvc::decode_attention, dense_attention,
+    dense_decode) from KVC_ATTN_LANES (read once per process): "auto" (the default, 0: the build's ISA's,
+    16 lanes with AVX-512, 8 with AVX2), "16" or "8" to force one (8 runs the AVX2 path on an AVX-512 CPU)."""
+    global _attn_lanes
+    if _attn_lanes is None:
+        want = os.environ.get("KVC_ATTN_LANES", "auto")
+        if want not in ("auto", "8", "16"):
+            raise ValueError(f"KVC_ATTN_LANES must be auto, 8 or 16; got {want!r}")
+        _attn_lanes = 0 if want == "auto" else int(want)
+    return _attn_lanes
+
+
 def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, n: int, scale: Optional[float] = None) -> Tensor:
     """kvc::dense_attention: q [B, H_q, 1, D] fp32 over slots [0, n) of k, v [B, H_kv, S, D] (fp32 or bf16,
     rows contiguous), every slot visible -> [B, H_q, 1, D]."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return torch.ops.kvc.dense_attention(q.squeeze(2).contiguous(), k, v, n, scale).unsqueeze(2)
+    return torch.ops.kvc.dense_attention(q.squeeze(2).contiguous(), k, v, n, scale, attention_lanes()).unsqueeze(2)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor]) -> Tensor:
@@ -334,7 +351,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor])
             and k.stride(3) == 1 and v.stride(3) == 1 and cpu_kernels_available()):
         vis = torch.empty(0, dtype=torch.bool) if visible is None else _unit_stride_rows(visible)
         return torch.ops.kvc.decode_attention(q.reshape(B, Hq, D).contiguous(), k, v, vis,
-                                              1.0 / math.sqrt(D)).view(B, Hq, 1, D)
+                                              1.0 / math.sqrt(D), attention_lanes()).view(B, Hq, 1, D)
     from model import grouped_attention
     mask = None if visible is None else visible[..., None, :S].expand(B, visible.shape[1], (Hq // k.shape[1]) * T, S)
     return grouped_attention(q, k, v, mask)
@@ -441,7 +458,7 @@ def dense_decode_cpu(qkv: Tensor, cos: Tensor, sin: Tensor, cache, layer: int, n
             and _eager_fp32_cpu(qkv, cos, sin, cache.k[layer])):
         visible = _NO_VISIBLE if cache.mask is None else cache.mask
         return _eager.dense_decode(qkv, cos, sin, cache.k[layer], cache.v[layer], visible, cache.start,
-                                   n_heads, n_kv_heads, 1.0 / math.sqrt(D))
+                                   n_heads, n_kv_heads, 1.0 / math.sqrt(D), attention_lanes())
     return attend(cache.decode, layer, qkv, cos, sin, n_heads, n_kv_heads, rope_split_cpu)
 
 

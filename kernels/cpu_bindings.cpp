@@ -12,7 +12,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(torch::Tensor
                                                                    torch::Tensor sin, int64_t Hq, int64_t Hkv);
 torch::Tensor dense_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                            torch::Tensor v_cache, torch::Tensor visible, int64_t start, int64_t Hq, int64_t Hkv,
-                           double scale);
+                           double scale, int64_t lanes);
 torch::Tensor silu_mul(torch::Tensor gu);
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits,
                       int64_t group, bool portable);

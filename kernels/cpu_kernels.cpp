@@ -7,17 +7,19 @@
 //       exact attention of each decode query over its index list, reading the selected K/V rows in
 //       place (no gathered copy): per list, scores q.k for the G query heads sharing it (Hidx = Hkv)
 //       or for the one head owning it (Hidx = Hq), softmax, weighted sum of V rows.  D % 16 == 0.
-//   kvc::dense_attention(q, k, v, n, scale): the same over rows 0..n-1 of fp32 or bf16 K/V (below)
-//   kvc::decode_attention(q [B, Hq, D], k, v [B, Hkv, S, D] (rows contiguous), visible [B, 1 or Hkv, >= S]
-//                         bool (or empty: all visible), scale) -> [B, Hq, D]
+//   kvc::decode_attention(q [B, Hq, D], k, v [B, Hkv, S, D] (rows contiguous, fp32 or bf16), visible
+//                         [B, 1 or Hkv, >= S] bool (or empty: all visible), scale, lanes = 0) -> [B, Hq, D]
 //       dense decode attention over every slot [0, S) (masked ones skipped), split into chunks of the
-//       slots so that all threads work when B * Hkv is small; the chunks merge by log-sum-exp.
+//       slots so that all threads work when B * Hkv is small; the chunks merge by log-sum-exp.  Scores
+//       of 8 or 16 slots reduced together (attend_dense); lanes: the vector width, 16 (AVX-512) or 8
+//       (AVX2), 0: the build's ISA's (forced by tests and KVC_ATTN_LANES, see kernels/cpu.py)
+//   kvc::dense_attention(q, k, v, n, scale, lanes = 0): the same over rows 0..n-1, all visible
 //   kvc::rms_norm(x [..., D], weight [D], eps) -> x * rsqrt(mean(x^2) + eps) * weight (one op for the eager step)
 //   kvc::rope_split(qkv [B, T, (Hq + 2 Hkv) D], cos, sin [B, T, D] (or [B, 1, T, D]), Hq, Hkv) -> q [B, Hq, T, D], k, v [B, Hkv, T, D]
 //       the fused projection's heads split out, q and k rotated (model.apply_rope), all contiguous
 //   kvc::silu_mul(gu [..., 2 F]) -> silu(gu[..., :F]) * gu[..., F:] (SwiGLU's gate times up)
 //   kvc::dense_decode(qkv [B, 1, (Hq + 2 Hkv) D], cos, sin [B, 1, D], k_cache, v_cache [B, Hkv, C, D], visible,
-//                     start, Hq, Hkv, scale) -> [B, 1, Hq D]
+//                     start, Hq, Hkv, scale, lanes = 0) -> [B, 1, Hq D]
 //       a decode step's attention over a dense cache in one op: rope_split, k and v stored into slot
 //       `start`, decode_attention over slots [0, start] (visible [B, R, >= start + 1] bool, row 0, or empty)
 //   kvc::add_rms_norm(x, y [..., D], weight [D], eps) -> (x + y, rms_norm(x + y)) (a residual add and a norm)
@@ -199,62 +201,198 @@ torch::Tensor sparse_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                              idx.size(1), idx.size(2), scale);
 }
 
-//   kvc::dense_attention(q [B, Hq, D] fp32, k, v [B, Hkv, S, D] fp32 or bf16 (rows contiguous), n, scale)
-//       -> [B, Hq, D]: each decode query over slots [0, n) of its KV head (all visible), bf16 rows
-//       widened in registers: the 16-bit cache's decode attention without an fp32 copy.
-torch::Tensor dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n, double scale) {
-  TORCH_CHECK(k.dtype() == v.dtype() && (k.dtype() == torch::kFloat || k.dtype() == torch::kBFloat16),
-              "kvc::dense_attention: fp32 or bf16 K/V");
-  TORCH_CHECK(n >= 1 && n <= k.size(2), "kvc::dense_attention: 1 <= n <= S");
-  if (k.dtype() == torch::kFloat) return attend_lists<float>(q, k, v, nullptr, nullptr, k.size(1), n, scale);
-  return attend_lists<uint16_t>(q, k, v, nullptr, nullptr, k.size(1), n, scale);
+// ------------------------------------------------------------------------------------- dense decode attention
+// G query rows (q [G, D], consecutive) over rows 0..N-1 of kb / vb (row strides k_row, v_row; T float or
+// bf16), vis[n] false hiding row n (vis may be null), in vectors V of W = 8 (AVX2) or 16 (AVX-512) lanes:
+//   scores: for every block of W rows and query row, the W rows' products with q (D / W lanes each) are
+//           reduced together (reduce_lanes: W - 1 blend-and-add rounds instead of a horizontal add per
+//           row), one vector of W scores; K is read once for all G rows (the block stays in L1)
+//   softmax: exp(s - max) in place over the G x N scores (vectorized)
+//   values: per block of PV_ROWS rows, register blocks of GB query rows x CB vectors of D accumulate the
+//           weighted rows (V read once, the block re-read from L1 per register block)
+// s: G * round_up(N, W) floats, acc: G * D floats (the caller's per-thread buffers), out [G, D], lse [G]
+// (null: not wanted) the log-sum-exp of each row's scores for merging partials (-inf: nothing visible).
+constexpr int64_t PV_ROWS = 32;
+
+template <typename V, int D, typename T>
+static void dense_scores(const float* qs, int64_t G, const T* kb, int64_t k_row, const bool* vis, int64_t N,
+                         float* s, int64_t NP, float* m) {
+  constexpr int W = Lanes<V>::W, C = D / W;
+  for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY;
+  for (int64_t n0 = 0; n0 < N; n0 += W) {
+    const int64_t rows = std::min<int64_t>(W, N - n0);
+    for (int64_t g = 0; g < G; ++g) {
+      V q[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) q[c] = load_vec<V>(qs + g * D + c * W);
+      V x[W];
+#pragma GCC unroll 16
+      for (int j = 0; j < W; ++j) {
+        if (j >= rows) { x[j] = V{}; continue; }
+        const T* kr = kb + (n0 + j) * k_row;
+        V a = q[0] * load_vec<V>(kr);
+#pragma GCC unroll 8
+        for (int c = 1; c < C; ++c) a += q[c] * load_vec<V>(kr + c * W);
+        x[j] = a;
+      }
+      V sc = reduce_lanes(x);
+      if (vis || rows < W)
+        for (int j = 0; j < W; ++j)
+          if (j >= rows || (vis && !vis[n0 + j])) sc[j] = -INFINITY;
+      __builtin_memcpy(s + g * NP + n0, &sc, sizeof sc);
+      m[g] = std::max(m[g], hmax(sc));
+    }
+  }
+}
+
+// s[g * NP + n] <- exp(s - m[g]) in place; returns through l[g] their sums
+template <typename V>
+static void dense_softmax(int64_t G, float* s, int64_t NP, const float* m, float* l) {
+  constexpr int W = Lanes<V>::W;
+  for (int64_t g = 0; g < G; ++g) {
+    const float mg = std::isinf(m[g]) ? 0.f : m[g];             // nothing visible: all weights 0
+    V sum = {};
+    for (int64_t n = 0; n < NP; n += W) {
+      V x = vexp(load_vec<V>(s + g * NP + n) - mg);
+      __builtin_memcpy(s + g * NP + n, &x, sizeof x);
+      sum += x;
+    }
+    l[g] = hsum(sum);
+  }
+}
+
+// acc[g * D + d] += sum over rows n of [n0, n0 + rows) of e[g * NP + n] v[n][d], rows g0..g0+GB-1
+template <typename V, int D, int GB, int CB, typename T>
+static inline void dense_values_block(const float* e, int64_t NP, const T* vb, int64_t v_row, const bool* vis,
+                                      int64_t n0, int64_t rows, int64_t g0, float* acc) {
+  constexpr int W = Lanes<V>::W;
+#pragma GCC unroll 2
+  for (int cb = 0; cb < D / W; cb += CB) {
+    V a[GB][CB];
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 4
+      for (int c = 0; c < CB; ++c) a[g][c] = load_vec<V>(acc + (g0 + g) * D + (cb + c) * W);
+    for (int64_t n = n0; n < n0 + rows; ++n) {
+      if (vis && !vis[n]) continue;                             // hidden rows may hold anything
+      const T* vr = vb + n * v_row + cb * W;
+#pragma GCC unroll 4
+      for (int c = 0; c < CB; ++c) {
+        const V v = load_vec<V>(vr + c * W);
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) a[g][c] += e[(g0 + g) * NP + n] * v;
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 4
+      for (int c = 0; c < CB; ++c) __builtin_memcpy(acc + (g0 + g) * D + (cb + c) * W, &a[g][c], sizeof(V));
+  }
+}
+
+template <typename V, int D, typename T>
+static void dense_values(const float* e, int64_t G, int64_t NP, const T* vb, int64_t v_row, const bool* vis,
+                         int64_t N, float* acc) {
+  constexpr int W = Lanes<V>::W, GB = W == 16 ? 4 : 2, CB = D / W < 4 ? D / W : 4;   // AVX2: 16 registers
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t n0 = 0; n0 < N; n0 += PV_ROWS) {
+    const int64_t rows = std::min<int64_t>(PV_ROWS, N - n0);
+    for (int64_t g = 0; g < G;) {
+      const int64_t gb = std::min<int64_t>(GB, G - g);
+      if (gb == 4) dense_values_block<V, D, 4, CB>(e, NP, vb, v_row, vis, n0, rows, g, acc);
+      else if (gb == 3) dense_values_block<V, D, 3, CB>(e, NP, vb, v_row, vis, n0, rows, g, acc);
+      else if (gb == 2) dense_values_block<V, D, 2, CB>(e, NP, vb, v_row, vis, n0, rows, g, acc);
+      else dense_values_block<V, D, 1, CB>(e, NP, vb, v_row, vis, n0, rows, g, acc);
+      g += gb;
+    }
+  }
+}
+
+template <typename V, int D, typename T>
+static void attend_dense(const float* q, int64_t G, const T* kb, int64_t k_row, const T* vb, int64_t v_row,
+                         const bool* vis, int64_t N, float scale, float* work, float* out, float* lse) {
+  constexpr int W = Lanes<V>::W;
+  const int64_t NP = (N + W - 1) / W * W;
+  float* qs = work;                                             // [G, D] the scaled queries
+  float* m = qs + G * D;                                        // [G] the largest scores
+  float* l = m + G;                                             // [G] the weights' sums
+  float* acc = l + G;                                           // [G, D]
+  float* s = acc + G * D;                                       // [G, NP]
+  for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * scale;
+  dense_scores<V, D>(qs, G, kb, k_row, vis, N, s, NP, m);
+  dense_softmax<V>(G, s, NP, m, l);
+  dense_values<V, D>(s, G, NP, vb, v_row, vis, N, acc);
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
+    if (lse) lse[g] = l[g] > 0.f ? m[g] + std::log(l[g]) : -INFINITY;
+  }
+}
+
+// floats attend_dense's `work` needs
+static int64_t dense_work(int64_t G, int64_t D, int64_t N) { return 2 * G * D + 2 * G + G * ((N + 15) / 16 * 16); }
+
+// the vector width of kvc::decode_attention / dense_attention: `lanes` 8 or 16, or 0: the build's ISA's
+// (16 where it has AVX-512, else 8 (AVX2): 16-lane vectors there take two registers and spill)
+static int dense_lanes(int64_t lanes) {
+  TORCH_CHECK(lanes == 0 || lanes == 8 || lanes == 16, "kvc dense attention: lanes must be 0 (the ISA's), 8 or 16");
+#if defined(__AVX512F__)
+  return lanes ? (int)lanes : 16;
+#else
+  return lanes ? (int)lanes : 8;
+#endif
+}
+
+template <typename T>
+static void attend_dense_any(int lanes, const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, const T* vb,
+                             int64_t v_row, const bool* vis, int64_t N, float scale, float* work, float* out,
+                             float* lse) {
+  if (lanes == 16 && D == 64) attend_dense<v16, 64>(q, G, kb, k_row, vb, v_row, vis, N, scale, work, out, lse);
+  else if (lanes == 16) attend_dense<v16, 128>(q, G, kb, k_row, vb, v_row, vis, N, scale, work, out, lse);
+  else if (D == 64) attend_dense<v8, 64>(q, G, kb, k_row, vb, v_row, vis, N, scale, work, out, lse);
+  else attend_dense<v8, 128>(q, G, kb, k_row, vb, v_row, vis, N, scale, work, out, lse);
+}
+
+// slot chunks per (batch row, KV head) list: enough tasks for every thread (~4 each, a multiple of the
+// threads so that each gets as many), none shorter than 256 slots
+static int64_t dense_chunks(int64_t lists, int64_t S, int64_t threads) {
+  const int64_t most = std::max<int64_t>(1, S / 256);
+  int64_t c = std::min(most, (4 * threads + lists - 1) / lists);
+  for (int64_t t = c; t <= most && t <= c + threads; ++t)
+    if ((lists * t) % threads == 0) return t;
+  return std::max<int64_t>(1, c);
 }
 
 // dense decode attention: every query head of a GQA group over slots [0, S) of its KV head, the slots
 // split into chunks (flash-decoding) so that both threads work even with few KV heads; each chunk is
-// attend_rows over its rows in place, the chunks' partials merged by log-sum-exp
-// (slots [0, S) of k, v, whose third dim may be larger: a dense cache's buffers)
-static torch::Tensor decode_attention_n(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                        int64_t S, const torch::Tensor& visible, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat && k.dtype() == torch::kFloat && v.dtype() == torch::kFloat,
-              "kvc::decode_attention: fp32 only");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
-  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.stride(3) == 1 && v.stride(3) == 1,
-              "k/v must be [B, Hkv, S, D] with contiguous rows");
-  TORCH_CHECK(S >= 1 && S <= k.size(2), "kvc::decode_attention: 1 <= slots <= the buffers' length");
+// attend_dense over its rows in place, the chunks' partials merged by log-sum-exp
+// (slots [0, S) of k, v, whose third dim may be larger: a dense cache's buffers; T float or bf16)
+template <typename T>
+static torch::Tensor decode_attention_t(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        int64_t S, const torch::Tensor& visible, double scale, int lanes) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
-  TORCH_CHECK(D == 64 || D == 128, "kvc::decode_attention: head_dim 64 or 128");
   const bool has_vis = visible.numel() > 0;
-  TORCH_CHECK(!has_vis || (visible.dim() == 3 && visible.size(0) == B && (visible.size(1) == 1 || visible.size(1) == Hkv)
-                           && visible.size(2) >= S && visible.stride(2) == 1 && visible.dtype() == torch::kBool),
-              "visible must be bool [B, 1 or Hkv, >= S] with contiguous rows");
   const int64_t lists = B * Hkv, threads = at::get_num_threads();
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(S / 256, (4 * threads + lists - 1) / lists));
-  const int64_t chunk = (S + chunks - 1) / chunks;
+  const int64_t chunks = dense_chunks(lists, S, threads), chunk = (S + chunks - 1) / chunks;
   auto part = torch::empty({lists, chunks, G, D}, q.options());
-  auto lse = torch::empty({lists, chunks, G}, q.options());
+  auto lse = chunks > 1 ? torch::empty({lists, chunks, G}, q.options()) : torch::Tensor();
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const T* kp = (const T*)k.data_ptr();
+  const T* vp = (const T*)v.data_ptr();
   const bool* visp = has_vis ? visible.data_ptr<bool>() : nullptr;
   float* pp = part.data_ptr<float>();
-  float* lp = lse.data_ptr<float>();
+  float* lp = chunks > 1 ? lse.data_ptr<float>() : nullptr;
   at::parallel_for(0, lists * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(4 * chunk);
-    std::vector<int64_t> il(chunk);
+    thread_local std::vector<float> work;
+    work.resize(std::max<size_t>(work.size(), dense_work(G, D, chunk)));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / chunks, c = i % chunks, b = r / Hkv, h = r % Hkv;
       const int64_t n0 = c * chunk, N = std::max<int64_t>(0, std::min(S, n0 + chunk) - n0);
-      for (int64_t n = 0; n < N; ++n) il[n] = n0 + n;
-      const float* kb = kp + b * k.stride(0) + h * k.stride(1);
-      const float* vb = vp + b * v.stride(0) + h * v.stride(1);
+      const T* kb = kp + b * k.stride(0) + h * k.stride(1) + n0 * k.stride(2);
+      const T* vb = vp + b * v.stride(0) + h * v.stride(1) + n0 * v.stride(2);
       const bool* vl = visp ? visp + b * visible.stride(0) + (visible.size(1) == 1 ? 0 : h * visible.stride(1)) + n0 : nullptr;
-      const float* qr = qp + (b * Hq + h * G) * D;
-      float* o = pp + i * G * D;
-      if (D == 64)
-        attend_list<4>(qr, G, kb, k.stride(2), vb, v.stride(2), il.data(), vl, N, (float)scale, s.data(), o, lp + i * G);
-      else
-        attend_list<8>(qr, G, kb, k.stride(2), vb, v.stride(2), il.data(), vl, N, (float)scale, s.data(), o, lp + i * G);
+      attend_dense_any<T>(lanes, qp + (b * Hq + h * G) * D, G, D, kb, k.stride(2), vb, v.stride(2), vl, N,
+                          (float)scale, work.data(), pp + i * G * D, lp ? lp + i * G : nullptr);
     }
   });
   if (chunks == 1) return part.view({B, Hq, D});
@@ -277,9 +415,39 @@ static torch::Tensor decode_attention_n(const torch::Tensor& q, const torch::Ten
   return out;
 }
 
+static torch::Tensor decode_attention_n(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        int64_t S, const torch::Tensor& visible, double scale, int64_t lanes) {
+  TORCH_CHECK(q.dtype() == torch::kFloat && k.dtype() == v.dtype() &&
+              (k.dtype() == torch::kFloat || k.dtype() == torch::kBFloat16),
+              "kvc dense attention: fp32 q, fp32 or bf16 k/v");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.stride(3) == 1 && v.stride(3) == 1,
+              "k/v must be [B, Hkv, S, D] with contiguous rows");
+  TORCH_CHECK(S >= 1 && S <= k.size(2), "kvc dense attention: 1 <= slots <= the buffers' length");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
+  TORCH_CHECK(D == 64 || D == 128, "kvc dense attention: head_dim 64 or 128");
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv > 0 && Hq % Hkv == 0, "kvc dense attention: q [B, Hq, D] "
+              "against k/v [B, Hkv, S, D] with Hq a multiple of Hkv");
+  TORCH_CHECK(visible.numel() == 0 || (visible.dim() == 3 && visible.size(0) == B &&
+                                       (visible.size(1) == 1 || visible.size(1) == Hkv) && visible.size(2) >= S &&
+                                       visible.stride(2) == 1 && visible.dtype() == torch::kBool),
+              "visible must be bool [B, 1 or Hkv, >= S] with contiguous rows");
+  const int w = dense_lanes(lanes);
+  if (k.dtype() == torch::kFloat) return decode_attention_t<float>(q, k, v, S, visible, scale, w);
+  return decode_attention_t<uint16_t>(q, k, v, S, visible, scale, w);
+}
+
+//   kvc::dense_attention(q [B, Hq, D] fp32, k, v [B, Hkv, S, D] fp32 or bf16 (rows contiguous), n, scale, lanes)
+//       -> [B, Hq, D]: each decode query over slots [0, n) of its KV head (all visible), bf16 rows
+//       widened in registers: the 16-bit cache's decode attention without an fp32 copy.
+torch::Tensor dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n, double scale,
+                              int64_t lanes) {
+  return decode_attention_n(q, k, v, n, torch::empty({0}, q.options().dtype(torch::kBool)), scale, lanes);
+}
+
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor visible,
-                               double scale) {
-  return decode_attention_n(q, k, v, k.size(2), visible, scale);
+                               double scale, int64_t lanes) {
+  return decode_attention_n(q, k, v, k.size(2), visible, scale, lanes);
 }
 
 // one row of rms_norm
@@ -366,7 +534,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(torch::Tensor
 // visible [B, R, >= start + 1] (bool, or empty: all visible) -> [B, 1, Hq D] (wo's input, heads in order)
 torch::Tensor dense_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                            torch::Tensor v_cache, torch::Tensor visible, int64_t start, int64_t Hq, int64_t Hkv,
-                           double scale) {
+                           double scale, int64_t lanes) {
   TORCH_CHECK(qkv.dtype() == torch::kFloat && cos.dtype() == torch::kFloat && sin.dtype() == torch::kFloat &&
               qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && qkv.dim() == 3 && qkv.size(1) == 1,
               "kvc::dense_decode: contiguous fp32 qkv [B, 1, (Hq + 2 Hkv) D], cos, sin [B, 1, D]");
@@ -394,7 +562,7 @@ torch::Tensor dense_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor s
     TORCH_CHECK(visible.dim() == 3 && visible.size(0) == B, "kvc::dense_decode: visible must be bool [B, R, >= start + 1]");
     vis = visible.select(1, 0).unsqueeze(1);                        // [B, 1, L]: the group's rows are equal
   }
-  return decode_attention_n(q, k_cache, v_cache, start + 1, vis, scale).view({B, 1, Hq * D});
+  return decode_attention_n(q, k_cache, v_cache, start + 1, vis, scale, lanes).view({B, 1, Hq * D});
 }
 
 // silu(gate) * up over gu = (gate, up) on the last dim, fp32
@@ -493,13 +661,13 @@ std::tuple<torch::Tensor, torch::Tensor> select_top(torch::Tensor scores, torch:
 TORCH_LIBRARY(kvc, m) {
   m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor idx, Tensor valid, float scale) -> Tensor");
   m.def("select_top(Tensor scores, Tensor bias, int n) -> (Tensor, Tensor)");
-  m.def("dense_attention(Tensor q, Tensor k, Tensor v, SymInt n, float scale) -> Tensor");
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor visible, float scale) -> Tensor");
+  m.def("dense_attention(Tensor q, Tensor k, Tensor v, SymInt n, float scale, int lanes=0) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor visible, float scale, int lanes=0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int Hq, int Hkv) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("dense_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor visible, "
-        "int start, int Hq, int Hkv, float scale) -> Tensor");
+        "int start, int Hq, int Hkv, float scale, int lanes=0) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor y, Tensor weight, float eps) -> (Tensor, Tensor)");
 }
 

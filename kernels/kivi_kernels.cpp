@@ -795,32 +795,12 @@ static void dense_int(const float* q, const Row& r, int64_t n, std::vector<float
 // (bits * (d / W), the planar layout) and the code table: no permute, no scalar unpacking.
 //   scores: when the list enters a new key group, its scale folds into the query (qs = q * s_k) and
 //           its minimum into a vector z = q * m_k; an entry's GB score vectors are z + qs * code
-//           (16 partial sums each), reduced 16 entries at a time (hsum16);
+//           (16 partial sums each), reduced 16 entries at a time (reduce_lanes);
 //   values: weights e = exp(s - m) over the whole list (vectorized), then each value dequantized in
 //           registers (code * s_v + m_v, its own scale and minimum: one broadcast per vector when
 //           G >= 16) and added with e to GB accumulators in registers.
 // Ring entries: exact keys and values from their ring rows.  Prefetches run AHEAD entries ahead,
 // once per new 16-slot line (words, value scales) or key group (its scales and minimums).
-
-// x[j] -> lane j of the result: the sum of x[j]'s 16 lanes (x is overwritten).  Each round adds the
-// two halves of every segment of two vectors (segments of 2H lanes -> H lanes, entities in order)
-template <int H>
-static inline v16 add_halves(v16 u, v16 v) {
-  v16i lo, hi;
-  for (int l = 0; l < L; ++l) {
-    const int seg = l / H, per = 8 / H;                       // per: segments (entities) per input
-    lo[l] = (seg < per ? 0 : L) + (seg % per) * 2 * H + l % H;
-    hi[l] = lo[l] + H;
-  }
-  return __builtin_shuffle(u, v, lo) + __builtin_shuffle(u, v, hi);
-}
-
-static inline v16 hsum16(v16* x) {
-  for (int k = 0; k < 8; ++k) x[k] = add_halves<8>(x[2 * k], x[2 * k + 1]);
-  for (int k = 0; k < 4; ++k) x[k] = add_halves<4>(x[2 * k], x[2 * k + 1]);
-  for (int k = 0; k < 2; ++k) x[k] = add_halves<2>(x[2 * k], x[2 * k + 1]);
-  return add_halves<1>(x[0], x[1]);
-}
 
 #if !defined(__AVX512F__) && defined(__AVX2__)
 // a 16-lane vector as its two AVX2 halves (lanes 0-7, 8-15), and two halves as one vector
@@ -1001,7 +981,7 @@ static void sparse_scores(const float* q, const Row& r, const SlotLanes<BITS, D>
       }
     }
     for (int b = 0; b < GB; ++b) {
-      const v16 x = read ? hsum16(part[b]) : bcast(-INFINITY);
+      const v16 x = read ? reduce_lanes(part[b]) : bcast(-INFINITY);
       mv[b] = x > mv[b] ? x : mv[b];
       store16(s + b * npad + i0, x);
     }

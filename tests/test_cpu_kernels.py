@@ -120,13 +120,17 @@ def test_select_slots_dispatch():
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,S,D,Hvis", [(1, 9, 3, 2048, 64, 1), (2, 9, 3, 700, 64, 3), (1, 4, 4, 37, 128, 1),
-                                               (3, 8, 2, 1100, 128, 2), (1, 9, 3, 300, 64, 0)])
+                                               (3, 8, 2, 1100, 128, 2), (1, 9, 3, 300, 64, 0), (2, 12, 2, 17, 64, 2),
+                                               (1, 10, 2, 1, 128, 1), (8, 9, 3, 515, 64, 1), (2, 3, 3, 15, 64, 0)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_equals_grouped_attention(B, Hq, Hkv, S, D, Hvis, threads):
+@pytest.mark.parametrize("lanes", [8, 16], ids=["avx2", "avx512"])
+def test_decode_attention_equals_grouped_attention(B, Hq, Hkv, S, D, Hvis, threads, lanes, monkeypatch):
     """The dense decode kernel (split over chunks of slots, merged by log-sum-exp) against model.grouped_attention:
-    GQA, MHA, D 64/128, strided caches, visibility per batch row or per KV head or none, a row with nothing
-    visible (-> 0), large logits."""
+    GQA (groups of 3, 4, 5 and 6 query rows: every register block), MHA, D 64/128, strided caches, lengths
+    below, at and past the 8- or 16-slot blocks, visibility per batch row or per KV head or none, a row with
+    nothing visible (-> 0), large logits; in the AVX2 (8 lanes) and AVX-512 (16 lanes) vector widths."""
     from kernels.cpu import decode_attention
+    monkeypatch.setattr("kernels.cpu._attn_lanes", lanes)
     g = torch.Generator().manual_seed(S)
     q = torch.randn(B, Hq, 1, D, generator=g) * 3
     k, v = torch.randn(2, B, Hkv, S + 7, D, generator=g)[:, :, :, :S]          # live prefix of a larger buffer
@@ -144,6 +148,23 @@ def test_decode_attention_equals_grouped_attention(B, Hq, Hkv, S, D, Hvis, threa
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     if vis is not None and B > 1:
         assert out[1, :Hq // Hkv if Hvis > 1 else Hq].abs().max() == 0
+
+
+def test_attention_lanes_reads_kvc_attn_lanes(monkeypatch):
+    """KVC_ATTN_LANES: auto -> 0 (the build's ISA's), 8 or 16 forced, anything else an error; the default on
+    this CPU is the width of its ISA (dense_lanes in kernels/cpu_kernels.cpp)."""
+    from kernels import cpu
+    for value, lanes in (("auto", 0), ("8", 8), ("16", 16)):
+        monkeypatch.setattr(cpu, "_attn_lanes", None)
+        monkeypatch.setenv("KVC_ATTN_LANES", value)
+        assert cpu.attention_lanes() == lanes
+    monkeypatch.setattr(cpu, "_attn_lanes", None)
+    monkeypatch.setenv("KVC_ATTN_LANES", "4")
+    with pytest.raises(ValueError, match="KVC_ATTN_LANES"):
+        cpu.attention_lanes()
+    q, k = torch.randn(1, 2, 64), torch.randn(1, 1, 5, 64)
+    with pytest.raises(RuntimeError, match="lanes"):
+        torch.ops.kvc.decode_attention(q, k, k, torch.empty(0, dtype=torch.bool), 0.125, 4)
 
 
 def test_rms_norm_cpu_equals_model_rms_norm():
@@ -178,10 +199,12 @@ def test_rope_split_cpu_equals_model_rope_split(B, T):
 @pytest.mark.parametrize("B,Hq,Hkv,C,start,D,vis", [(1, 9, 3, 600, 512, 64, "mask"), (2, 8, 2, 40, 17, 128, "mask"),
                                                      (1, 4, 4, 10, 0, 64, "none"), (2, 9, 3, 1200, 1100, 64, "none")])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_dense_decode_equals_twin(B, Hq, Hkv, C, start, D, vis, threads):
+@pytest.mark.parametrize("lanes", [8, 16], ids=["avx2", "avx512"])
+def test_dense_decode_equals_twin(B, Hq, Hkv, C, start, D, vis, threads, lanes):
     """kvc::dense_decode (heads split, RoPE, slot writes, decode attention over [0, start]) against
     dense_decode_torch: the output, the written slot, and every other slot untouched; a visibility mask
-    with the DenseCache's [B, G, n] rows (row 0 read) hiding some slots of each row, or none."""
+    with the DenseCache's [B, G, n] rows (row 0 read) hiding some slots of each row, or none; both vector
+    widths."""
     import math
     from kernels.cpu import dense_decode_torch
     from model import ModelArgs, rope_tables
@@ -202,7 +225,7 @@ def test_dense_decode_equals_twin(B, Hq, Hkv, C, start, D, vis, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = torch.ops.kvc.dense_decode(qkv, c, s, k, v, visible, start, Hq, Hkv, 1.0 / math.sqrt(D))
+        got = torch.ops.kvc.dense_decode(qkv, c, s, k, v, visible, start, Hq, Hkv, 1.0 / math.sqrt(D), lanes)
     finally:
         torch.set_num_threads(before)
     assert got.shape == (B, 1, Hq * D)

@@ -243,10 +243,13 @@ def test_residual_size_after_n_tokens(R):
 
 
 @cpp
-def test_dense_bf16_attention_equals_sdpa():
-    """kvc::dense_attention over bf16 rows (the --kv-dtype bfloat16 cache) == SDPA over their fp32 values."""
+@pytest.mark.parametrize("lanes", [8, 16], ids=["avx2", "avx512"])
+def test_dense_bf16_attention_equals_sdpa(lanes, monkeypatch):
+    """kvc::dense_attention over bf16 rows (the --kv-dtype bfloat16 cache) == SDPA over their fp32 values,
+    in both vector widths (kernels.cpu.attention_lanes)."""
+    monkeypatch.setattr("kernels.cpu._attn_lanes", lanes)
     g = torch.Generator().manual_seed(3)
-    for D, (B, Hq, H), n in ((64, (2, 9, 3), 77), (128, (1, 4, 4), 300)):
+    for D, (B, Hq, H), n in ((64, (2, 9, 3), 77), (128, (1, 4, 4), 300), (64, (1, 6, 1), 9)):
         k, v = (torch.randn(2, B, H, n + 10, D, generator=g)).bfloat16()
         q = torch.randn(B, Hq, 1, D, generator=g)
         ref = grouped_attention(q, k[:, :, :n].float(), v[:, :, :n].float(), None)
@@ -311,12 +314,14 @@ def test_bench_kivi_attention_runs(n_critical, capsys):
     from kernels.cpu import kivi_int_arith
     bench_kivi_attention.main(["--batch", "1", "--seq", "256", "--n-critical", str(n_critical), "--bits", "4,2",
                                "--repeats", "1", "--inner", "1", "--layers", "1", "--threads", "1",
-                               "--peak-size", "256"])
+                               "--peak-size", "256", "--read-mib", "16"])
     lines = capsys.readouterr().out.splitlines()
-    assert f"N={n_critical or 'all'}" in lines[0] and "FMA peak" in lines[0]
+    assert f"N={n_critical or 'all'}" in lines[0] and "FMA peak" in lines[0] and "read rate" in lines[0]
     arith = kivi_int_arith()
     names = ["fp32", "kivi4", "kivi2"]
     if n_critical == 0 and arith != "fp32":
         names = ["fp32", "kivi4", f"kivi4 {arith}", "kivi2", f"kivi2 {arith}"]
+    if n_critical == 0:
+        names.insert(1, "fp32 lanes8")
     assert [ln.split(":")[0].strip() for ln in lines[1:]] == names
-    assert all("G MAC/s" in ln and "% of peak" in ln for ln in lines[1:])
+    assert all("G MAC/s" in ln and "% of peak" in ln and "% of read rate" in ln and "bound" in ln for ln in lines[1:])
