@@ -14,14 +14,14 @@ Backends of `QuantizedLinear` (chosen when the module is built, by its device):
     cpp     CPU: kernels/cpu_qlinear.cpp on 16-row tiles (`to_tiles`).  For up to MAX_GEMV_ROWS rows of x
             a GEMV: y = W~ x~, with x~ the activations rounded to 16-bit integers per block of 32
             (relative error <= 2^-16 of the block's largest value), summed exactly in int32 by AVX-512
-            VNNI (portable loops without it).  Twin: `qlinear_reference`.  More rows (prefill):
+            VNNI (portable loops without it).  Twin: `qlinear_reference`.  From MIN_INT_ROWS rows (prefill):
             `kvc::qlinear_int`, the stored codes times int8 activations (per row and block of 32,
             d = max|x| / 127) in integer arithmetic, AVX-512 VNNI vpdpbusd or AVX2 vpmaddubsw
             (`prefill_arith`, from KVC_QLINEAR_ARITH: kernels/cpu.py qlinear_arith_default).  Twin:
             `qlinear_int_reference`.  On a 2-core AVX-512 EPYC (1 thread, 512 rows, the default model's
             layer shapes) VNNI ran at 112-143 G MAC/s, AVX2 at 39-82, oneDNN's fp32 matmul at 32-47.
-            With prefill_arith "fp32" (or no integer ISA): W~ dequantized once (`kvc::qdequant`) and the
-            dense matmul, y = x W~^T.
+            In between, or with prefill_arith "fp32" (or no integer ISA): W~ dequantized once
+            (`kvc::qdequant`) and the dense matmul, y = x W~^T.
     triton  CUDA: a GEMV that dequantizes the row-major codes in registers (y = x W~^T) for up to
             MAX_GEMV_ROWS rows; more rows dequantize W~ once and use the dense matmul.
     torch   anywhere (no compiler for the C++ kernels, or backend="torch"): dequantize + F.linear.
@@ -50,6 +50,9 @@ from .cpu import ARITH, qlinear_arith_default
 TILE = 16            # rows per CPU tile
 MIN_GROUP = 32       # group sizes are multiples of this
 MAX_GEMV_ROWS = 16   # rows of x up to which the GEMV kernels run (more: dequantize + dense matmul)
+MIN_INT_ROWS = 128   # rows of x from which the CPU prefill takes int8 activations (kvc::qlinear_int): shorter
+                     # prompts (chat turns) keep exact activations, where dequantizing costs little; with int8
+                     # ones the default chat prompt's first answer token, a near-tie, flipped for Q4_1 and int4
 
 triton = tl = None   # imported lazily by _kernels(): importing this module never imports Triton
 _eager_ops = None    # kernels.cpu.eager_ops() once a layer takes the cpp backend (eager calls skip the dispatcher)
@@ -330,14 +333,14 @@ class QuantizedLinear(nn.Module):
         self.prefill_arith = qlinear_arith_default() if self.backend == "cpp" else "fp32"
 
     def _cpp(self, x: Tensor) -> Tensor:
-        """x [M, K] -> [M, N]: the GEMV kernel for decode-sized M, else the integer prefill kernel in
-        `prefill_arith` (or, "fp32", dequantize + dense matmul)."""
+        """x [M, K] -> [M, N]: the GEMV kernel for decode-sized M, from MIN_INT_ROWS rows the integer prefill
+        kernel in `prefill_arith` (unless "fp32"), else dequantize + dense matmul."""
         if x.shape[0] <= MAX_GEMV_ROWS:
             fp32 = x.dtype == torch.float32 and x.is_contiguous()
             out = torch.ops.kvc.qlinear(x if fp32 else x.float().contiguous(), self.weight, self.scales, self.mins,
                                         self.bits, self.group, False)
             out = out if x.dtype == torch.float32 else out.to(x.dtype)
-        elif self.prefill_arith != "fp32":
+        elif self.prefill_arith != "fp32" and x.shape[0] >= MIN_INT_ROWS:
             out = torch.ops.kvc.qlinear_int(x.float().contiguous(), self.weight, self.scales, self.mins, self.bits,
                                             self.group, ARITH[self.prefill_arith])
             out = out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
 import engine  # noqa: E402
 import kernels.cpu  # noqa: E402
 from kernels.cpu import ARITH, qlinear_arith_default, qlinear_int_arith  # noqa: E402
-from kernels.qlinear import (MAX_GEMV_ROWS, QuantizedLinear, dequantize, qlinear_int_reference,  # noqa: E402
+from kernels.qlinear import (MIN_INT_ROWS, QuantizedLinear, dequantize, qlinear_int_reference,  # noqa: E402
                              qlinear_torch, to_tiles)
 from quantize import quantize_int4, quantize_weight  # noqa: E402
 from tests.helpers import needs_cpp, prompt_logits  # noqa: E402
@@ -75,17 +75,20 @@ def test_twin_within_int8_rounding_of_fp32_activations(mode, group, sym):
 
 @needs_cpp
 def test_quantized_linear_prefill_switch(monkeypatch):
-    """More than MAX_GEMV_ROWS rows take kvc::qlinear_int in prefill_arith (default: the best built);
-    "fp32" takes the old path (dequantize + dense matmul: exact to the twin); bf16 in, bf16 out."""
+    """From MIN_INT_ROWS rows kvc::qlinear_int runs in prefill_arith (default: the best built); "fp32", and
+    fewer rows (more than MAX_GEMV_ROWS), take the old path (dequantize + dense matmul: exact to the twin);
+    bf16 in, bf16 out."""
     qw = quantize_int4(weight(), 32)
     lin = QuantizedLinear(qw)
     assert lin.prefill_arith == qlinear_arith_default()
-    x = torch.randn(2, MAX_GEMV_ROWS, 256, generator=torch.Generator().manual_seed(0))   # 32 rows
+    short = torch.randn(MIN_INT_ROWS - 1, 256)
+    assert torch.equal(lin(short), qlinear_torch(short, qw))
+    x = torch.randn(2, MIN_INT_ROWS // 2, 256, generator=torch.Generator().manual_seed(0))
     x2 = x.view(-1, 256)
     for arith in built_ariths():
         lin.prefill_arith = arith
         y = lin(x)
-        assert y.shape == (2, MAX_GEMV_ROWS, 96)
+        assert y.shape == (2, MIN_INT_ROWS // 2, 96)
         assert torch.equal(y.view(-1, 96), torch.ops.kvc.qlinear_int(x2, *to_tiles(qw), 4, 32, ARITH[arith])[:, :96])
         assert lin(x.bfloat16()).dtype == torch.bfloat16
     lin.prefill_arith = "fp32"
@@ -115,7 +118,7 @@ def test_int_kernel_errors():
 @pytest.mark.model
 @needs_cpp
 def test_real_model_integer_prefill_close_to_fp32_activations(default_gguf):
-    """The Q4_1 GGUF's prompt logits (185 positions, the head included) with the integer prefill against
+    """The Q4_1 GGUF's prompt logits (185 positions >= MIN_INT_ROWS, the head included) with the integer prefill against
     the fp32-activation path (the same weights).  Measured (AVX-512 VNNI): mean KL 0.0029 nats per
     position, max |diff| 1.43 on logits up to 40, the same argmax at 96.2% of the positions; bounds
     asserted: KL < 0.01, agreement >= 0.93.  (Perplexity, 2048 + 256 tokens: 22.142 vs 22.110.)"""
