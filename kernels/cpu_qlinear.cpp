@@ -119,6 +119,38 @@ inline __m512 load_half16(const uint16_t* h) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 }
 
+// acc[m][u] += float(ia[m][u]) * (scale * d) (+ min * xs for int4): block b's int32 sums (group g) of TT
+// tiles from t and MR rows of x from m0 into the fp32 accumulators (both kernels' block end)
+template <int BITS, int MR, int TT>
+inline void add_block(__m512 (&acc)[MR][TT], const __m512i (&ia)[MR][TT], const uint16_t* scale, const uint16_t* mins,
+                      const float* xd, const float* xs, int64_t t, int64_t m0, int64_t b, int64_t g, int64_t NG,
+                      int64_t KB) {
+#pragma GCC unroll 4
+  for (int u = 0; u < TT; ++u) {
+    const int64_t so = ((t + u) * NG + g) * 16;
+    const __m512 sc = load_half16(scale + so);
+    const __m512 mn = BITS == 4 ? load_half16(mins + so) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const int64_t xb = (m0 + m) * KB + b;
+      acc[m][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][u]), _mm512_mul_ps(sc, _mm512_set1_ps(xd[xb])), acc[m][u]);
+      if (BITS == 4) acc[m][u] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[xb]), acc[m][u]);
+    }
+  }
+}
+
+// the MR x TT accumulators into out (row m0, the first column of tile t; rows N apart)
+template <int MR, int TT>
+inline void store_tiles(float* out, int64_t N, const __m512 (&acc)[MR][TT]) {
+  for (int m = 0; m < MR; ++m)
+    for (int u = 0; u < TT; ++u) _mm512_storeu_ps(out + m * N + u * 16, acc[m][u]);
+}
+
+template <int MR, int TT, class V>
+inline void zero(V (&a)[MR][TT], V z) {
+  for (int m = 0; m < MR; ++m)
+    for (int u = 0; u < TT; ++u) a[m][u] = z;
+}
+
 // TT consecutive tiles x MR rows of x: each 64-byte load is unpacked once into int16 pairs and used by
 // the MR rows; one int32 accumulator per (row, tile) and block
 template <int BITS, int MR, int TT>
@@ -127,13 +159,11 @@ void tiles_vnni(const Problem& p, int64_t t, int64_t m0) {
   constexpr int LOADS = BITS == 4 ? 4 : 8;           // 64-byte loads per tile and block of 32 channels
   const __m512i nib = _mm512_set1_epi32(0x000F000F);
   __m512 acc[MR][TT];
-  for (int m = 0; m < MR; ++m)
-    for (int u = 0; u < TT; ++u) acc[m][u] = _mm512_setzero_ps();
+  zero<MR, TT>(acc, _mm512_setzero_ps());
   for (int64_t b = 0; b < KB; ++b) {
     const int64_t g = b * BLOCK / p.G;
     __m512i ia[MR][TT];
-    for (int m = 0; m < MR; ++m)
-      for (int u = 0; u < TT; ++u) ia[m][u] = _mm512_setzero_si512();
+    zero<MR, TT>(ia, _mm512_setzero_si512());
 #pragma GCC unroll 8
     for (int l = 0; l < LOADS; ++l) {
 #pragma GCC unroll 4
@@ -158,20 +188,9 @@ void tiles_vnni(const Problem& p, int64_t t, int64_t m0) {
         }
       }
     }
-#pragma GCC unroll 4
-    for (int u = 0; u < TT; ++u) {
-      const int64_t so = ((t + u) * NG + g) * 16;
-      const __m512 sc = load_half16(p.scale + so);
-      const __m512 mn = BITS == 4 ? load_half16(p.mins + so) : _mm512_setzero_ps();
-      for (int m = 0; m < MR; ++m) {
-        const int64_t xb = (m0 + m) * KB + b;
-        acc[m][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][u]), _mm512_mul_ps(sc, _mm512_set1_ps(p.xd[xb])), acc[m][u]);
-        if (BITS == 4) acc[m][u] = _mm512_fmadd_ps(mn, _mm512_set1_ps(p.xs[xb]), acc[m][u]);
-      }
-    }
+    add_block<BITS, MR, TT>(acc, ia, p.scale, p.mins, p.xd, p.xs, t, m0, b, g, NG, KB);
   }
-  for (int m = 0; m < MR; ++m)
-    for (int u = 0; u < TT; ++u) _mm512_storeu_ps(p.out + (m0 + m) * p.N + (t + u) * 16, acc[m][u]);
+  store_tiles<MR, TT>(p.out + m0 * p.N + t * 16, p.N, acc);
 }
 
 template <int BITS, int TT>
@@ -303,9 +322,6 @@ void check(const torch::Tensor& w, const torch::Tensor& scales, const torch::Ten
 //         (2 * 127 * 127 = 32258), one vpmaddwd per load.
 // Work: threads split the tiles; each walks the rows in chunks of ROWS_CHUNK (its tiles stay in L2, a
 // chunk of x~ in L1/L2) with a register block of MR rows x TT tiles.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define KVC_QINT_VNNI 1
-#endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVC_QINT_AVX2 1
 #endif
@@ -313,7 +329,7 @@ void check(const torch::Tensor& w, const torch::Tensor& scales, const torch::Ten
 enum QArith { QARITH_AVX2 = 1, QARITH_VNNI = 2 };      // kernels/cpu.py ARITH codes (0 = fp32: not this op)
 
 bool qarith_built(int64_t arith) {
-#ifdef KVC_QINT_VNNI
+#ifdef KVC_VNNI
   if (arith == QARITH_VNNI) return true;
 #endif
 #ifdef KVC_QINT_AVX2
@@ -324,18 +340,9 @@ bool qarith_built(int64_t arith) {
 
 constexpr int64_t ROWS_CHUNK = 64;
 
-struct IntProblem {
-  const uint8_t* w;
-  const uint16_t* scale;
-  const uint16_t* mins;          // nullptr for int8
-  const int8_t* xq;              // [M, K] x~ codes in tile byte order
-  const float* xd;               // [M, K/32] block scales d
-  const float* xs;               // [M, K/32] d * sum q_x (int4's min term)
-  const int32_t* xi;             // [M, K/32] sum q_x
-  float* out;                    // [M, N]
-  int64_t M, N, K, G;
-  int bits;
-  int64_t tile_bytes() const { return K * 2 * bits; }
+struct IntProblem : Problem {   // Problem's 16-bit xq unused (nullptr)
+  const int8_t* xq8;             // [M, K] x~ codes in tile byte order
+  const int32_t* xi;             // [M, K/32] sum q_x (Problem's xs: d * sum q_x, int4's min term)
 };
 
 // position of channel i (0..31) of a block in the tile byte order
@@ -370,20 +377,18 @@ void quantize_rows_int8(const float* x, int64_t M, int64_t K, int bits, int8_t* 
   });
 }
 
-#ifdef KVC_QINT_VNNI
+#ifdef KVC_VNNI
 template <int BITS, int MR, int TT>
 void int_tiles_vnni(const IntProblem& p, int64_t t, int64_t m0) {
   const int64_t NG = p.K / p.G, KB = p.K / BLOCK, TB = p.tile_bytes();
   constexpr int LOADS = BITS == 4 ? 4 : 8;           // 64-byte loads per tile and block of 32 channels
   const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[MR][TT];
-  for (int m = 0; m < MR; ++m)
-    for (int u = 0; u < TT; ++u) acc[m][u] = _mm512_setzero_ps();
+  zero<MR, TT>(acc, _mm512_setzero_ps());
   for (int64_t b = 0; b < KB; ++b) {
     const int64_t g = b * BLOCK / p.G;
     __m512i ia[MR][TT];
-    for (int m = 0; m < MR; ++m)
-      for (int u = 0; u < TT; ++u) ia[m][u] = _mm512_setzero_si512();
+    zero<MR, TT>(ia, _mm512_setzero_si512());
 #pragma GCC unroll 8
     for (int l = 0; l < LOADS; ++l) {
 #pragma GCC unroll 4
@@ -391,7 +396,7 @@ void int_tiles_vnni(const IntProblem& p, int64_t t, int64_t m0) {
         const __m512i v = _mm512_loadu_si512(p.w + (t + u) * TB + (b * LOADS + l) * 64);
 #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
-          const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq + (m0 + m) * p.K + b * BLOCK);
+          const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq8 + (m0 + m) * p.K + b * BLOCK);
           if (BITS == 4) {
             ia[m][u] = _mm512_dpbusd_epi32(ia[m][u], _mm512_and_si512(v, nib), _mm512_set1_epi32(xq[2 * l]));
             ia[m][u] = _mm512_dpbusd_epi32(ia[m][u], _mm512_and_si512(_mm512_srli_epi32(v, 4), nib),
@@ -402,22 +407,12 @@ void int_tiles_vnni(const IntProblem& p, int64_t t, int64_t m0) {
         }
       }
     }
-#pragma GCC unroll 4
-    for (int u = 0; u < TT; ++u) {
-      const int64_t so = ((t + u) * NG + g) * 16;
-      const __m512 sc = load_half16(p.scale + so);
-      const __m512 mn = BITS == 4 ? load_half16(p.mins + so) : _mm512_setzero_ps();
-      for (int m = 0; m < MR; ++m) {
-        const int64_t xb = (m0 + m) * KB + b;
-        __m512i s = ia[m][u];
-        if (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * p.xi[xb]));
-        acc[m][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sc, _mm512_set1_ps(p.xd[xb])), acc[m][u]);
-        if (BITS == 4) acc[m][u] = _mm512_fmadd_ps(mn, _mm512_set1_ps(p.xs[xb]), acc[m][u]);
-      }
-    }
+    if (BITS == 8)                               // the + 128 of the u8 operand: 128 * sum q_x per row
+      for (int m = 0; m < MR; ++m)
+        for (int u = 0; u < TT; ++u) ia[m][u] = _mm512_sub_epi32(ia[m][u], _mm512_set1_epi32(128 * p.xi[(m0 + m) * KB + b]));
+    add_block<BITS, MR, TT>(acc, ia, p.scale, p.mins, p.xd, p.xs, t, m0, b, g, NG, KB);
   }
-  for (int m = 0; m < MR; ++m)
-    for (int u = 0; u < TT; ++u) _mm512_storeu_ps(p.out + (m0 + m) * p.N + (t + u) * 16, acc[m][u]);
+  store_tiles<MR, TT>(p.out + m0 * p.N + t * 16, p.N, acc);
 }
 
 template <int BITS, int TT>
@@ -447,7 +442,7 @@ void int_half_avx2(const IntProblem& p, int64_t t, int h, int64_t m0) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + (b * LOADS + l) * 64));
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
-        const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq + (m0 + m) * p.K + b * BLOCK);
+        const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq8 + (m0 + m) * p.K + b * BLOCK);
         if (BITS == 4) {          // int16 pair sums over the whole block (ia: int16 lanes here)
           ia[m] = _mm256_add_epi16(ia[m], _mm256_maddubs_epi16(_mm256_and_si256(v, nib), _mm256_set1_epi32(xq[2 * l])));
           ia[m] = _mm256_add_epi16(ia[m], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 4), nib),
@@ -483,7 +478,7 @@ void int_rows_avx2(const IntProblem& p, int64_t t, int64_t m0, int64_t m1) {
 
 // tiles [t0, t1) for rows [m0, m1) in the arithmetic `arith` (built: checked by the op)
 void int_rows(const IntProblem& p, int64_t arith, int64_t t0, int64_t t1, int64_t m0, int64_t m1) {
-#ifdef KVC_QINT_VNNI
+#ifdef KVC_VNNI
   if (arith == QARITH_VNNI) {
     int64_t t = t0;
     for (; t + 2 <= t1; t += 2) p.bits == 4 ? int_rows_vnni<4, 2>(p, t, m0, m1) : int_rows_vnni<8, 2>(p, t, m0, m1);
@@ -547,10 +542,10 @@ torch::Tensor qlinear_int(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   auto xi = torch::empty({M, KB}, x.options().dtype(torch::kInt));
   quantize_rows_int8(x.data_ptr<float>(), M, K, static_cast<int>(bits), xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
                      xs.data_ptr<float>(), xi.data_ptr<int32_t>());
-  IntProblem p{reinterpret_cast<const uint8_t*>(w.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-               bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr,
-               xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), xi.data_ptr<int32_t>(),
-               out.data_ptr<float>(), M, N, K, group, static_cast<int>(bits)};
+  IntProblem p{{reinterpret_cast<const uint8_t*>(w.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr, nullptr,
+                xd.data_ptr<float>(), xs.data_ptr<float>(), out.data_ptr<float>(), M, N, K, group, static_cast<int>(bits)},
+               xq.data_ptr<int8_t>(), xi.data_ptr<int32_t>()};
   run_int(p, arith);
   return out;
 }
