@@ -20,6 +20,8 @@ sparse readers', KIVI's, the dense caches' and the weight-quantized linear layer
     kvc::dense_decode                  == dense_decode_torch: a decode step's attention over a DenseCache
     cpu_eager_ops()                    model.EagerOps with kvc::rms_norm, add_rms_norm, rope_split, silu_mul
                                        and dense_decode in eager fp32 CPU steps (the loader's choice)
+    qlinear_arith_default()            the quantized layers' prefill arithmetic (KVC_QLINEAR_ARITH: kvc::qlinear_int
+                                       in int8 x int4/int8 integer arithmetic, VNNI or AVX2, or fp32 dequantize + matmul)
     eager_ops()                        the ops an eager decode step calls per layer as direct Python bindings
                                        (kernels/cpu_bindings.cpp): ~2 us less per call than torch.ops.kvc
 
