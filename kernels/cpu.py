@@ -21,6 +21,8 @@ sparse readers', KIVI's, the dense caches' and the weight-quantized linear layer
     kvc::dense_decode                  == dense_decode_torch: a decode step's attention over a DenseCache
     cpu_eager_ops()                    model.EagerOps with kvc::rms_norm, add_rms_norm, rope_split, silu_mul
                                        and dense_decode in eager fp32 CPU steps (the loader's choice)
+    qlinear_arith_default()            the quantized layers' prefill arithmetic (KVC_QLINEAR_ARITH: kvc::qlinear_int
+                                       in int8 x int4/int8 integer arithmetic, VNNI or AVX2, or fp32 dequantize + matmul)
     eager_ops()                        the ops an eager decode step calls per layer as direct Python bindings
                                        (kernels/cpu_bindings.cpp): ~2 us less per call than torch.ops.kvc
 
@@ -203,6 +205,10 @@ def _register_fakes() -> None:
     def _(x, w, scales, mins, bits, group, portable):
         return x.new_empty((*x.shape[:-1], w.shape[0] * 16))
 
+    @torch.library.register_fake("kvc::qlinear_int")
+    def _(x, w, scales, mins, bits, group, arith):
+        return x.new_empty((x.shape[0], w.shape[0] * 16))
+
     @torch.library.register_fake("kvc::linear_small_m")
     def _(x, w, bias):
         return x.new_empty((x.shape[0], w.shape[0]))
@@ -266,12 +272,43 @@ def kivi_arith_default() -> str:
     fp32-arithmetic op), or "avx2" / "vnni" to force one."""
     global _kivi_arith
     if _kivi_arith is None:
-        want = os.environ.get("KVC_KIVI_ARITH", "auto")
-        if want not in ("auto", "int") and want not in ARITH:
-            raise ValueError(f"KVC_KIVI_ARITH must be auto, int, {', '.join(ARITH)}; got {want!r}")
         best = kivi_int_arith()
-        _kivi_arith = (best if best == "vnni" else "fp32") if want == "auto" else best if want == "int" else want
+        _kivi_arith = _arith_from_env("KVC_KIVI_ARITH", best, best if best == "vnni" else "fp32")
     return _kivi_arith
+
+
+def _arith_from_env(var: str, best: str, auto: str) -> str:
+    """The arithmetic environment variable `var` names: "auto" (or unset) -> `auto`, "int" -> `best`
+    (the integer arithmetic built), else one of ARITH (ValueError for anything else)."""
+    want = os.environ.get(var, "auto")
+    if want not in ("auto", "int") and want not in ARITH:
+        raise ValueError(f"{var} must be auto, int, {', '.join(ARITH)}; got {want!r}")
+    return auto if want == "auto" else best if want == "int" else want
+
+
+_qlinear_arith: Optional[str] = None         # KVC_QLINEAR_ARITH, resolved once (qlinear_arith_default)
+
+
+def qlinear_int_arith() -> str:
+    """The integer arithmetic this build has for kvc::qlinear_int (the quantized layers' prefill): "vnni",
+    "avx2", or "fp32" when it has neither (or the kernels are not built)."""
+    if not cpu_kernels_available():
+        return "fp32"
+    return {v: k for k, v in ARITH.items()}[_eager.qlinear_int_arith()]
+
+
+def qlinear_arith_default() -> str:
+    """The arithmetic of the quantized linear layers' prefill-sized calls (more than
+    kernels.qlinear.MAX_GEMV_ROWS rows), from KVC_QLINEAR_ARITH (read once per process): "auto" (the
+    default) and "int": qlinear_int_arith() (int8 activations x the stored codes, kvc::qlinear_int;
+    on a 2-core AVX-512 EPYC both VNNI and the AVX2 path ran the default model's layers faster than
+    oneDNN's fp32 matmul), "fp32" (the weight dequantized + the dense fp32 matmul, the path before),
+    or "avx2" / "vnni" to force one (an error where not built)."""
+    global _qlinear_arith
+    if _qlinear_arith is None:
+        best = qlinear_int_arith()
+        _qlinear_arith = _arith_from_env("KVC_QLINEAR_ARITH", best, best)
+    return _qlinear_arith
 
 
 def kivi_attention_cpu(q: Tensor, buf, pos: Tensor, visible: Optional[Tensor], now: Tensor, n: int,

@@ -32,11 +32,12 @@
 #include <cstring>
 #include <cmath>
 #include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVC_VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
 #define KVC_AVX2 1
 #endif
 
@@ -106,10 +107,48 @@ void tile_portable(const Problem& p, int64_t t, int64_t m) {
   std::memcpy(p.out + m * p.N + t * 16, acc, sizeof acc);
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+inline __m256 load_half8(const uint16_t* h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+#endif
+
 #ifdef KVC_VNNI
 // ------------------------------------------------------------------------------------------- VNNI
 inline __m512 load_half16(const uint16_t* h) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+}
+
+// acc[m][u] += float(ia[m][u]) * (scale * d) (+ min * xs for int4): block b's int32 sums (group g) of TT
+// tiles from t and MR rows of x from m0 into the fp32 accumulators (both kernels' block end)
+template <int BITS, int MR, int TT>
+inline void add_block(__m512 (&acc)[MR][TT], const __m512i (&ia)[MR][TT], const uint16_t* scale, const uint16_t* mins,
+                      const float* xd, const float* xs, int64_t t, int64_t m0, int64_t b, int64_t g, int64_t NG,
+                      int64_t KB) {
+#pragma GCC unroll 4
+  for (int u = 0; u < TT; ++u) {
+    const int64_t so = ((t + u) * NG + g) * 16;
+    const __m512 sc = load_half16(scale + so);
+    const __m512 mn = BITS == 4 ? load_half16(mins + so) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const int64_t xb = (m0 + m) * KB + b;
+      acc[m][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][u]), _mm512_mul_ps(sc, _mm512_set1_ps(xd[xb])), acc[m][u]);
+      if (BITS == 4) acc[m][u] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[xb]), acc[m][u]);
+    }
+  }
+}
+
+// the MR x TT accumulators into out (row m0, the first column of tile t; rows N apart)
+template <int MR, int TT>
+inline void store_tiles(float* out, int64_t N, const __m512 (&acc)[MR][TT]) {
+  for (int m = 0; m < MR; ++m)
+    for (int u = 0; u < TT; ++u) _mm512_storeu_ps(out + m * N + u * 16, acc[m][u]);
+}
+
+template <int MR, int TT, class V>
+inline void zero(V (&a)[MR][TT], V z) {
+  for (int m = 0; m < MR; ++m)
+    for (int u = 0; u < TT; ++u) a[m][u] = z;
 }
 
 // TT consecutive tiles x MR rows of x: each 64-byte load is unpacked once into int16 pairs and used by
@@ -120,13 +159,11 @@ void tiles_vnni(const Problem& p, int64_t t, int64_t m0) {
   constexpr int LOADS = BITS == 4 ? 4 : 8;           // 64-byte loads per tile and block of 32 channels
   const __m512i nib = _mm512_set1_epi32(0x000F000F);
   __m512 acc[MR][TT];
-  for (int m = 0; m < MR; ++m)
-    for (int u = 0; u < TT; ++u) acc[m][u] = _mm512_setzero_ps();
+  zero<MR, TT>(acc, _mm512_setzero_ps());
   for (int64_t b = 0; b < KB; ++b) {
     const int64_t g = b * BLOCK / p.G;
     __m512i ia[MR][TT];
-    for (int m = 0; m < MR; ++m)
-      for (int u = 0; u < TT; ++u) ia[m][u] = _mm512_setzero_si512();
+    zero<MR, TT>(ia, _mm512_setzero_si512());
 #pragma GCC unroll 8
     for (int l = 0; l < LOADS; ++l) {
 #pragma GCC unroll 4
@@ -151,20 +188,9 @@ void tiles_vnni(const Problem& p, int64_t t, int64_t m0) {
         }
       }
     }
-#pragma GCC unroll 4
-    for (int u = 0; u < TT; ++u) {
-      const int64_t so = ((t + u) * NG + g) * 16;
-      const __m512 sc = load_half16(p.scale + so);
-      const __m512 mn = BITS == 4 ? load_half16(p.mins + so) : _mm512_setzero_ps();
-      for (int m = 0; m < MR; ++m) {
-        const int64_t xb = (m0 + m) * KB + b;
-        acc[m][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][u]), _mm512_mul_ps(sc, _mm512_set1_ps(p.xd[xb])), acc[m][u]);
-        if (BITS == 4) acc[m][u] = _mm512_fmadd_ps(mn, _mm512_set1_ps(p.xs[xb]), acc[m][u]);
-      }
-    }
+    add_block<BITS, MR, TT>(acc, ia, p.scale, p.mins, p.xd, p.xs, t, m0, b, g, NG, KB);
   }
-  for (int m = 0; m < MR; ++m)
-    for (int u = 0; u < TT; ++u) _mm512_storeu_ps(p.out + (m0 + m) * p.N + (t + u) * 16, acc[m][u]);
+  store_tiles<MR, TT>(p.out + m0 * p.N + t * 16, p.N, acc);
 }
 
 template <int BITS, int TT>
@@ -181,9 +207,6 @@ void rows_vnni(const Problem& p, int64_t t) {
 // The VNNI kernel's arithmetic with AVX2's vpmaddwd (int16 pairs -> int32 sums, what vpdpwssd fuses with
 // the add): a tile's 16 rows in two 8-lane halves of each 64-byte load, one tile at a time and MR rows
 // of x (the int32 block sums, MR x 2 registers, stay in registers; the float accumulators may spill)
-inline __m256 load_half8(const uint16_t* h) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-}
 
 template <int BITS, int MR>
 void tile_avx2(const Problem& p, int64_t t, int64_t m0) {
@@ -282,6 +305,203 @@ void check(const torch::Tensor& w, const torch::Tensor& scales, const torch::Ten
               "kvc::qlinear: int4 needs fp16 mins shaped like the scales");
 }
 
+
+// ------------------------------------------------------------------------------ prefill: int8 activations
+// kvc::qlinear_int (decode keeps kvc::qlinear above): x~ = int8 codes per row and block of 32 channels
+// (d = max|x| / 127, q_x = round(x / d), symmetric), y[m, n] = sum over blocks b of
+//   scale[n, g(b)] * d[m, b] * sum_k q_w q_x   +   min[n, g(b)] * d[m, b] * sum_k q_x     (int4)
+//   scale[n, g(b)] * d[m, b] * sum_k q_w q_x                                              (int8)
+// with each block's products summed exactly in int32 (kernels/qlinear.py `qlinear_int_reference` is the
+// twin).  The tiles are read as stored: the codes of x are written in the byte order of a tile dword
+// (int4: channels 0 4 1 5 | 2 6 3 7 of each 8, the low and the high nibbles of a dword; int8: 0 2 1 3 of
+// each 4), so a broadcast dword of x~ meets 4 codes of each of 16 rows with no shuffle.
+//   VNNI: vpdpbusd (u8 x s8, 4 products per int32 lane); int4 codes are the u8 operand, int8 codes are
+//         made u8 by + 128 (xor 0x80) and 128 * sum q_x is subtracted from the block's int32 sum.
+//   AVX2: vpmaddubsw (u8 x s8 -> int16 pair sums), vpmaddwd by 1 -> int32.  int4: a block's 8 pair sums
+//         fit int16 (8 * 2 * 15 * 127 = 30480), one vpmaddwd per block; int8: |q_w| x sign(q_x, q_w)
+//         (2 * 127 * 127 = 32258), one vpmaddwd per load.
+// Work: threads split the tiles; each walks the rows in chunks of ROWS_CHUNK (its tiles stay in L2, a
+// chunk of x~ in L1/L2) with a register block of MR rows x TT tiles.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVC_QINT_AVX2 1
+#endif
+
+enum QArith { QARITH_AVX2 = 1, QARITH_VNNI = 2 };      // kernels/cpu.py ARITH codes (0 = fp32: not this op)
+
+bool qarith_built(int64_t arith) {
+#ifdef KVC_VNNI
+  if (arith == QARITH_VNNI) return true;
+#endif
+#ifdef KVC_QINT_AVX2
+  if (arith == QARITH_AVX2) return true;
+#endif
+  return false;
+}
+
+constexpr int64_t ROWS_CHUNK = 64;
+
+struct IntProblem : Problem {   // Problem's 16-bit xq unused (nullptr)
+  const int8_t* xq8;             // [M, K] x~ codes in tile byte order
+  const int32_t* xi;             // [M, K/32] sum q_x (Problem's xs: d * sum q_x, int4's min term)
+};
+
+// position of channel i (0..31) of a block in the tile byte order
+inline int tile_slot(int bits, int i) {
+  static const int int4[8] = {0, 2, 4, 6, 1, 3, 5, 7};   // channel j of 8 -> its byte (inverse of 0 4 1 5 2 6 3 7)
+  static const int int8[4] = {0, 2, 1, 3};
+  return bits == 4 ? (i & ~7) + int4[i & 7] : (i & ~3) + int8[i & 3];
+}
+
+void quantize_rows_int8(const float* x, int64_t M, int64_t K, int bits, int8_t* q, float* d, float* s, int32_t* si) {
+  const int64_t KB = K / BLOCK;
+  int slot[BLOCK];
+  for (int i = 0; i < BLOCK; ++i) slot[i] = tile_slot(bits, i);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < KB; ++b) {
+        const float* xb = x + m * K + b * BLOCK;
+        int8_t* qb = q + m * K + b * BLOCK;
+        float amax = 0.f;
+        for (int i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float dm = amax / 127.f, inv = dm > 0.f ? 1.f / dm : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < BLOCK; ++i) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+          qb[slot[i]] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        d[m * KB + b] = dm;
+        s[m * KB + b] = dm * static_cast<float>(sum);
+        si[m * KB + b] = sum;
+      }
+  });
+}
+
+#ifdef KVC_VNNI
+template <int BITS, int MR, int TT>
+void int_tiles_vnni(const IntProblem& p, int64_t t, int64_t m0) {
+  const int64_t NG = p.K / p.G, KB = p.K / BLOCK, TB = p.tile_bytes();
+  constexpr int LOADS = BITS == 4 ? 4 : 8;           // 64-byte loads per tile and block of 32 channels
+  const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MR][TT];
+  zero<MR, TT>(acc, _mm512_setzero_ps());
+  for (int64_t b = 0; b < KB; ++b) {
+    const int64_t g = b * BLOCK / p.G;
+    __m512i ia[MR][TT];
+    zero<MR, TT>(ia, _mm512_setzero_si512());
+#pragma GCC unroll 8
+    for (int l = 0; l < LOADS; ++l) {
+#pragma GCC unroll 4
+      for (int u = 0; u < TT; ++u) {
+        const __m512i v = _mm512_loadu_si512(p.w + (t + u) * TB + (b * LOADS + l) * 64);
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq8 + (m0 + m) * p.K + b * BLOCK);
+          if (BITS == 4) {
+            ia[m][u] = _mm512_dpbusd_epi32(ia[m][u], _mm512_and_si512(v, nib), _mm512_set1_epi32(xq[2 * l]));
+            ia[m][u] = _mm512_dpbusd_epi32(ia[m][u], _mm512_and_si512(_mm512_srli_epi32(v, 4), nib),
+                                           _mm512_set1_epi32(xq[2 * l + 1]));
+          } else {
+            ia[m][u] = _mm512_dpbusd_epi32(ia[m][u], _mm512_xor_si512(v, flip), _mm512_set1_epi32(xq[l]));
+          }
+        }
+      }
+    }
+    if (BITS == 8)                               // the + 128 of the u8 operand: 128 * sum q_x per row
+      for (int m = 0; m < MR; ++m)
+        for (int u = 0; u < TT; ++u) ia[m][u] = _mm512_sub_epi32(ia[m][u], _mm512_set1_epi32(128 * p.xi[(m0 + m) * KB + b]));
+    add_block<BITS, MR, TT>(acc, ia, p.scale, p.mins, p.xd, p.xs, t, m0, b, g, NG, KB);
+  }
+  store_tiles<MR, TT>(p.out + m0 * p.N + t * 16, p.N, acc);
+}
+
+template <int BITS, int TT>
+void int_rows_vnni(const IntProblem& p, int64_t t, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) int_tiles_vnni<BITS, 4, TT>(p, t, m);
+  for (; m < m1; ++m) int_tiles_vnni<BITS, 1, TT>(p, t, m);
+}
+#endif
+
+#ifdef KVC_QINT_AVX2
+// one half (8 rows) of a tile, MR rows of x
+template <int BITS, int MR>
+void int_half_avx2(const IntProblem& p, int64_t t, int h, int64_t m0) {
+  const int64_t NG = p.K / p.G, KB = p.K / BLOCK;
+  constexpr int LOADS = BITS == 4 ? 4 : 8;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* wt = p.w + t * p.tile_bytes() + 32 * h;
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const int64_t g = b * BLOCK / p.G;
+    __m256i ia[MR];
+    for (int m = 0; m < MR; ++m) ia[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int l = 0; l < LOADS; ++l) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + (b * LOADS + l) * 64));
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq8 + (m0 + m) * p.K + b * BLOCK);
+        if (BITS == 4) {          // int16 pair sums over the whole block (ia: int16 lanes here)
+          ia[m] = _mm256_add_epi16(ia[m], _mm256_maddubs_epi16(_mm256_and_si256(v, nib), _mm256_set1_epi32(xq[2 * l])));
+          ia[m] = _mm256_add_epi16(ia[m], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 4), nib),
+                                                               _mm256_set1_epi32(xq[2 * l + 1])));
+        } else {
+          const __m256i pr = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(_mm256_set1_epi32(xq[l]), v));
+          ia[m] = _mm256_add_epi32(ia[m], _mm256_madd_epi16(pr, ones));
+        }
+      }
+    }
+    const int64_t so = (t * NG + g) * 16 + 8 * h;
+    const __m256 sc = load_half8(p.scale + so);
+    const __m256 mn = BITS == 4 ? load_half8(p.mins + so) : _mm256_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const int64_t xb = (m0 + m) * KB + b;
+      const __m256i s = BITS == 4 ? _mm256_madd_epi16(ia[m], ones) : ia[m];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sc, _mm256_set1_ps(p.xd[xb])), acc[m]);
+      if (BITS == 4) acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(p.xs[xb]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(p.out + (m0 + m) * p.N + t * 16 + 8 * h, acc[m]);
+}
+
+template <int BITS>
+void int_rows_avx2(const IntProblem& p, int64_t t, int64_t m0, int64_t m1) {
+  for (int h = 0; h < 2; ++h) {
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) int_half_avx2<BITS, 4>(p, t, h, m);
+    for (; m < m1; ++m) int_half_avx2<BITS, 1>(p, t, h, m);
+  }
+}
+#endif
+
+// tiles [t0, t1) for rows [m0, m1) in the arithmetic `arith` (built: checked by the op)
+void int_rows(const IntProblem& p, int64_t arith, int64_t t0, int64_t t1, int64_t m0, int64_t m1) {
+#ifdef KVC_VNNI
+  if (arith == QARITH_VNNI) {
+    int64_t t = t0;
+    for (; t + 2 <= t1; t += 2) p.bits == 4 ? int_rows_vnni<4, 2>(p, t, m0, m1) : int_rows_vnni<8, 2>(p, t, m0, m1);
+    if (t < t1) p.bits == 4 ? int_rows_vnni<4, 1>(p, t, m0, m1) : int_rows_vnni<8, 1>(p, t, m0, m1);
+    return;
+  }
+#endif
+#ifdef KVC_QINT_AVX2
+  if (arith == QARITH_AVX2) {
+    for (int64_t t = t0; t < t1; ++t) p.bits == 4 ? int_rows_avx2<4>(p, t, m0, m1) : int_rows_avx2<8>(p, t, m0, m1);
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "kvc::qlinear_int: arith ", arith, " is not built");
+}
+
+void run_int(const IntProblem& p, int64_t arith) {
+  const int64_t NT = p.N / 16;
+  at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < p.M; m0 += ROWS_CHUNK) int_rows(p, arith, t0, t1, m0, std::min(p.M, m0 + ROWS_CHUNK));
+  });
+}
+
 }  // namespace
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits,
@@ -306,6 +526,33 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, to
             xq.data(), xd.data(), xs.data(), out.data_ptr<float>(), M, N, K, group, static_cast<int>(bits)};
   run(p, portable);
   return out;
+}
+
+torch::Tensor qlinear_int(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits,
+                          int64_t group, int64_t arith) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
+              "kvc::qlinear_int: x must be a contiguous fp32 [M, K]");
+  TORCH_CHECK(qarith_built(arith), "kvc::qlinear_int: arith ", arith, " (1 AVX2, 2 AVX-512 VNNI) is not built here");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16, KB = K / BLOCK;
+  check(w, scales, mins, bits, group, K);
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kChar));
+  auto xd = torch::empty({M, KB}, x.options()), xs = torch::empty({M, KB}, x.options());
+  auto xi = torch::empty({M, KB}, x.options().dtype(torch::kInt));
+  quantize_rows_int8(x.data_ptr<float>(), M, K, static_cast<int>(bits), xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                     xs.data_ptr<float>(), xi.data_ptr<int32_t>());
+  IntProblem p{{reinterpret_cast<const uint8_t*>(w.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr, nullptr,
+                xd.data_ptr<float>(), xs.data_ptr<float>(), out.data_ptr<float>(), M, N, K, group, static_cast<int>(bits)},
+               xq.data_ptr<int8_t>(), xi.data_ptr<int32_t>()};
+  run_int(p, arith);
+  return out;
+}
+
+// the best arithmetic this build has for kvc::qlinear_int: 2 AVX-512 VNNI, 1 AVX2, 0 none
+int64_t qlinear_int_arith() {
+  return qarith_built(QARITH_VNNI) ? QARITH_VNNI : qarith_built(QARITH_AVX2) ? QARITH_AVX2 : 0;
 }
 
 torch::Tensor qdequant(torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits, int64_t group,
@@ -365,12 +612,14 @@ torch::Tensor qembed(torch::Tensor w, torch::Tensor scales, torch::Tensor mins, 
 
 TORCH_LIBRARY_FRAGMENT(kvc, m) {
   m.def("qlinear(Tensor x, Tensor w, Tensor scales, Tensor mins, int bits, int group, bool portable) -> Tensor");
+  m.def("qlinear_int(Tensor x, Tensor w, Tensor scales, Tensor mins, int bits, int group, int arith) -> Tensor");
   m.def("qdequant(Tensor w, Tensor scales, Tensor mins, int bits, int group, int K) -> Tensor");
   m.def("qembed(Tensor w, Tensor scales, Tensor mins, int bits, int group, int K, Tensor rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvc, CPU, m) {
   m.impl("qlinear", &qlinear);
+  m.impl("qlinear_int", &qlinear_int);
   m.impl("qdequant", &qdequant);
   m.impl("qembed", &qembed);
 }

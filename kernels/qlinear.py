@@ -14,8 +14,14 @@ Backends of `QuantizedLinear` (chosen when the module is built, by its device):
     cpp     CPU: kernels/cpu_qlinear.cpp on 16-row tiles (`to_tiles`).  For up to MAX_GEMV_ROWS rows of x
             a GEMV: y = W~ x~, with x~ the activations rounded to 16-bit integers per block of 32
             (relative error <= 2^-16 of the block's largest value), summed exactly in int32 by AVX-512
-            VNNI (portable loops without it).  Twin: `qlinear_reference`.  More rows (prefill):
-            W~ dequantized once (`kvc::qdequant`) and the dense matmul, y = x W~^T.
+            VNNI (portable loops without it).  Twin: `qlinear_reference`.  From MIN_INT_ROWS rows (prefill):
+            `kvc::qlinear_int`, the stored codes times int8 activations (per row and block of 32,
+            d = max|x| / 127) in integer arithmetic, AVX-512 VNNI vpdpbusd or AVX2 vpmaddubsw
+            (`prefill_arith`, from KVC_QLINEAR_ARITH: kernels/cpu.py qlinear_arith_default).  Twin:
+            `qlinear_int_reference`.  On a 2-core AVX-512 EPYC (1 thread, 512 rows, the default model's
+            layer shapes) VNNI ran at 112-143 G MAC/s, AVX2 at 39-82, oneDNN's fp32 matmul at 32-47.
+            In between, or with prefill_arith "fp32" (or no integer ISA): W~ dequantized once
+            (`kvc::qdequant`) and the dense matmul, y = x W~^T.
     triton  CUDA: a GEMV that dequantizes the row-major codes in registers (y = x W~^T) for up to
             MAX_GEMV_ROWS rows; more rows dequantize W~ once and use the dense matmul.
     torch   anywhere (no compiler for the C++ kernels, or backend="torch"): dequantize + F.linear.
@@ -39,10 +45,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .backend import resolve_backend
+from .cpu import ARITH, qlinear_arith_default
 
 TILE = 16            # rows per CPU tile
 MIN_GROUP = 32       # group sizes are multiples of this
 MAX_GEMV_ROWS = 16   # rows of x up to which the GEMV kernels run (more: dequantize + dense matmul)
+MIN_INT_ROWS = 128   # rows of x from which the CPU prefill takes int8 activations (kvc::qlinear_int): shorter
+                     # prompts (chat turns) keep exact activations, where dequantizing costs little; with int8
+                     # ones the default chat prompt's first answer token, a near-tie, flipped for Q4_1 and int4
 
 triton = tl = None   # imported lazily by _kernels(): importing this module never imports Triton
 _eager_ops = None    # kernels.cpu.eager_ops() once a layer takes the cpp backend (eager calls skip the dispatcher)
@@ -180,6 +190,37 @@ def qlinear_reference(x: Tensor, qw: QWeight) -> Tensor:
     return F.linear(quantize_activations(x), dequantize(qw))
 
 
+def quantize_activations_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (codes int8 [M, K], d fp32 [M, K/32]): per row and block of 32, d = max|x| / 127,
+    q = round(x / d) (computed as x * (1 / d), round half to even): kvc::qlinear_int's codes and scales."""
+    M, K = x.shape
+    xb = x.float().view(M, K // MIN_GROUP, MIN_GROUP)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return torch.round(xb * inv).to(torch.int8).view(M, K), d.view(M, -1)
+
+
+def qlinear_int_reference(x: Tensor, qw: QWeight) -> Tensor:
+    """kvc::qlinear_int's twin (the same integer arithmetic): x [M, K] -> [M, N] fp32.  Per block b of 32
+    channels (group g(b)), the exact int32 sum S[m, n, b] of q_w q_x, then in fp32, block after block:
+    y += S * (scale[n, g] * d[m, b]), and for int4 y += min[n, g] * (d[m, b] * sum q_x[m, b])."""
+    q, d = quantize_activations_int8(x)
+    M, K = x.shape
+    N, KB = qw.shape[0], K // MIN_GROUP
+    qb = q.view(M, KB, MIN_GROUP)
+    S = torch.einsum("mbk,nbk->mnb", qb.double(), codes_of(qw).double().view(N, KB, MIN_GROUP)).float()
+    g = torch.arange(KB, device=x.device) * MIN_GROUP // qw.group
+    sc = qw.scales.float()[:, g]                                      # [N, KB]
+    mn = None if qw.mins is None else qw.mins.float()[:, g]
+    xs = d * qb.sum(-1, dtype=torch.int32).float()                    # [M, KB]
+    y = x.new_zeros((M, N), dtype=torch.float32)
+    for b in range(KB):
+        y = y + S[:, :, b] * (sc[None, :, b] * d[:, b, None])
+        if mn is not None:
+            y = y + mn[None, :, b] * xs[:, b, None]
+    return y
+
+
 def qlinear_torch(x: Tensor, qw: QWeight) -> Tensor:
     """x [..., K] -> x W~^T [..., N] in x's dtype (the kernels' twin)."""
     return F.linear(x, dequantize(qw, x.dtype))
@@ -289,13 +330,19 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # decode-sized fp32 inputs go straight to the GEMV (no reshapes, no padded rows to cut, no bias)
         self._gemv_direct = self.backend == "cpp" and bias is None and self.out_features % TILE == 0
+        self.prefill_arith = qlinear_arith_default() if self.backend == "cpp" else "fp32"
 
     def _cpp(self, x: Tensor) -> Tensor:
-        """x [M, K] -> [M, N]: the GEMV kernel for decode-sized M, else dequantize + dense matmul."""
+        """x [M, K] -> [M, N]: the GEMV kernel for decode-sized M, from MIN_INT_ROWS rows the integer prefill
+        kernel in `prefill_arith` (unless "fp32"), else dequantize + dense matmul."""
         if x.shape[0] <= MAX_GEMV_ROWS:
             fp32 = x.dtype == torch.float32 and x.is_contiguous()
             out = torch.ops.kvc.qlinear(x if fp32 else x.float().contiguous(), self.weight, self.scales, self.mins,
                                         self.bits, self.group, False)
+            out = out if x.dtype == torch.float32 else out.to(x.dtype)
+        elif self.prefill_arith != "fp32" and x.shape[0] >= MIN_INT_ROWS:
+            out = torch.ops.kvc.qlinear_int(x.float().contiguous(), self.weight, self.scales, self.mins, self.bits,
+                                            self.group, ARITH[self.prefill_arith])
             out = out if x.dtype == torch.float32 else out.to(x.dtype)
         else:
             w = torch.ops.kvc.qdequant(self.weight, self.scales, self.mins, self.bits, self.group, self.in_features)

@@ -6,11 +6,13 @@
 
 Rows: one per (side, context).  Sides: `ours:CHECKPOINT[:k=v,...]` (options: compile=1 [compile_prefill=1], policy=NAME,
 policy_args=k=v;k=v, kv_bits=4 or 2 (KIVI storage at the engine's default G 32, R 128),
-weights=auto|float, dtype=bfloat16), `llama.cpp` (llama-cpp-python on the GGUF, --gguf), `hf`
+weights=auto|float, dtype=bfloat16, qlinear_arith=fp32|int|avx2|vnni (the quantized layers' prefill
+arithmetic: KVC_QLINEAR_ARITH in the side's process)), `llama.cpp` (llama-cpp-python on the GGUF, --gguf), `hf`
 (transformers LlamaForCausalLM on the float directory, --hf).  Every side gets the same prompt token
 ids (random ids of --seed, or --text FILE tokenized), the same thread count (torch.set_num_threads /
 llama.cpp n_threads and n_threads_batch, and OMP_NUM_THREADS) and the environment's OMP_WAIT_POLICY;
-decode tok/s = timed greedy single-token steps after --warmup untimed ones, prefill excluded.  The
+decode tok/s = timed greedy single-token steps after --warmup untimed ones, prefill excluded;
+prefill tok/s = the prompt's tokens / the time of its prefill (one pass of engine.run_prefill, batch 1).  The
 sides run interleaved --repeats times (medians), so drift on a shared machine hits every side alike;
 each run is a fresh process, which also gives its peak RSS.
 
@@ -168,7 +170,7 @@ def worker_main(spec: dict) -> int:
 
 # --------------------------------------------------------------------------- the parent
 
-SIDE_OPTIONS = ("compile", "compile_prefill", "policy", "policy_args", "kv_bits", "weights", "dtype")
+SIDE_OPTIONS = ("compile", "compile_prefill", "policy", "policy_args", "kv_bits", "weights", "dtype", "qlinear_arith")
 
 
 def parse_side(text: str, gguf: Path, hf: Path) -> dict:
@@ -199,6 +201,8 @@ def decode_tps(side: dict, ids: list[int], steps: int = 32, threads: int = 2, wa
         atomic_io.write_json(ids_file, ids)
         spec = {**side, "ids_file": str(ids_file), "steps": steps, "warmup": warmup, "threads": threads}
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        if "qlinear_arith" in side["opts"]:
+            env["KVC_QLINEAR_ARITH"] = side["opts"]["qlinear_arith"]
         try:
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
                                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -288,17 +292,17 @@ def compare_with_rows(ours: list[dict], peers: str, threads: int, steps: int, gg
 def print_table(rows: list[dict], base_sides: Sequence[str]) -> None:
     by = {(r["side"], r["context"]): r for r in rows}
     print(f"{'side':58s} {'ctx':>5s} {'tok/s':>7s} " + " ".join(f"{'/' + b[:10]:>11s}" for b in base_sides)
-          + f" {'peak RSS':>9s} {'model':>7s}")
+          + f" {'peak RSS':>9s} {'model':>7s} {'prefill':>8s} " + " ".join(f"{'/' + b[:10]:>11s}" for b in base_sides))
     for r in rows:
         if "error" in r:
             print(f"{r['side']:58s} {r['context']:5d}  error: {r['error']}")
             continue
-        ratios = []
-        for b in base_sides:
-            ref = by.get((b, r["context"]))
-            ratios.append(f"{r['tok_s'] / ref['tok_s']:10.2f}x" if ref and "tok_s" in ref else f"{'-':>11s}")
+        refs = [by.get((b, r["context"]), {}) for b in base_sides]
+        ratios = [f"{r['tok_s'] / ref['tok_s']:10.2f}x" if "tok_s" in ref else f"{'-':>11s}" for ref in refs]
+        pre = [f"{ref['prefill_s'] / r['prefill_s']:10.2f}x" if "prefill_s" in ref else f"{'-':>11s}" for ref in refs]
         print(f"{r['side']:58s} {r['context']:5d} {r['tok_s']:7.1f} " + " ".join(ratios)
-              + f" {r['peak_rss'] / 2**20:7.0f}MB {r['model_rss'] / 2**20:5.0f}MB")
+              + f" {r['peak_rss'] / 2**20:7.0f}MB {r['model_rss'] / 2**20:5.0f}MB"
+              + f" {r['context'] / r['prefill_s']:8.1f} " + " ".join(pre))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

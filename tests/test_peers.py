@@ -27,6 +27,7 @@ def test_parse_side():
     assert s["kind"] == "ours" and s["opts"] == {"path": "ck.gguf", "compile": "1", "policy": "snapkv",
                                                  "policy_args": "budget=256;window=8"}
     assert peers.parse_side("llama.cpp", Path("g.gguf"), Path("h"))["opts"]["path"] == "g.gguf"
+    assert peers.parse_side("ours:ck:qlinear_arith=fp32", Path("g"), Path("h"))["opts"]["qlinear_arith"] == "fp32"
     with pytest.raises(ValueError, match="unknown side"):
         peers.parse_side("vllm", Path("g"), Path("h"))
     with pytest.raises(ValueError, match="unknown side option 'compiled'"):
@@ -48,7 +49,7 @@ def test_a_failing_side_is_a_row(tmp_path):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("options", ["", ":kv_bits=4"])
+@pytest.mark.parametrize("options", ["", ":kv_bits=4", ":qlinear_arith=fp32"])
 def test_ours_on_the_default_model(default_gguf, options):
     side = peers.parse_side(f"ours:{default_gguf}{options}", default_gguf, default_gguf)
     res = peers.decode_tps(side, list(range(100, 140)), steps=2, threads=1, warmup=1, timeout=600)

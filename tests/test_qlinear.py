@@ -26,8 +26,9 @@ if str(ROOT) not in sys.path:
 
 import engine  # noqa: E402
 from checkpoint import CheckpointError, read_checkpoint  # noqa: E402
-from kernels.qlinear import (MAX_GEMV_ROWS, QuantizedLinear, QWeight, dequantize,  # noqa: E402
-                             qlinear_reference, qlinear_torch, quantize_activations, tile_rows, to_tiles)
+from kernels.qlinear import (MAX_GEMV_ROWS, MIN_INT_ROWS, QuantizedLinear, QWeight, dequantize,  # noqa: E402
+                             qlinear_reference, qlinear_torch, quantize_activations, quantize_activations_int8,
+                             tile_rows, to_tiles)
 from quantize import quantize_int4, quantize_weight  # noqa: E402
 from tests.helpers import compiled_and_eager_decode, needs_cpp, prompt_logits  # noqa: E402
 
@@ -136,22 +137,32 @@ def test_cpp_kernel_equals_twin(mode, group, sym, M, portable):
         assert torch.equal(torch.ops.kvc.qembed(w, s, m, qw.bits, qw.group, 256, rows), dequantize(qw)[rows])
 
 
-def act_bound(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
-    """|W~ (x - x~)| <= |x - x~| |W~|^T per output: the 16-bit activation rounding of the GEMV."""
-    return (x - quantize_activations(x)).abs() @ dequantize(qw).abs().T
+def act_bound(x: torch.Tensor, qw: QWeight, rounded: torch.Tensor = None) -> torch.Tensor:
+    """|W~ (x - x~)| <= |x - x~| |W~|^T per output: the activation rounding, x~ = `rounded` (default: the
+    GEMV's 16-bit x~)."""
+    return (x - (quantize_activations(x) if rounded is None else rounded)).abs() @ dequantize(qw).abs().T
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x~ = q d of the integer prefill (quantize_activations_int8), fp32 [M, K]."""
+    q, d = quantize_activations_int8(x)
+    return (q.float().view(*d.shape, -1) * d[..., None]).view_as(x)
 
 
 @needs_cpp
 @pytest.mark.parametrize("M", [1, MAX_GEMV_ROWS, MAX_GEMV_ROWS + 1, 300])
 def test_quantized_linear_rows_and_dtypes(M):
-    """GEMV (up to MAX_GEMV_ROWS rows: 16-bit activations) and dequantize + matmul (more: exact) agree
-    with x W~^T within 2^-15 of each block's largest |x| (times |W~|); bf16 in, bf16 out."""
+    """GEMV (up to MAX_GEMV_ROWS rows: 16-bit activations) and the prefill (from MIN_INT_ROWS: int8 activations, or
+    with prefill_arith "fp32" dequantize + matmul, exact) agree with x W~^T within their activation
+    rounding (16-bit: 2^-15 of each block's largest |x|, times |W~|); bf16 in, bf16 out."""
     qw = quantize_int4(weight(), 32)
     lin = QuantizedLinear(qw)
     x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M))
     err = (lin(x) - qlinear_torch(x, qw)).abs()
-    assert (err <= act_bound(x, qw) + 1e-5 * summed(x, qw)).all()
-    assert (err == 0).all() or M <= MAX_GEMV_ROWS
+    rounded = int8_rounded(x) if M >= MIN_INT_ROWS and lin.prefill_arith != "fp32" else None
+    assert (err <= act_bound(x, qw, rounded) + 1e-5 * summed(x, qw)).all()
+    lin.prefill_arith = "fp32"
+    assert (lin(x) == qlinear_torch(x, qw)).all() or M <= MAX_GEMV_ROWS
     out = lin(x.bfloat16())
     assert out.dtype == torch.bfloat16 and out.shape == (M, 96)
     torch.testing.assert_close(out.float(), qlinear_torch(x.bfloat16().float(), qw), atol=0.02, rtol=0.01)
@@ -369,11 +380,14 @@ def test_real_model_runs_its_own_q4_1_weights(default_gguf):
     q_bytes = sum(p.numel() * p.element_size() for p in native.parameters())
     f_bytes = sum(p.numel() * p.element_size() for p in flt.parameters())
     assert q_bytes < 0.2 * f_bytes, (q_bytes, f_bytes)
-    ids = torch.tensor([tok.encode(TEXT)])
-    outs = prompt_logits((native, flt), ids)
-    torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=1e-3)        # the same weights; 16-bit activations
     r = engine.generate(native, tok, ["What is the capital of France?"], max_new_tokens=12, chat=True)
-    assert "Paris" in r.texts[0]
+    assert "Paris" in r.texts[0]                          # a prompt under MIN_INT_ROWS: exact activations
+    ids = torch.tensor([tok.encode(TEXT)])
+    for mod in native.modules():          # the fp32-activation prefill (the integer one: tests/test_qlinear_int.py)
+        if isinstance(mod, QuantizedLinear):
+            mod.prefill_arith = "fp32"
+    outs = prompt_logits((native, flt), ids)
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=1e-3)        # the same weights, exact activations
 
 
 # ------------------------------------------------------------------------------ Triton (interpreter)
