@@ -1,0 +1,67 @@
+"""kvpress's side of the suite's peer comparison, run in kvpress's own environment (eval/kvpress_peer.py).
+
+    python -m eval.kvpress_child JOB.json
+
+Imports only the standard library, torch, transformers and kvpress (never this project's engine), so
+it runs under the interpreter of a venv that holds kvpress and the transformers it pins.  JOB.json:
+{"checkpoint": HF folder, "dtype": "float32", "threads": N, "requests": [{"context": ids,
+"question": ids, "max_new_tokens": n}], "jobs": [{"method", "press" (a kvpress class name, or
+null for no press), "ratio"}]}.  Prints one JSON line per job, {"method", "ratio", "answers",
+"seconds"}, as each finishes.  Each answer comes from KVPressTextGenerationPipeline._forward (through
+Pipeline.forward): the context prefilled once with the press active, then the question appended
+whole and answered greedily, stopping at the model's EOS.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+EAGER = {"ObservedAttentionPress"}        # presses that read the attention weights need eager attention
+
+
+def make_press(name: Optional[str], ratio: float):
+    """kvpress's press `name` at compression_ratio `ratio` with its defaults (None: no press)."""
+    if name is None:
+        return None
+    import kvpress
+    return getattr(kvpress, name)(compression_ratio=ratio)
+
+
+def load_pipeline(checkpoint: str, dtype: str, attn: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    import kvpress  # noqa: F401 - registers the kv-press-text-generation pipeline
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype), attn_implementation=attn)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    return pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+
+
+def serve(job_path: str) -> int:
+    """Answer the job's requests with every press it lists; one JSON line per press on stdout."""
+    import torch
+    job = json.loads(Path(job_path).read_text())
+    torch.set_num_threads(job["threads"])
+    pipes: dict = {}
+    for j in job["jobs"]:
+        attn = "eager" if j["press"] in EAGER else "sdpa"
+        if attn not in pipes:
+            pipes[attn] = load_pipeline(job["checkpoint"], job["dtype"], attn)
+        press, t0, answers = make_press(j["press"], j["ratio"]), time.perf_counter(), []
+        for r in job["requests"]:
+            inputs = {"context_ids": torch.tensor([r["context"]]), "questions_ids": [torch.tensor([r["question"]])]}
+            answers += pipes[attn].forward(inputs, press=press, max_new_tokens=r["max_new_tokens"])
+        seconds = time.perf_counter() - t0
+        print(f"  kvpress {j['method']} ratio {j['ratio']:g}: {len(answers)} answers ({seconds:.1f} s)",
+              file=sys.stderr, flush=True)
+        print(json.dumps({"method": j["method"], "ratio": j["ratio"], "answers": answers, "seconds": seconds}),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m eval.kvpress_child JOB.json (python -m eval.suite --peers kvpress runs it)")
+    sys.exit(serve(sys.argv[1]))
