@@ -234,6 +234,16 @@ def ratio_of(r: dict) -> Optional[float]:
 def paired(records: Iterable[dict]) -> tuple[list[str], list[list]]:
     """(columns, rows) with our score and kvpress's for each (method, ratio, protocol, task), ours from
     rows `NAME:ratio=r` (or bare full), theirs from the peer; a side without a cell shows '-'."""
+    cells = sides(records)
+    order = list(PRESSES)
+    rows = [[m, f"{ratio:g}", protocol, task, _score(pair.get("ours")), _score(pair.get("kvpress"))]
+            for (m, ratio, protocol, task), pair in sorted(cells.items(), key=lambda kv: (
+                kv[0][3], kv[0][2], order.index(kv[0][0]), kv[0][1]))]
+    return ["method", "ratio", "protocol", "task", "ours", "kvpress"], rows
+
+
+def sides(records: Iterable[dict]) -> dict:
+    """{(method, ratio, protocol, task): {"ours": record, "kvpress": record}} over the finished records."""
     cells: dict = {}
     for r in records:
         ratio = ratio_of(r)
@@ -241,16 +251,17 @@ def paired(records: Iterable[dict]) -> tuple[list[str], list[list]]:
         if ratio is None or method not in PRESSES or r["status"] != "ok" or r.get("score") is None:
             continue
         key = (method, ratio, r.get("protocol") or "aware", r["task"])
-        cells.setdefault(key, {})["kvpress" if r.get("peer") else "ours"] = r["score"]
-    order = list(PRESSES)
-    rows = [[m, f"{ratio:g}", protocol, task, _score(sides.get("ours")), _score(sides.get("kvpress"))]
-            for (m, ratio, protocol, task), sides in sorted(cells.items(), key=lambda kv: (
-                kv[0][3], kv[0][2], order.index(kv[0][0]), kv[0][1]))]
-    return ["method", "ratio", "protocol", "task", "ours", "kvpress"], rows
+        cells.setdefault(key, {})["kvpress" if r.get("peer") else "ours"] = r
+    return cells
 
 
-def _score(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.1f}"
+def _score(r: Optional[dict]) -> str:
+    """A cell's score: hits/items for accuracy (the needle), else the mean score."""
+    if r is None:
+        return "-"
+    if r["metric"] == "accuracy" and r.get("results"):
+        return f"{round(r['score'] * len(r['results']) / 100)}/{len(r['results'])}"
+    return f"{r['score']:.1f}"
 
 
 def markdown(records: list[dict]) -> str:
@@ -259,3 +270,40 @@ def markdown(records: list[dict]) -> str:
         return ""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
+def doc_table(records: list[dict], tasks: list[str]) -> tuple[list[str], list[list]]:
+    """(columns, rows) for docs/results.md: one row per (method, ratio, protocol), per task ours | kvpress."""
+    cells = sides(records)
+    keys = sorted({k[:3] for k in cells}, key=lambda k: (k[2], list(PRESSES).index(k[0]), k[1]))
+    columns = ["method", "ratio", "protocol"] + [f"{t} {side}" for t in tasks for side in ("ours", "kvpress")]
+    rows = [[m, f"{ratio:g}", protocol] + [_score(cells.get((m, ratio, protocol, t), {}).get(side))
+                                           for t in tasks for side in ("ours", "kvpress")]
+            for m, ratio, protocol in keys]
+    return columns, rows
+
+
+def main(argv=None) -> int:
+    """Write a suite run's side-by-side table as a results/*.json table (scripts/reproduce.py renders it)."""
+    import argparse
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("run", nargs="+", help="the suite runs' results.json (their cells together)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--command", action="append", required=True, help="the command(s) that made the runs")
+    p.add_argument("--date", required=True)
+    p.add_argument("--machine", required=True, help="the machine, as free text")
+    p.add_argument("--notes", default="")
+    p.add_argument("--title", default="Both protocols: ours beside kvpress at the same compression ratios")
+    args = p.parse_args(argv)
+    runs = [json.loads(Path(path).read_text()) for path in args.run]
+    tasks = list(dict.fromkeys(t for run in runs for t in run["tasks"]))
+    columns, rows = doc_table([c for run in runs for c in run["cells"]], tasks)
+    common.write_json(args.out, {"topic": "kvpress", "section": "13. Accuracy table", "title": args.title,
+                                 "order": 2, "size": "full", "command": args.command, "date": args.date,
+                                 "machine": {"recorded": args.machine}, "columns": columns, "rows": rows,
+                                 "notes": args.notes})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

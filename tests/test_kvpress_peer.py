@@ -11,7 +11,8 @@ from eval.kvpress_peer import Item
 
 def ours(policy, args, score, protocol="agnostic", task="needle"):
     return {"row": f"{policy}:{args}", "task": task, "policy": policy, "label": "", "policy_args": args,
-            "kv_bits": 16, "protocol": protocol, "status": "ok", "score": score, "metric": "accuracy"}
+            "kv_bits": 16, "protocol": protocol, "status": "ok", "score": score, "metric": "accuracy",
+            "results": [{}, {}]}
 
 
 def fake_side(answers_by_method, calls):
@@ -51,14 +52,17 @@ def test_run_scores_pairs_and_resumes_with_a_fake_side(tmp_path, monkeypatch):
     assert len(calls) == 1
 
     mine = [ours("full", "", 100.0), ours("snapkv", "ratio=0.5", 50.0), ours("snapkv", "budget=256", 0.0),
-            ours("knorm", "ratio=0.5", 25.0), ours("snapkv", "ratio=0.5", 75.0, protocol="aware")]
+            ours("knorm", "ratio=0.5", 50.0), ours("snapkv", "ratio=0.5", 100.0, protocol="aware")]
     columns, rows = kvpress_peer.paired(mine + records)
     assert columns == ["method", "ratio", "protocol", "task", "ours", "kvpress"]
-    assert rows == [["full", "0", "agnostic", "needle", "100.0", "50.0"],
-                    ["snapkv", "0.5", "agnostic", "needle", "50.0", "0.0"],
-                    ["snapkv", "0.75", "agnostic", "needle", "-", "0.0"],
-                    ["knorm", "0.5", "agnostic", "needle", "25.0", "-"],
-                    ["snapkv", "0.5", "aware", "needle", "75.0", "-"]]
+    assert rows == [["full", "0", "agnostic", "needle", "2/2", "1/2"],       # needle: hits / prompts
+                    ["snapkv", "0.5", "agnostic", "needle", "1/2", "0/2"],
+                    ["snapkv", "0.75", "agnostic", "needle", "-", "0/2"],
+                    ["knorm", "0.5", "agnostic", "needle", "1/2", "-"],
+                    ["snapkv", "0.5", "aware", "needle", "2/2", "-"]]
+    columns, rows = kvpress_peer.doc_table(mine + records, ["needle"])
+    assert columns == ["method", "ratio", "protocol", "needle ours", "needle kvpress"]
+    assert rows[:2] == [["full", "0", "agnostic", "2/2", "1/2"], ["snapkv", "0.5", "agnostic", "1/2", "0/2"]]
 
 
 def test_a_failing_side_gives_error_records(tmp_path, monkeypatch):
