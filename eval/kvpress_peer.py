@@ -283,11 +283,19 @@ def doc_table(records: list[dict], tasks: list[str]) -> tuple[list[str], list[li
     return columns, rows
 
 
+def read_records(path: Path) -> list[dict]:
+    """A suite run's records: its results.json's cells, or every cell file of a cells/ folder."""
+    if path.is_dir():
+        return [json.loads(f.read_text()) for f in sorted(path.glob("*.json"))]
+    return json.loads(path.read_text())["cells"]
+
+
 def main(argv=None) -> int:
     """Write a suite run's side-by-side table as a results/*.json table (scripts/reproduce.py renders it)."""
     import argparse
     p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("run", nargs="+", help="the suite runs' results.json (their cells together)")
+    p.add_argument("run", nargs="+", help="suite runs' results.json, or their cells/ folders (finished cells so "
+                                          "far), read together")
     p.add_argument("--out", required=True)
     p.add_argument("--command", action="append", required=True, help="the command(s) that made the runs")
     p.add_argument("--date", required=True)
@@ -295,9 +303,8 @@ def main(argv=None) -> int:
     p.add_argument("--notes", default="")
     p.add_argument("--title", default="Both protocols: ours beside kvpress at the same compression ratios")
     args = p.parse_args(argv)
-    runs = [json.loads(Path(path).read_text()) for path in args.run]
-    tasks = list(dict.fromkeys(t for run in runs for t in run["tasks"]))
-    columns, rows = doc_table([c for run in runs for c in run["cells"]], tasks)
+    records = [r for path in args.run for r in read_records(Path(path))]
+    columns, rows = doc_table(records, list(dict.fromkeys(r["task"] for r in records)))
     common.write_json(args.out, {"topic": "kvpress", "section": "13. Accuracy table", "title": args.title,
                                  "order": 2, "size": "full", "command": args.command, "date": args.date,
                                  "machine": {"recorded": args.machine}, "columns": columns, "rows": rows,

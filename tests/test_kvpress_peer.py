@@ -1,4 +1,5 @@
 """eval/kvpress_peer.py: kvpress as a peer in the suite (pairing, resume, errors; the real side where installed)."""
+import json
 import os
 import subprocess
 import sys
@@ -121,3 +122,16 @@ def test_kvpress_full_answers_like_our_engine(default_dir, tmp_path):
     answer, _ = measure.answer(loaded, None, items[0].ids, items[0].split, 32, "agnostic")
     assert [r["status"] for r in records] == ["ok", "ok"]
     assert records[0]["results"][0]["answer"] == answer and records[0]["score"] == 100.0
+
+
+def test_main_writes_the_docs_table_from_cells(tmp_path, monkeypatch):
+    monkeypatch.setattr(kvpress_peer, "run_side", fake_side({"knorm": "yes"}, []))
+    kvpress_peer.run(tmp_path, "python", "ckpt", "float32", "needle", {}, "agnostic", "accuracy", ITEMS,
+                     [("knorm", 0.5)])
+    (tmp_path / "cells" / "ours.json").write_text(json.dumps(ours("knorm", "ratio=0.5", 100.0)))
+    out = tmp_path / "kvpress.json"
+    assert kvpress_peer.main([str(tmp_path / "cells"), "--out", str(out), "--command", "c", "--date", "d",
+                              "--machine", "m"]) == 0
+    table = json.loads(out.read_text())
+    assert table["section"] == "13. Accuracy table" and table["machine"] == {"recorded": "m"}
+    assert table["rows"] == [["knorm", "0.5", "agnostic", "2/2", "1/2"]]
