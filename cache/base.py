@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -102,10 +103,19 @@ class HeadAgg:
                                   "or query (each query head keeps its own tokens: G x the KV memory)")
 
 
+DEFAULT_BUDGET = 256      # tokens per layer and KV head when neither budget nor ratio is given
+
+
 @dataclass(eq=False)
 class Budget:
-    """Parameter of the policies that keep a token budget per layer and KV head."""
-    budget: int = param(256, "tokens kept per layer and KV head, window included")
+    """Parameters of the policies that keep a token budget per layer and KV head: `budget` (tokens) or
+    `ratio` (the share of each prompt removed), not both; neither: budget=DEFAULT_BUDGET.  A ratio resolves
+    per request and per row (`EvictionPolicy.resolve_budget`)."""
+    budget: Optional[int] = param(None, f"tokens kept per layer and KV head, window included ({DEFAULT_BUDGET} "
+                                        f"when ratio is not given)", parse=int)
+    ratio: Optional[float] = param(None, "instead of budget: the share of a prompt's tokens removed, in (0, 1) "
+                                         "(kvpress's compression_ratio): a prompt of n tokens keeps "
+                                         "int(n * (1 - ratio)) per layer and KV head", parse=float)
 
 
 def column_scores(q: Tensor, k: Tensor, q_pos: Tensor, rows: int | None = None, sliding_window=None,
@@ -157,18 +167,24 @@ def pool1d(scores: Tensor, kernel: int, kind: str = "max", within: Tensor | None
     return total / count.clamp(min=1)
 
 
-def select_top(scores: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
-    """The `capacity` best columns of scores [B, H, T], returned in column order.
+def select_top(scores: Tensor, capacity: int, limit: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The `capacity` best columns of scores [B, H, T]: the valid ones first, in column order.
 
     Returns (idx [B, H, capacity], valid [B, H, capacity]); valid is False where no keepable
-    column was left (score -inf, or T < capacity), and such idx point at a real column.  The
-    output shape never depends on T, so compiled prefill graphs need no T-vs-capacity guard."""
+    column was left (score -inf, or T < capacity) and, with limit [B], past row b's limit[b] best
+    (its own budget); such idx point at a real column.  The output shape never depends on T, so
+    compiled prefill graphs need no T-vs-capacity guard.  Equal scores go to the earlier column (a stable
+    sort, not topk, whose choice among ties depends on T): a left-padded row keeps what it keeps alone, also
+    where max pooling makes plateaus of equal scores (SnapKV)."""
     B, H, T = scores.shape
     padded = torch.cat([scores, scores.new_full((B, H, capacity), NEVER)], dim=-1)
-    top, idx = padded.topk(capacity, dim=-1)
-    order = idx.argsort(dim=-1)
-    idx, top = idx.gather(-1, order), top.gather(-1, order)
-    return idx.clamp(max=T - 1), top > NEVER
+    top, idx = padded.sort(dim=-1, descending=True, stable=True)
+    top, idx = top[..., :capacity], idx[..., :capacity]        # best first
+    valid = top > NEVER
+    if limit is not None:
+        valid &= torch.arange(capacity, device=scores.device) < limit[:, None, None]
+    order = torch.where(valid, idx, idx + T + capacity).argsort(dim=-1)
+    return idx.gather(-1, order).clamp(max=T - 1), valid.gather(-1, order)
 
 
 def split_integer(total: int, weights: list[float]) -> list[int]:
@@ -212,8 +228,9 @@ def fill_to_cap(budgets: list[int], cap: int) -> list[int]:
     return out
 
 
-def recent_and_sinks(q_pos: Tensor, n_sink: int, window: int) -> Tensor:
-    """Mask [B, T]: the first n_sink tokens and the last `window` tokens of each sequence."""
+def recent_and_sinks(q_pos: Tensor, n_sink: int, window: "int | Tensor") -> Tensor:
+    """Mask [B, T]: the first n_sink tokens and the last `window` tokens (an int, or per row [B, 1]) of each
+    sequence."""
     length = q_pos.max(dim=-1, keepdim=True).values + 1
     return (q_pos >= 0) & ((q_pos < n_sink) | (q_pos >= length - window))
 
@@ -352,6 +369,7 @@ class EvictionPolicy:
     name = "eviction"
     renamed = {}                   # old parameter name -> new one (refused with a message naming it)
     budget = None                  # tokens kept per layer and KV head (the Budget parameter; None: no budget)
+    ratio = None                   # or the share of each prompt removed (the Budget parameter)
     prefill_in_one_pass = True
     is_sparse_reader = False
     decode_attention = False       # decode needs the step's attention probabilities
@@ -365,6 +383,8 @@ class EvictionPolicy:
     n_sink, n_recent = 0, 0        # tokens always kept: the first n_sink, the last recent_window(layer)
     prompt_length = 0              # set per request (before_prefill); 0 before setup
     n_filled = 0                   # tokens seen so far (prompt + generated), a host int
+    row_tokens = ()                # per row, the token budget its prompt resolved to (None: no request); set up
+    budgets = None                 # per layer, the budget its storage holds (budgeted policies; set up)
 
     @classmethod
     def full_cache_args(cls, n_tokens: int):
@@ -379,23 +399,56 @@ class EvictionPolicy:
 
     def __post_init__(self):
         self.slots = DenseSlots()       # K/V format (with_kv_bits: KIVISlots)
+        if "budget" in policy_params(type(self)):
+            self.check_budget()
         self.validate()
+
+    def check_budget(self) -> None:
+        """The Budget parameters: budget or ratio, not both (neither: budget=DEFAULT_BUDGET)."""
+        if self.budget is not None and self.ratio is not None:
+            raise ValueError(f"give budget ({self.budget}) or ratio ({self.ratio}), not both")
+        if self.ratio is None and self.budget is None:
+            self.budget = DEFAULT_BUDGET
+        if self.ratio is not None and not 0 < self.ratio < 1:
+            raise ValueError(f"ratio must be in (0, 1) (the share of the prompt removed), got {self.ratio}")
+
+    @property
+    def budgeted(self) -> bool:
+        """The policy keeps a token budget (budget or ratio): each row keeps its own (plan_rows)."""
+        return self.budget is not None or self.ratio is not None
 
     def validate(self) -> None:
         if self.head_agg not in self.head_aggs:
             raise ValueError(f"head_agg must be one of {', '.join(self.head_aggs)}, got {self.head_agg!r}")
-        if self.budget is None:
+        if not self.budgeted:
             return
-        if self.budget < 1:
-            raise ValueError(f"budget must be positive, got {self.budget}")
-        if self.n_sink < 0 or self.n_recent < 0 or self.budget < self.n_sink + self.n_recent:
+        if self.n_sink < 0:
+            raise ValueError(f"n_sink must not be negative, got {self.n_sink}")
+        if self.budget is not None and self.budget < self.min_budget():
             raise ValueError(f"budget ({self.budget}) must be at least n_sink ({self.n_sink}) + n_recent "
-                             f"({self.n_recent}), neither negative")
+                             f"({self.n_recent}), and positive")
+
+    def min_budget(self) -> int:
+        """The smallest budget the other parameters allow (a ratio's budget never goes below it)."""
+        return max(1, self.n_sink + self.n_recent)
+
+    def resolve_budget(self, n_tokens: int) -> int:
+        """Tokens per layer and KV head a prompt of n_tokens keeps: `budget`, or with `ratio` kvpress's
+        n_kept = int(n_tokens * (1 - ratio)) (ScorerPress), raised to min_budget() if below it."""
+        if self.ratio is None:
+            return self.budget
+        return max(int(n_tokens * (1 - self.ratio)), self.min_budget())
 
     # ----------------------------------------------------------------- policy hooks
     def layer_budget(self, layer: int) -> int:
-        """Prompt tokens layer `layer` keeps per KV head (its budget)."""
-        return self.budget
+        """Prompt tokens layer `layer` keeps per KV head (its budget; rows with their own: the largest, or
+        with fixed storage the bound fixed at setup; see plan_rows)."""
+        return self.budgets[layer]
+
+    def layer_budgets(self, budget: int, length: int) -> list[int]:
+        """Per layer, the prompt tokens a row keeps per KV head when its token budget is `budget` and its prompt
+        `length` tokens long.  Default: `budget` in every layer (PyramidKV and D2O: their schedules)."""
+        return [budget] * self.args.n_layers
 
     def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
         """What the policy needs from this layer's prompt attention (tensors)."""
@@ -404,8 +457,9 @@ class EvictionPolicy:
     def plan(self, stats: list[dict]) -> None:
         """Host-side, with defer_compression: fix per-layer budgets/modes from all layers."""
 
-    def recent_window(self, layer: int) -> int:
-        """Most recent tokens layer `layer` always keeps, at prefill and in decode (with the first n_sink)."""
+    def recent_window(self, layer: int, budget: int) -> int:
+        """Most recent tokens layer `layer` always keeps, at prefill and in decode (with the first n_sink), in a
+        row whose budget in that layer is `budget`."""
         return self.n_recent
 
     def token_scores(self, layer: int, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
@@ -424,7 +478,7 @@ class EvictionPolicy:
     def decode_victim(self, layer: int) -> Tensor:
         """Slot [B, H_kv] an evicting layer overwrites: an empty slot while there is one, else the slot of
         lowest `score` outside the first n_sink and the recent window."""
-        return self.lowest(layer, self.score[layer], self.protected(layer, self.n_sink, self.recent_window(layer)))
+        return self.lowest(layer, self.score[layer], self.protected(layer, self.n_sink, self.row_window[:, layer, None, None]))
 
     def observe(self, layer: int, p_old: Tensor, p_new: Tensor) -> None:
         """Decode attention probabilities (decode_attention policies): [B, H_kv, G, C], [.., 1]."""
@@ -457,8 +511,14 @@ class EvictionPolicy:
         self.score: list = [None] * n
         self.kept = [0] * n                   # prompt tokens kept per layer (host ints)
         self.layer_appends = [self.appending] * n
-        # rows that join a running batch: storage allocated once here (budgets do not depend on the prompt),
-        # reused by every request
+        # each row's budget per layer [B, L] (an evicting layer's slots past it stay closed to that row) and
+        # recent window [B, L], and its token budget (row_tokens, host ints): set per request by plan_rows
+        self.row_budget = torch.zeros(max_batch_size, n, dtype=torch.long, device=device)
+        self.row_window = torch.zeros(max_batch_size, n, dtype=torch.long, device=device)
+        # per layer, the budget storage holds: until a prompt arrives, that of a max_seq_length-token prompt
+        # (with a ratio the largest any prompt gets: the bound of fixed storage)
+        self.budgets = self.layer_budgets(self.resolve_budget(max_seq_length), max_seq_length) if self.budgeted else None
+        # rows that join a running batch: storage allocated once here (at the bound above), reused by every request
         self.fixed_storage = self.decode_room is not None and self.admission == "row"
         if self.fixed_storage:
             for layer in range(n):
@@ -470,6 +530,7 @@ class EvictionPolicy:
             if p is not None:
                 p.fill_(-1)
         self.aligned = True     # every row holds a request that started with the others (else: adopt)
+        self.row_tokens = [None] * self.batch
         self.n_filled = 0       # tokens seen so far (prompt + generated), a host int
         self.prompt_length = 0
         self.q_pos = None
@@ -489,10 +550,26 @@ class EvictionPolicy:
         if T > self.max_seq_length:
             raise ValueError(f"prompt of {T} tokens exceeds max_seq_length {self.max_seq_length}")
         self.prompt_length = T
+        self.lengths = (input_pos.amax(-1) + 1).tolist()    # each row's prompt length (one host sync)
         self.prepared = True
         if not self.defer_compression:
+            self.plan_rows()
             for layer in range(len(self.k)):
                 self.allocate(layer)
+
+    def plan_rows(self) -> None:
+        """Host side, once the layers' plans are known (before `allocate`): each row's token budget from its
+        prompt length (`resolve_budget`), its per-layer budgets (`layer_budgets`) and recent windows, and the
+        budget each layer's storage holds: the largest row's (fixed storage: the bound fixed at setup)."""
+        rows = ([self.layer_budgets(self.resolve_budget(n), n) for n in self.lengths] if self.budgeted else
+                [[self.layer_budget(layer) for layer in range(len(self.k))]] * len(self.lengths))
+        if self.budgeted:
+            self.row_tokens = [self.resolve_budget(n) for n in self.lengths]
+            if not self.fixed_storage:
+                self.budgets = [max(column) for column in zip(*rows)]
+        windows = [[self.recent_window(layer, b) for layer, b in enumerate(row)] for row in rows]
+        self.row_budget.copy_(torch.tensor(rows))
+        self.row_window.copy_(torch.tensor(windows))
 
     def begin(self, input_pos: Tensor) -> None:
         B, T = input_pos.shape
@@ -554,6 +631,7 @@ class EvictionPolicy:
         """Forget row `row`'s request (host side): its slots become empty; the other rows go on."""
         for pos in self.pos:
             pos[row] = -1
+        self.row_tokens[row] = None
         self.aligned = False
         self.n_filled = max(int(pos.amax()) + 1 for pos in self.pos)     # the longest row's tokens
 
@@ -568,6 +646,8 @@ class EvictionPolicy:
         for layer in range(len(self.pos)):
             for dst, src in zip(self.row_tensors(layer, row), other.row_tensors(layer, other_row)):
                 dst.copy_(src)
+        self.row_budget[row], self.row_window[row] = other.row_budget[other_row], other.row_window[other_row]
+        self.row_tokens[row] = other.row_tokens[other_row]
         self.n_filled = max(self.n_filled, other.n_filled)
         self.prompt_length = max(self.prompt_length, other.prompt_length)
         self.kept = [max(a, b) for a, b in zip(self.kept, other.kept)]      # what describe() reports
@@ -584,6 +664,7 @@ class EvictionPolicy:
     def end_prefill(self) -> None:
         if self.pending:
             self.plan([self.pending[i][2] for i in range(len(self.k))])
+            self.plan_rows()
             for layer in range(len(self.k)):
                 self.allocate(layer)
                 self.compress(layer, *self.pending.pop(layer))
@@ -595,9 +676,9 @@ class EvictionPolicy:
         H, D = k.shape[1], k.shape[3]
         pos = self.q_pos[:, None, :].expand(-1, H, -1)
         scores = self.keep_scores(layer, {**stats, "token": self.token_scores(layer, k, v, pos)}, self.q_pos, H)
-        always = recent_and_sinks(self.q_pos, self.n_sink, self.recent_window(layer))[:, None, :]
+        always = recent_and_sinks(self.q_pos, self.n_sink, self.row_window[:, layer, None])[:, None, :]
         ranked = scores.masked_fill(always, ALWAYS).masked_fill((self.q_pos < 0)[:, None, :], NEVER)
-        idx, valid = select_top(ranked, self.layer_budget(layer))
+        idx, valid = select_top(ranked, self.layer_budget(layer), self.row_budget[:, layer] if self.budgeted else None)
         n = idx.shape[-1]
         gather = idx[..., None].expand(-1, -1, -1, D)
         kc, vc = k.gather(2, gather), v.gather(2, gather)
@@ -715,15 +796,20 @@ class EvictionPolicy:
         """The lowest empty slot [B, H_kv] (the appending layers' victim)."""
         return first_min((self.pos[layer] >= 0).float())
 
-    def protected(self, layer: int, n_sink: int, window: int) -> Tensor:
+    def protected(self, layer: int, n_sink: int, window: "int | Tensor") -> Tensor:
         """Slots [B, H, C] an evicting layer never gives up at this step: the first n_sink
-        tokens and the `window` most recent (the new token being one of them)."""
+        tokens and the `window` most recent (an int, or per row [B, 1, 1]; the new token being one of them)."""
         pos = self.pos[layer]
         return (pos < n_sink) | (pos > self.q_pos[:, None, :] - window)
 
     def lowest(self, layer: int, score: Tensor, keep: Tensor) -> Tensor:
-        """Victim [B, H]: an empty slot if any, else the unprotected slot of lowest score."""
+        """Victim [B, H]: an empty slot if any, else the unprotected slot of lowest score.  A row never takes
+        the slots past its own budget (a batch allocates the largest row's): they stay closed, so the row
+        holds what it holds alone."""
         score = score.masked_fill(keep, ALWAYS).masked_fill(self.pos[layer] < 0, NEVER)
+        if self.budgeted:
+            slots = torch.arange(score.shape[-1], device=score.device)
+            score = score.masked_fill(slots >= self.row_budget[:, layer, None, None], ALWAYS)
         return first_min(score)
 
     def kept_positions(self, layer: int) -> Tensor:
@@ -737,8 +823,13 @@ class EvictionPolicy:
 
     def describe(self) -> dict:
         d = {"policy": self.name, **param_values(self), **self.slots.describe()}
+        rows = [b for b, tokens in enumerate(self.row_tokens) if tokens is not None]     # rows holding a request
+        if rows:            # the token budget each row's prompt resolved to (one number when they agree)
+            resolved = {self.row_tokens[b] for b in rows}
+            d["resolved_budget"] = resolved.pop() if len(resolved) == 1 else list(self.row_tokens)
         if self.prompt_length and any(k is not None for k in self.k):
             d["kept_prompt_tokens_per_layer"] = list(self.kept)
-            if self.prompt_length <= min(self.layer_budget(i) for i in range(len(self.k))):
+            least = int(self.row_budget[rows].min()) if rows else min(map(self.layer_budget, range(len(self.k))))
+            if self.prompt_length <= least:
                 d["note"] = f"budget >= prompt ({self.prompt_length} tokens): the prompt is kept whole"
         return d

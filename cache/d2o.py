@@ -8,7 +8,8 @@ SmolLM2, 6 of 30 layers are below 100 at 3000 tokens, 10 at 1000), so a fixed g 
 across models or lengths.  With `conserve_total=true` (default) S is chosen so the budgets sum
 exactly to n_layers * budget, the same KV bytes as the other policies at this budget;
 `conserve_total=false` is the paper's literal S = budget (more memory).  Budgets need every layer,
-so compression waits for `end_prefill`.
+so compression waits for `end_prefill`.  The dense layers are chosen for the batch; each row splits its own
+token budget (`ratio=`: from its prompt length) over them, and a layer allocates the largest row's.
 
 Token level (per KV head): H2O-style eviction keeping `n_sink` sinks + the recent window M + the
 top N by accumulated attention, N:M = 3:1; an evicted token is merged into its most similar
@@ -49,17 +50,20 @@ class D2OPolicy(HeadAgg, Budget, EvictionPolicy):
     defer_compression = True
 
     def validate(self) -> None:
-        super().validate()
-        if self.n_sink < 0 or self.budget < self.n_sink + 2:
+        if self.n_sink < 0 or (self.budget is not None and self.budget < self.min_budget()):
             raise ValueError(f"budget ({self.budget}) must be at least n_sink ({self.n_sink}) + 2")
+        super().validate()
         if not 0 <= self.dense_share <= 1:
             raise ValueError(f"dense_share must be in [0, 1], got {self.dense_share}")
         if self.dense_factor < 1 or not 0 < self.ema_beta <= 1 or not 0 < self.recent_share < 1:
             raise ValueError("need dense_factor >= 1, 0 < ema_beta <= 1, 0 < recent_share < 1")
 
+    def min_budget(self) -> int:
+        return self.n_sink + 2
+
     def setup(self, args, max_batch_size, max_seq_length, dtype, device) -> None:
+        self.weights = [1.0] * args.n_layers        # every layer sparse until plan
         super().setup(args, max_batch_size, max_seq_length, dtype, device)
-        self.budgets = [self.budget] * args.n_layers
         self.variances = [None] * args.n_layers
         self.tau: list = [None] * args.n_layers
 
@@ -75,12 +79,15 @@ class D2OPolicy(HeadAgg, Budget, EvictionPolicy):
     def plan(self, stats: list[dict]) -> None:
         # one host sync; under --tp the mean over every process's heads (one all-reduce)
         self.variances = shard_of(self.args).mean(torch.stack([s["variance"] for s in stats])).tolist()
-        weights = [self.dense_factor if dense else 1.0 for dense in self.dense_layers(self.variances)]
+        self.weights = [self.dense_factor if dense else 1.0 for dense in self.dense_layers(self.variances)]
+
+    def layer_budgets(self, budget: int, length: int) -> list[int]:
+        """A row's token `budget` split over the layers by their weights (dense: dense_factor)."""
         if self.conserve_total:
-            self.budgets = split_integer(len(weights) * self.budget, weights)
+            budgets = split_integer(len(self.weights) * budget, self.weights)
         else:
-            self.budgets = [round(self.budget * w) for w in weights]
-        self.budgets = [max(b, self.n_sink + 2) for b in self.budgets]
+            budgets = [round(budget * w) for w in self.weights]
+        return [max(b, self.min_budget()) for b in budgets]
 
     def dense_layers(self, variances: list[float]) -> list[bool]:
         """The paper's absolute gate (`gate` >= 0), else the `dense_share` of layers with the lowest
@@ -91,11 +98,8 @@ class D2OPolicy(HeadAgg, Budget, EvictionPolicy):
         lowest = set(sorted(range(len(variances)), key=lambda i: variances[i])[:n_dense])
         return [i in lowest for i in range(len(variances))]
 
-    def layer_budget(self, layer: int) -> int:
-        return self.budgets[layer]
-
-    def recent_window(self, layer: int) -> int:
-        return max(1, round((self.budgets[layer] - self.n_sink) * self.recent_share))
+    def recent_window(self, layer: int, budget: int) -> int:
+        return max(1, round((budget - self.n_sink) * self.recent_share))
 
     # ---------------------------------------------------------------- token level
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:

@@ -24,11 +24,21 @@ class H2OPolicy(HeadAgg, Budget, EvictionPolicy):
     decode_attention = True
 
     def validate(self) -> None:
-        if self.n_recent == -1:
-            self.n_recent = max(1, (self.budget - self.n_sink) // 2)
+        if self.n_recent == -1 and self.budget is not None:     # with a ratio: per row (recent_window)
+            self.n_recent = self.paper_recent(self.budget)
         super().validate()
-        if self.n_recent < 1:
+        if self.n_recent < 1 and self.n_recent != -1:
             raise ValueError(f"n_recent must be at least 1, got {self.n_recent}")
+
+    def paper_recent(self, budget: int) -> int:
+        """The paper's equal heavy/recent split of `budget`."""
+        return max(1, (budget - self.n_sink) // 2)
+
+    def min_budget(self) -> int:
+        return self.n_sink + (1 if self.n_recent == -1 else self.n_recent)
+
+    def recent_window(self, layer: int, budget: int) -> int:
+        return self.paper_recent(budget) if self.n_recent == -1 else self.n_recent
 
     def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
         return {"acc": column_scores(q, k, q_pos, None, self.sliding_window, agg=self.head_agg)}

@@ -7,9 +7,9 @@ probabilities, so it composes with any attention kernel and with the sparse read
 At prefill each layer and KV head keeps the `budget` prompt tokens of lowest key norm; at every decode
 step the new token is stored and the kept token of highest key norm leaves, so memory stays flat.
 Defaults as kvpress's KnormPress and the authors' code: no sinks and no recent window (n_sink=0,
-n_recent=0; both available through the eviction base) and every layer compressed.  Deviations
-(docs/policies.md): a fixed budget per layer and head instead of a keep ratio, and a slot cache always
-stores the new token, even when its key norm is the highest.
+n_recent=0; both available through the eviction base) and every layer compressed.  `ratio=` keeps
+kvpress's share of the prompt (its compression_ratio); `budget=` a fixed count per layer and head.
+Deviation (docs/policies.md): a slot cache always stores the new token, even when its key norm is the highest.
 """
 from dataclasses import dataclass
 
@@ -23,6 +23,11 @@ class KnormPolicy(Budget, EvictionPolicy):
     name = "knorm"
     n_sink: int = sink_param(0)
     n_recent: int = recent_param(0)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.n_recent < 0:
+            raise ValueError(f"n_recent must not be negative, got {self.n_recent}")
 
     def token_scores(self, layer: int, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
         """-||k||_2 [B, H_kv, T] of each key k [B, H_kv, T, D]: the lowest norms are kept."""

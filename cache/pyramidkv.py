@@ -7,7 +7,9 @@ When a layer's budget exceeds the prompt (it can hold no more than the prompt), 
 the other layers in proportion to their budgets (`fill_to_cap`), so the total kept is
 min(n_layers * budget, n_layers * prompt length), the reference code's total too (it switches to
 uniform budgets for short prompts instead: docs/policies.md).  Each layer allocates only its own
-capacity, fixed when the prompt arrives.
+capacity, fixed when the prompt arrives.  Each row of a batch gets its own schedule, from its own token
+budget (`ratio=`: from its prompt length) and capped at its own prompt length; a layer allocates the
+largest row's.
 """
 from dataclasses import dataclass
 
@@ -17,7 +19,7 @@ from cache.snapkv import SnapKVPolicy
 
 @dataclass(eq=False)
 class PyramidKVPolicy(SnapKVPolicy):
-    admission = "batch"     # layer budgets follow the batch's prompt length (fill_to_cap)
+    admission = "batch"     # layer budgets follow the prompt length (fill_to_cap): storage is the batch's
     name = "pyramidkv"
     obs_window: int = param(8, "observation window (the paper's alpha), kept in every layer")
     pyramid_beta: float = param(20.0, "the paper's beta: the top layer gets (budget - obs_window) / pyramid_beta")
@@ -34,17 +36,9 @@ class PyramidKVPolicy(SnapKVPolicy):
         if self.pyramid_beta < 1:
             raise ValueError(f"pyramid_beta must be >= 1, got {self.pyramid_beta}")
 
-    def setup(self, args, max_batch_size, max_seq_length, dtype, device) -> None:
-        self.schedule = pyramid_budgets(args.n_layers, self.budget, self.obs_window, self.pyramid_beta)
-        self.budgets = list(self.schedule)
-        super().setup(args, max_batch_size, max_seq_length, dtype, device)
-
-    def before_prefill(self, input_pos) -> None:
-        self.budgets = fill_to_cap(self.schedule, input_pos.shape[1])    # before the layers allocate
-        super().before_prefill(input_pos)
-
-    def layer_budget(self, layer: int) -> int:
-        return self.budgets[layer]
+    def layer_budgets(self, budget: int, length: int) -> list[int]:
+        """The pyramid schedule of `budget`, capped at the row's prompt `length` (surplus to the other layers)."""
+        return fill_to_cap(pyramid_budgets(self.args.n_layers, budget, self.obs_window, self.pyramid_beta), length)
 
     def describe(self) -> dict:
-        return {**super().describe(), "layer_budgets": getattr(self, "budgets", None)}
+        return {**super().describe(), "layer_budgets": self.budgets}

@@ -23,9 +23,9 @@ class SnapKVPolicy(HeadAgg, Budget, EvictionPolicy):
     appending = True
 
     def validate(self) -> None:
-        super().validate()
-        if self.obs_window < 1 or self.budget < self.obs_window:
+        if self.obs_window < 1 or (self.budget is not None and self.budget < self.min_budget()):
             raise ValueError(f"budget ({self.budget}) must be at least the obs_window ({self.obs_window}), obs_window >= 1")
+        super().validate()
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd and positive, got {self.kernel}")
         if self.pooling not in ("max", "avg"):
@@ -34,7 +34,10 @@ class SnapKVPolicy(HeadAgg, Budget, EvictionPolicy):
     def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
         return {"obs": column_scores(q, k, q_pos, self.obs_window, self.sliding_window, agg=self.head_agg)}
 
-    def recent_window(self, layer: int) -> int:
+    def min_budget(self) -> int:
+        return max(1, self.obs_window)
+
+    def recent_window(self, layer: int, budget: int) -> int:
         return self.obs_window      # kept at prefill; appending layers never evict, so a prefill-only window
 
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:

@@ -3,8 +3,8 @@
 budget = n_sink + n_recent slots per layer and KV head.  At prefill the prompt's first n_sink
 and last `n_recent` tokens are kept; at every decode step the oldest non-sink token is evicted,
 so memory stays flat for any generation length.  Keys keep their original positions.
-The rule is the eviction base's defaults: the sinks and the recent window (n_recent = budget - n_sink)
-are always kept, and a token's score is its position (the oldest unprotected one leaves).
+The rule is the eviction base's defaults: the sinks and the recent window (budget - n_sink, per row under
+a ratio) are always kept, and a token's score is its position (the oldest unprotected one leaves).
 """
 from dataclasses import dataclass
 
@@ -17,10 +17,12 @@ class StreamingPolicy(Budget, EvictionPolicy):
     n_sink: int = sink_param(4)
 
     def validate(self) -> None:
-        if self.n_sink < 0 or self.budget <= self.n_sink:
+        if self.n_sink < 0 or (self.budget is not None and self.budget < self.min_budget()):
             raise ValueError(f"budget ({self.budget}) must exceed n_sink ({self.n_sink})")
         super().validate()
 
-    @property
-    def n_recent(self) -> int:
-        return self.budget - self.n_sink
+    def min_budget(self) -> int:
+        return self.n_sink + 1
+
+    def recent_window(self, layer: int, budget: int) -> int:
+        return budget - self.n_sink

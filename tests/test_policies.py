@@ -208,7 +208,7 @@ def test_pyramidkv_at_budget_900_keeps_what_a_1000_token_prompt_allows():
     """Issue 20: the top layers' budgets exceed the prompt; their surplus goes to the others (>= 99%)."""
     policy = bare_policy("pyramidkv", "budget=900", T=1000, max_seq=1010, layers=30)
     assert sum(policy.budgets) >= 0.99 * 30 * 900 and max(policy.budgets) <= 1000
-    assert sum(min(b, 1000) for b in policy.schedule) < 0.9 * 30 * 900      # what dropping the surplus kept
+    assert sum(min(b, 1000) for b in pyramid_budgets(30, 900, 8, 20)) < 0.9 * 30 * 900    # what dropping the surplus kept
 
 
 def test_pyramidkv_layers_allocate_their_own_capacity(tmp_path):
@@ -236,7 +236,7 @@ def test_decode_eviction_keeps_size_and_never_evicts_sinks_or_recent(name, args,
         engine.run_prefill(model, tokens, pos)
         allocated = policy.kv_bytes()["allocated"]
         last = pos[:, -1:]
-        window = policy.recent_window(0) if name == "d2o" else policy.n_recent
+        window = int(policy.row_window[0, 0])         # layer 0's recent window (the rows agree here)
         for step in range(1, 31):
             engine.run_decode(model, torch.randint(0, 128, (2, 1)), last + step, step - 1)
             assert policy.kv_bytes()["allocated"] == allocated
@@ -374,7 +374,8 @@ def test_d2o_dense_share_picks_the_lowest_variance_layers():
     variances = [5.0, 300.0, 1.0, 80.0, 900.0, 40.0, 7.0, 60.0]            # lowest two: layers 2 and 0
     assert policy.dense_layers(variances) == [True, False, True, False, False, False, False, False]
     policy.plan([{"variance": torch.tensor(v)} for v in variances])
-    assert policy.budgets[0] == policy.budgets[2] == 2 * policy.budgets[1] and sum(policy.budgets) == 800
+    budgets = policy.layer_budgets(100, 20)                                # a row's split of its budget
+    assert budgets[0] == budgets[2] == 2 * budgets[1] and sum(budgets) == 800
     assert [v * 10 for v in variances] and policy.dense_layers([v * 10 for v in variances]) == \
         policy.dense_layers(variances)                                   # scale-free: longer prompts, same layers
     assert make_policy("d2o", "gate=50").dense_layers(variances) == [True, False, True, False, False, True, True, False]
@@ -511,7 +512,7 @@ def test_registry_lists_every_policy_with_declared_parameters():
     assert set(EVICTION) | {"full"} <= set(POLICIES)
     for name in EVICTION:
         for key, (kind, default, help_text) in policy_params(POLICIES[name]).items():
-            assert isinstance(default, kind) and help_text
+            assert (default is None or isinstance(default, kind)) and help_text    # None: budget, ratio
 
 
 # --------------------------------------------------------------------------- the real model
