@@ -13,6 +13,7 @@ whole and answered greedily, stopping at the model's EOS.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -61,7 +62,11 @@ def serve(job_path: str) -> int:
     return 0
 
 
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="kvpress's side of python -m eval.suite --peers kvpress (it runs this)")
+    p.add_argument("job", help="the job file (this module's docstring)")
+    return serve(p.parse_args(argv).job)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m eval.kvpress_child JOB.json (python -m eval.suite --peers kvpress runs it)")
-    sys.exit(serve(sys.argv[1]))
+    sys.exit(main())

@@ -647,7 +647,6 @@ def resolve_options(o: argparse.Namespace) -> argparse.Namespace:
         try:
             o.peer_pairs = kvpress_peer.jobs(kvpress_peer.parse_presses(o.peer_presses),
                                              kvpress_peer.parse_ratios(o.peer_ratios))
-            kvpress_peer.check_available(o.kvpress_python, o.checkpoint)
         except kvpress_peer.PeerError as e:
             raise UsageError(str(e)) from None
     return o
@@ -715,8 +714,13 @@ def prepare(ctx: Context, tasks: list[str]) -> None:
 def run(o: argparse.Namespace) -> int:
     o = resolve_options(o)
     specs, tasks = parse_policies(o.policies), parse_tasks(o.tasks)
-    if o.peers and not any(t.partition(":")[0] in PEER_TASKS for t in tasks):
-        raise UsageError(f"--peers kvpress runs the tasks {', '.join(PEER_TASKS)}; --tasks has none of them")
+    if o.peers:
+        if not any(t.partition(":")[0] in PEER_TASKS for t in tasks):
+            raise UsageError(f"--peers kvpress runs the tasks {', '.join(PEER_TASKS)}; --tasks has none of them")
+        try:                 # here, not in resolve_options: the docs' quoted commands parse without kvpress
+            kvpress_peer.check_available(o.kvpress_python, o.checkpoint)
+        except kvpress_peer.PeerError as e:
+            raise UsageError(str(e)) from None
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cells").mkdir(exist_ok=True)
