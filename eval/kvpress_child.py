@@ -6,8 +6,8 @@ Imports only the standard library, torch, transformers and kvpress (never this p
 it runs under the interpreter of a venv that holds kvpress and the transformers it pins.  JOB.json:
 {"checkpoint": HF folder, "dtype": "float32", "threads": N, "requests": [{"context": ids,
 "question": ids, "max_new_tokens": n}], "jobs": [{"method", "press" (a kvpress class name, or
-null for no press), "ratio"}]}.  Prints one JSON line per job, {"method", "ratio", "answers",
-"seconds"}, as each finishes.  Each answer comes from KVPressTextGenerationPipeline._forward (through
+null for no press), "ratio"}]}.  Prints one JSON line per job, {"method", "ratio", "seconds",
+"answers"} (or "error": a press that raises fails alone), as each finishes.  Each answer comes from KVPressTextGenerationPipeline._forward (through
 Pipeline.forward): the context prefilled once with the press active, then the question appended
 whole and answered greedily, stopping at the model's EOS.
 """
@@ -50,16 +50,28 @@ def serve(job_path: str) -> int:
         attn = "eager" if j["press"] in EAGER else "sdpa"
         if attn not in pipes:
             pipes[attn] = load_pipeline(job["checkpoint"], job["dtype"], attn)
-        press, t0, answers = make_press(j["press"], j["ratio"]), time.perf_counter(), []
-        for r in job["requests"]:
-            inputs = {"context_ids": torch.tensor([r["context"]]), "questions_ids": [torch.tensor([r["question"]])]}
-            answers += pipes[attn].forward(inputs, press=press, max_new_tokens=r["max_new_tokens"])
+        t0 = time.perf_counter()
+        try:
+            answers = answer_all(pipes[attn], make_press(j["press"], j["ratio"]), job["requests"])
+        except Exception as e:     # noqa: BLE001 - a press that fails is that press's row, the others go on
+            done = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        else:
+            done = {"answers": answers}
         seconds = time.perf_counter() - t0
-        print(f"  kvpress {j['method']} ratio {j['ratio']:g}: {len(answers)} answers ({seconds:.1f} s)",
+        print(f"  kvpress {j['method']} ratio {j['ratio']:g}: {done.get('error') or 'ok'} ({seconds:.1f} s)",
               file=sys.stderr, flush=True)
-        print(json.dumps({"method": j["method"], "ratio": j["ratio"], "answers": answers, "seconds": seconds}),
-              flush=True)
+        print(json.dumps({"method": j["method"], "ratio": j["ratio"], "seconds": seconds, **done}), flush=True)
     return 0
+
+
+def answer_all(pipe, press, requests: list[dict]) -> list[str]:
+    """The pipeline's answer to each request: its context prefilled under `press`, its question appended."""
+    import torch
+    answers = []
+    for r in requests:
+        inputs = {"context_ids": torch.tensor([r["context"]]), "questions_ids": [torch.tensor([r["question"]])]}
+        answers += pipe.forward(inputs, press=press, max_new_tokens=r["max_new_tokens"])
+    return answers
 
 
 def main(argv=None) -> int:

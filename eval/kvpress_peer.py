@@ -199,6 +199,10 @@ def run(out: Path, python: str, checkpoint: str, dtype: str, task: str, params: 
 
     def finished(line: dict) -> None:
         pair = (line["method"], line["ratio"])
+        if "error" in line:              # not written to cells/: the next run retries it
+            done[pair] = failed(*pair, protocol, task, params, line["error"])
+            print(f"  {done[pair]['row']} x {task}: error: {line['error']}", file=sys.stderr, flush=True)
+            return
         rec = {**record(*pair, protocol, task, params, metric, items, line["answers"], line["seconds"]),
                "identity": idents[pair]}
         common.write_json(cell_path(out, idents[pair]), rec)
@@ -212,11 +216,14 @@ def run(out: Path, python: str, checkpoint: str, dtype: str, task: str, params: 
     print(f"kvpress: {len(todo)} presses x {len(items)} prompts, {task} {protocol}", file=sys.stderr, flush=True)
     error = run_side(python, job, finished)
     for pair in todo:
-        done.setdefault(pair, {"row": row_name(*pair, protocol), "task": task, "policy": "kvpress", "label": pair[0],
-                               "policy_args": "", "kv_bits": 16, "protocol": protocol, "params": params,
-                               "peer": "kvpress", "method": pair[0], "ratio": pair[1], "status": "error",
-                               "error": error or "kvpress gave no answer"})
+        done.setdefault(pair, failed(*pair, protocol, task, params, error or "kvpress gave no answer"))
     return [done[pair] for pair in pairs]
+
+
+def failed(method: str, ratio: float, protocol: str, task: str, params: dict, error: str) -> dict:
+    return {"row": row_name(method, ratio, protocol), "task": task, "policy": "kvpress", "label": method,
+            "policy_args": "", "kv_bits": 16, "protocol": protocol, "params": params, "peer": "kvpress",
+            "method": method, "ratio": ratio, "status": "error", "error": error}
 
 
 # --------------------------------------------------------------------------- pairing

@@ -135,3 +135,14 @@ def test_main_writes_the_docs_table_from_cells(tmp_path, monkeypatch):
     table = json.loads(out.read_text())
     assert table["section"] == "13. Accuracy table" and table["machine"] == {"recorded": "m"}
     assert table["rows"] == [["knorm", "0.5", "agnostic", "2/2", "1/2"]]
+
+
+def test_a_press_that_fails_alone_is_an_error_row(tmp_path, monkeypatch):
+    def run_side(python, job, on_done):
+        on_done({"method": "pyramidkv", "ratio": 0.5, "seconds": 1.0, "error": "RuntimeError: sizes"})
+        on_done({"method": "knorm", "ratio": 0.5, "seconds": 1.0, "answers": ["yes", "yes"]})
+    monkeypatch.setattr(kvpress_peer, "run_side", run_side)
+    bad, good = kvpress_peer.run(tmp_path, "python", "ckpt", "float32", "needle", {}, "agnostic", "accuracy", ITEMS,
+                                 [("pyramidkv", 0.5), ("knorm", 0.5)])
+    assert bad["status"] == "error" and bad["error"] == "RuntimeError: sizes" and good["score"] == 50.0
+    assert len(list((tmp_path / "cells").glob("*.json"))) == 1            # the failure is retried next time
