@@ -558,13 +558,19 @@ def plot(records: list[dict], tasks: list[str], path: Path) -> Optional[str]:
     return None
 
 
+def report_markdown(records: list[dict], tasks: list[str], rows: list[str]) -> str:
+    """results.md: the table, then with --peers the side-by-side table of ours and kvpress's."""
+    md = markdown(records, tasks, rows)
+    if any(r.get("peer") for r in records):
+        md += "\nSide by side with kvpress (ours: the rows `NAME:ratio=r` and bare `full`):\n\n" + \
+            kvpress_peer.markdown(records)
+    return md
+
+
 def write_reports(out: Path, records: list[dict], tasks: list[str], rows: list[str], header: dict,
                   plots: bool = True) -> Optional[str]:
     compression(records)
-    md = markdown(records, tasks, rows)
-    side = kvpress_peer.markdown(records)
-    if side:
-        md += "\nSide by side with kvpress (ours: the rows `NAME:ratio=r` and bare `full`):\n\n" + side
+    md = report_markdown(records, tasks, rows)
     common.write_json(out / "results.json", {**header, "table": md, "cells": records})
     _write_text(out / "results.csv", csv_text(records))
     _write_text(out / "results.md", md)
@@ -775,7 +781,7 @@ def run(o: argparse.Namespace) -> int:
         return 130
     note = write_reports(out, records, tasks, rows, {**header, "seconds": time.perf_counter() - t0},
                          plots=not o.no_plot)
-    print(markdown(records, tasks, rows))
+    print(report_markdown(records, tasks, rows))
     if note:
         print(f"note: {note}", file=sys.stderr)
     print(f"{ran} cells run in {time.perf_counter() - t0:.0f} s; results.json, results.csv, results.md"
