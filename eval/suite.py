@@ -25,6 +25,14 @@ question (needle, passkey, longbench, ruler, ruler_synth) run once per protocol,
 named `SPEC agnostic`; perplexity, agreement and proximal have no question and run once (protocol
 null in their records).
 
+Peers (--peers kvpress, eval/kvpress_peer.py): kvpress's own pipeline on the same checkpoint (HF
+form), the same prompt tokens and the same protocols, for the needle, ruler and ruler_synth tasks:
+full, and each of --peer-presses (SnapKV, StreamingLLM, TOVA, PyramidKV, Knorm, ObservedAttention as
+h2o, ExpectedAttention) at each of --peer-ratios, in a child process under --kvpress-python (a venv
+with `pip install -e '.[kvpress]'`: kvpress pins an older transformers).  Its rows are named
+`kvpress:METHOD ratio=R`; results.md adds a side-by-side table pairing them with our rows
+`METHOD:ratio=R` (and bare `full`).  Without kvpress: a one-line error naming the install command.
+
 Resuming: every finished cell is written at once to DIR/cells/ under a name derived from
 everything that determines its result (checkpoint, dtype, policy and arguments, KV bits, task
 and task settings); running the same command again skips finished cells and retries skipped
@@ -82,7 +90,7 @@ import atomic_io  # noqa: E402
 import engine  # noqa: E402
 from cache import POLICIES, PolicyError, parse_spec, policy_params  # noqa: E402
 from cache.base import EvictionPolicy  # noqa: E402
-from eval import agreement, common, longbench, needle, passkey, perplexity, ruler, ruler_synth  # noqa: E402
+from eval import agreement, common, kvpress_peer, longbench, needle, passkey, perplexity, ruler, ruler_synth  # noqa: E402
 from eval.common import UsageError  # noqa: E402
 
 # every registered eviction policy that takes a token budget (a policy registered later joins the presets)
@@ -126,6 +134,7 @@ DEFAULTS = dict(kv_bits="16", lengths="1000,2000", depths="0.1,0.5,0.9", context
                 ruler_samples=10)
 SIMPLE_TASKS = ("needle", "passkey", "perplexity", "agreement", "proximal")
 QUESTION_TASKS = ("needle", "passkey", "longbench", "ruler", "ruler_synth")   # run under each --protocol
+PEER_TASKS = ("needle", "ruler", "ruler_synth")                               # --peers kvpress runs these
 LOWER_IS_BETTER = {"perplexity"}
 
 
@@ -376,6 +385,34 @@ def execute(ctx: Context, cell: Cell, factory: Optional[Callable], skip: Optiona
             "higher_is_better": result.get("metric") not in LOWER_IS_BETTER}
 
 
+def peer_items(ctx: Context, task: str, protocol: str) -> tuple[str, list]:
+    """(metric, kvpress_peer items) for a PEER_TASKS task: the prompts and scoring its own evaluate() uses."""
+    o, tokenizer = ctx.opts, ctx.loaded.tokenizer
+    kind, _, arg = task.partition(":")
+    if kind == "needle":
+        return "accuracy", kvpress_peer.needle_items(tokenizer, essays(ctx), common.parse_ints(o.lengths, "--lengths"),
+                                                     common.parse_floats(o.depths, "--depths"))
+    if kind == "ruler_synth":
+        return "string_match_all", kvpress_peer.ruler_items(tokenizer, ctx.cache["synth", task], "all", 128, protocol)
+    rows = ruler.read_rows(arg, o.limit)
+    metric = ruler.pick_metric("auto", ruler.task_name(arg, rows))
+    return f"string_match_{metric}", kvpress_peer.ruler_items(tokenizer, rows, metric, o.max_new_tokens or 128,
+                                                              protocol)
+
+
+def run_peers(ctx: Context, tasks: list[str], checkpoint: str, dtype: str) -> list[dict]:
+    """kvpress's records for every PEER_TASKS task and protocol (--peers kvpress)."""
+    o, records = ctx.opts, []
+    for task in tasks:
+        if task.partition(":")[0] not in PEER_TASKS:
+            continue
+        for protocol in o.protocols:
+            metric, items = peer_items(ctx, task, protocol)
+            records += kvpress_peer.run(ctx.out, o.kvpress_python, checkpoint, dtype.removeprefix("torch."), task,
+                                        task_params(task, o), protocol, metric, items, o.peer_pairs)
+    return records
+
+
 # --------------------------------------------------------------------------- report
 
 def compression(records: list[dict]) -> None:
@@ -521,10 +558,19 @@ def plot(records: list[dict], tasks: list[str], path: Path) -> Optional[str]:
     return None
 
 
+def report_markdown(records: list[dict], tasks: list[str], rows: list[str]) -> str:
+    """results.md: the table, then with --peers the side-by-side table of ours and kvpress's."""
+    md = markdown(records, tasks, rows)
+    if any(r.get("peer") for r in records):
+        md += "\nSide by side with kvpress (ours: the rows `NAME:ratio=r` and bare `full`):\n\n" + \
+            kvpress_peer.markdown(records)
+    return md
+
+
 def write_reports(out: Path, records: list[dict], tasks: list[str], rows: list[str], header: dict,
                   plots: bool = True) -> Optional[str]:
     compression(records)
-    md = markdown(records, tasks, rows)
+    md = report_markdown(records, tasks, rows)
     common.write_json(out / "results.json", {**header, "table": md, "cells": records})
     _write_text(out / "results.csv", csv_text(records))
     _write_text(out / "results.md", md)
@@ -564,6 +610,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=["aware", "agnostic", "both"],
                    help="aware (default): the prompt with its question is compressed; agnostic: the context alone, "
                         "the question appended whole; both: every question task under each")
+    g = p.add_argument_group("peers (eval/kvpress_peer.py)")
+    g.add_argument("--peers", choices=["kvpress"], help="also run kvpress's pipeline on the same prompts and "
+                                                        "protocols (needle, ruler, ruler_synth tasks)")
+    g.add_argument("--peer-presses", default=",".join(kvpress_peer.PRESSES),
+                   help="kvpress presses by our method names (default: %(default)s)")
+    g.add_argument("--peer-ratios", default=kvpress_peer.RATIOS, help="kvpress compression ratios, the fraction of "
+                                                                      "the context removed (default: %(default)s)")
+    g.add_argument("--kvpress-python", default=sys.executable,
+                   help="the python of a venv with kvpress (pip install -e '.[kvpress]'; default: this one)")
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--dtype", choices=list(engine.DTYPES))
     p.add_argument("--compile", action="store_true")
@@ -593,6 +648,13 @@ def resolve_options(o: argparse.Namespace) -> argparse.Namespace:
     if any(not 0 <= d <= 1 for d in common.parse_floats(o.depths, "--depths")):
         raise UsageError(f"--depths must lie in [0, 1], got {o.depths}")
     common.parse_ints(o.lengths, "--lengths")
+    o.peer_pairs = []
+    if o.peers:
+        try:
+            o.peer_pairs = kvpress_peer.jobs(kvpress_peer.parse_presses(o.peer_presses),
+                                             kvpress_peer.parse_ratios(o.peer_ratios))
+        except kvpress_peer.PeerError as e:
+            raise UsageError(str(e)) from None
     return o
 
 
@@ -658,6 +720,13 @@ def prepare(ctx: Context, tasks: list[str]) -> None:
 def run(o: argparse.Namespace) -> int:
     o = resolve_options(o)
     specs, tasks = parse_policies(o.policies), parse_tasks(o.tasks)
+    if o.peers:
+        if not any(t.partition(":")[0] in PEER_TASKS for t in tasks):
+            raise UsageError(f"--peers kvpress runs the tasks {', '.join(PEER_TASKS)}; --tasks has none of them")
+        try:                 # here, not in resolve_options: the docs' quoted commands parse without kvpress
+            kvpress_peer.check_available(o.kvpress_python, o.checkpoint)
+        except kvpress_peer.PeerError as e:
+            raise UsageError(str(e)) from None
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cells").mkdir(exist_ok=True)
@@ -701,6 +770,10 @@ def run(o: argparse.Namespace) -> int:
                       f"{time.perf_counter() - t0:.0f} s total, ~{left / 60:.1f} min left)", file=sys.stderr,
                       flush=True)
             records.append(record)
+        if o.peers:
+            peers = run_peers(ctx, tasks, checkpoint, dtype)
+            records += peers
+            rows += list(dict.fromkeys(r["row"] for r in peers))
     except KeyboardInterrupt:
         write_reports(out, records, tasks, rows, {**header, "interrupted": True}, plots=False)
         print(f"interrupted: {len(records)}/{len(cells)} cells finished and kept in {out}/cells; "
@@ -708,7 +781,7 @@ def run(o: argparse.Namespace) -> int:
         return 130
     note = write_reports(out, records, tasks, rows, {**header, "seconds": time.perf_counter() - t0},
                          plots=not o.no_plot)
-    print(markdown(records, tasks, rows))
+    print(report_markdown(records, tasks, rows))
     if note:
         print(f"note: {note}", file=sys.stderr)
     print(f"{ran} cells run in {time.perf_counter() - t0:.0f} s; results.json, results.csv, results.md"
