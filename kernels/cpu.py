@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .backend import kivi_arith_request
 from model import EagerOps, Linear, add_rms_norm, attend, rms_norm, rope_split, silu_mul
 
 SOURCES = [Path(__file__).with_name(name)
@@ -265,9 +266,7 @@ def kivi_arith_default() -> str:
     fp32-arithmetic op), or "avx2" / "vnni" to force one."""
     global _kivi_arith
     if _kivi_arith is None:
-        want = os.environ.get("KVC_KIVI_ARITH", "auto")
-        if want not in ("auto", "int") and want not in ARITH:
-            raise ValueError(f"KVC_KIVI_ARITH must be auto, int, {', '.join(ARITH)}; got {want!r}")
+        want = kivi_arith_request()
         best = kivi_int_arith()
         _kivi_arith = (best if best == "vnni" else "fp32") if want == "auto" else best if want == "int" else want
     return _kivi_arith
