@@ -483,10 +483,11 @@ class Linear(nn.Linear):
     - Under torch.compile on CPU for a single row (batch-1 decode): `(x * W).sum(-1)`, which Inductor
       turns into one vectorized reduction streaming W at memory bandwidth.  With more rows that
       reduction reads W once per row (2.8x oneDNN's time at 8 rows), so fp32 goes to oneDNN through
-      `kvc::onednn_linear`, opaque to Inductor.
-    - Eager fp32 on CPU with at most 12 rows (decode), if a loader plugged one in: `small_m_kernel`
-      (kernels.cpu.linear_small_m on AVX-512 CPUs: 1.3-1.6x oneDNN's rate at 1 row, 1.1-1.3x at 8,
-      even at 12-16, where oneDNN stays).
+      `kvc::onednn_linear`, opaque to Inductor, or to `small_m_kernel` as below.
+    - fp32 on CPU with at most 12 rows (decode; compiled: 2 to 12), if a loader plugged one in:
+      `small_m_kernel` (kernels.cpu.linear_small_m on AVX-512 CPUs: 1.3-1.6x oneDNN's rate at 1 row,
+      1.1-1.3x at 8, even at 12-16, where oneDNN stays; a custom op with a fake, so compiled steps call
+      it too: with oneDNN there, compiled batch-8 decode ran at 0.89-1.04x eager).
     - Anything else (CUDA, no oneDNN): F.linear.
     """
 
@@ -503,6 +504,8 @@ class Linear(nn.Linear):
                 if x.numel() == x.shape[-1]:
                     out = (x.unsqueeze(-2) * self.weight).sum(-1)
                     return out if self.bias is None else out + self.bias
+                if fp32 and self.small_m_kernel is not None and x.numel() <= 12 * x.shape[-1]:
+                    return self.small_m_kernel(x, self.weight, self.bias)
                 if fp32 and self.use_onednn:
                     return torch.ops.kvc.onednn_linear(x, self.weight, self.bias)
             elif fp32:

@@ -5,6 +5,10 @@
 before the first Triton call (the kernels are built lazily, on first use, so importing kernels/ never
 imports Triton).  "cpp" (the C++ CPU kernels, kernels/cpu.py) resolves to "torch" here: the dispatchers
 that have a C++ kernel check for it first (`cpu.use_cpu_kernel`), the others run their twin.
+
+KVC_KIVI_ARITH (`kivi_arith_request`) asks for the arithmetic of KIVI's dense reads of 2/4-bit storage:
+"auto", "int", "fp32", or a CPU ISA "avx2" / "vnni"; kernels/cpu.py resolves it for the C++ op,
+kernels/kivi_int_triton.py for the Triton kernels.
 """
 import os
 
@@ -20,6 +24,17 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+KIVI_ARITHS = ("auto", "int", "fp32", "avx2", "vnni")
+
+
+def kivi_arith_request() -> str:
+    """KVC_KIVI_ARITH as asked (default "auto"), ValueError for anything not in KIVI_ARITHS."""
+    want = os.environ.get("KVC_KIVI_ARITH", "auto")
+    if want not in KIVI_ARITHS:
+        raise ValueError(f"KVC_KIVI_ARITH must be one of {', '.join(KIVI_ARITHS)}; got {want!r}")
+    return want
 
 
 def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:

@@ -27,7 +27,9 @@ otherwise; "cpp", "triton", "torch" to choose; "triton" on CPU tensors needs TRI
   Dense reads of 2/4-bit storage run in integer arithmetic where the CPU has AVX-512 VNNI (int8
   queries x codes, uint8 weights x codes; the scheme and its twin: kernels/kivi_int.py); KVC_KIVI_ARITH
   chooses otherwise (kernels/cpu.py `kivi_arith_default`: auto, int, fp32, avx2, vnni).
-- Triton (kernels/kivi_triton.py): the same folding, one key group per block.
+- Triton (kernels/kivi_triton.py): the same folding, one key group per block; dense reads of 2/4-bit
+  storage in integer arithmetic (kernels/kivi_int_triton.py) where KVC_KIVI_ARITH asks for it ("int";
+  "auto" keeps fp32 on CUDA until the integer kernel is timed on a GPU).
 - torch twin (here, the reference): packed scores and weighted values block by block
   (kernels.quantized_attention), ring rows substituted by `where`; sparse reads gather the N rows
   (`kivi_gather`) and run the sparse twin over them.
@@ -182,7 +184,10 @@ def kivi_attention(q: Tensor, buf: KIVIBuffers, pos: Tensor, visible: Optional[T
     if use_cpu_kernel(backend, cpp_supported(q, buf, idx is None)):
         return kivi_attention_cpu(q, buf, pos, visible, now, n, scale, idx, valid)
     if resolve_backend(backend, q, buf.k_packed) == "triton":
+        from .kivi_int_triton import int_triton_supported, kivi_attention_int_triton, use_int_triton
         from .kivi_triton import kivi_attention_triton, triton_supported
+        if idx is None and use_int_triton() and int_triton_supported(q, buf):
+            return kivi_attention_int_triton(q, buf, pos, visible, now, n, scale)
         if backend == "triton" or triton_supported(q, buf):
             return kivi_attention_triton(q, buf, pos, visible, now, n, scale, idx, valid)
     return kivi_attention_torch(q, buf, pos, visible, now, n, scale, idx, valid)

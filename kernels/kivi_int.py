@@ -1,6 +1,6 @@
 """KIVI decode attention in integer arithmetic: the torch twin of kvc::kivi_attention's integer dense path
-(kernels/kivi_kernels.cpp, arith "vnni" or "avx2"; kernels/cpu.py `kivi_attention_cpu` picks it), and
-the scheme stated once.
+(kernels/kivi_kernels.cpp, arith "vnni" or "avx2"; kernels/cpu.py `kivi_attention_cpu` picks it), the
+twin of its Triton kernel (kernels/kivi_int_triton.py, "Triton" below), and the scheme stated once.
 
     kivi_attention_int_torch(q, buf, pos, visible, now, n, scale=None) -> out
         the dense read of kernels.kivi_attention.kivi_attention (same arguments and residual rule):
@@ -27,6 +27,20 @@ The products are u8 x s8 (codes x int8 query; u8 weights x codes): AVX-512 VNNI'
 into an int32 lane; AVX2's vpmaddubsw sums pairs into int16 (at most 2 * 255 * 15 = 7650 and
 2 * 15 * 127 = 3810: never saturated) and vpmaddwd the pairs into int32, so both give the same
 integer sums and this one twin is the reference of both.
+
+Triton (kernels/kivi_int_triton.py; twin kivi_attention_int_triton_torch): the same keys (qi, S, a per
+head and key group; S from int8 tensor-core dots), but the kernel keeps an online softmax over blocks
+of G slots, so its weights are quantized against each block's own maximum:
+    u_t = S_t * a (one fp32 product), s_t = u_t + z; per (row, slot group) over the slots whose value
+    is packed (visible, not in the value ring): mu = max_t u_t, e_t = vexp(u_t - mu)
+    per (row, slot group, channel group), all G slots: b = max_t pv / 255, pw = round(pv * 255 / max_t pv)
+    block = exp(mu + z - m) * (b * sum_t pw cv + sum_t e_t m_v)        (summed over slot groups)
+    l = sum_groups exp(mu + z - m) sum_t e_t + sum_ring exp(s_t - m)
+The codes depend on u_t - mu only (not on z, the running maximum or the ring keys), and every fp32
+step before them is exactly rounded in both (products, divisions (div_rn), round half to even, vexp's
+fused steps; the kernel runs with fp fusion off), so both round to the same codes; the rest is a
+continuous function of them and the twin computes it in float64.  sum_t pw cv runs as an fp16 dot
+with fp32 accumulation: integers below 2^24 (255 * 15 * G), so exact, and fp16 dots take K = 16.
 
 Exactness: every 8-bit code depends on fp32 values, so the twin computes those in the kernel's
 order: qs, the scales and the roundings as above; z and the ring keys' scores as the kernel's
@@ -103,18 +117,25 @@ def vexp(x: Tensor) -> Tensor:
     return torch.where(under, _f32(0.0), r)
 
 
-def int_scores(qg: Tensor, buf: KIVIBuffers, ne: int) -> Tensor:
-    """S_t * a + z of the module docstring for slots [0, ne): qg [B, H, Gq, D] -> [B, H, Gq, ne] fp32."""
+def key_dots(qg: Tensor, buf: KIVIBuffers, ne: int) -> tuple[Tensor, Tensor]:
+    """(S, a) of the module docstring for slots [0, ne): qg [B, H, Gq, D] -> S [B, H, Gq, ng, G] float64
+    (exact integers), a [B, H, Gq, ng, 1] fp32."""
     B, H, Gq, D = qg.shape
     G = buf.group
     ng = ne // G
     qs = qg[:, :, :, None, :] * buf.k_scale[:, :, None, :ng].float()               # [B, H, Gq, ng, D]
     amax = qs.abs().amax(-1, keepdim=True)
     qi = (qs * _inverse(amax, QMAX)).round()
-    z = lane_dot(qg[:, :, :, None, :], buf.k_min[:, :, None, :ng].float())          # [B, H, Gq, ng]
     ck = unpack(buf.k_packed[:, :, :ne], buf.bits, -1).view(B, H, 1, ng, G, D).double()
-    S = (ck @ qi.double()[..., None])[..., 0]                                      # [B, H, Gq, ng, G] exact
-    return fma(S, (amax / QMAX).double(), z[..., None].double()).view(B, H, Gq, ne)
+    return (ck @ qi.double()[..., None])[..., 0], amax / QMAX
+
+
+def int_scores(qg: Tensor, buf: KIVIBuffers, ne: int) -> Tensor:
+    """S_t * a + z of the module docstring for slots [0, ne): qg [B, H, Gq, D] -> [B, H, Gq, ne] fp32."""
+    B, H, Gq, _ = qg.shape
+    S, a = key_dots(qg, buf, ne)
+    z = lane_dot(qg[:, :, :, None, :], buf.k_min[:, :, None, :ne // buf.group].float())   # [B, H, Gq, ng]
+    return fma(S, a.double(), z[..., None].double()).view(B, H, Gq, ne)
 
 
 def int_values(e: Tensor, buf: KIVIBuffers, ne: int) -> Tensor:
@@ -135,9 +156,10 @@ def int_values(e: Tensor, buf: KIVIBuffers, ne: int) -> Tensor:
     return (out + minimums[..., None]).flatten(-2)
 
 
-def kivi_attention_int_torch(q: Tensor, buf: KIVIBuffers, pos: Tensor, visible: Optional[Tensor], now: Tensor,
-                             n: int, scale: Optional[float] = None) -> Tensor:
-    """The twin (module docstring): dense reads of slots [0, n) -> [B, H_q, D] (or [B, H_q, 1, D]) in q's dtype."""
+def _dense_reads(q: Tensor, buf: KIVIBuffers, pos: Tensor, visible: Optional[Tensor], now: Tensor, n: int,
+                 scale: Optional[float]):
+    """What both twins start from: qg [B, H, Gq, D] (q * scale, fp32), p [B, H or 1, ne] (whole groups),
+    vis and the ring flags [B, H or 1, 1, ne], ne."""
     if buf.bits not in (2, 4):
         raise ValueError(f"integer KIVI attention needs 2- or 4-bit storage, got {buf.bits} bits")
     q3 = q[:, :, 0] if q.dim() == 4 else q
@@ -147,15 +169,64 @@ def kivi_attention_int_torch(q: Tensor, buf: KIVIBuffers, pos: Tensor, visible: 
     qg = q3.float().view(B, H, Hq // H, D) * scale
     p, ne = whole_groups(pos, n, buf.group, -1)
     seen = torch.ones_like(pos[..., :n], dtype=torch.bool) if visible is None else visible
-    vis = whole_groups(seen, n, buf.group, False)[0]
+    vis = whole_groups(seen, n, buf.group, False)[0][:, :, None]
     key_exact, value_exact = (f[:, :, None] for f in ring_flags(p, now, R))       # [B, H or 1, 1, ne]
+    return qg, p, ne, vis, key_exact, value_exact
+
+
+def _finish(out: Tensor, l: Tensor, q: Tensor) -> Tensor:
+    """out [B, H, Gq, D], l [B, H, Gq, 1] float64 -> out / l (0 where nothing is visible) shaped and typed as q."""
+    out = torch.where(l > 0, out / l, 0.0).float().reshape(q.shape[0], q.shape[1], -1).to(q.dtype)
+    return out.unsqueeze(2) if q.dim() == 4 else out
+
+
+def kivi_attention_int_torch(q: Tensor, buf: KIVIBuffers, pos: Tensor, visible: Optional[Tensor], now: Tensor,
+                             n: int, scale: Optional[float] = None) -> Tensor:
+    """The twin (module docstring): dense reads of slots [0, n) -> [B, H_q, D] (or [B, H_q, 1, D]) in q's dtype."""
+    qg, p, ne, vis, key_exact, value_exact = _dense_reads(q, buf, pos, visible, now, n, scale)
     ring_s = lane_dot(qg[:, :, :, None, :], ring_rows(buf.k_ring, p)[:, :, None])  # [B, H, Gq, ne]
-    s = torch.where(key_exact, ring_s, int_scores(qg, buf, ne)).masked_fill(~vis[:, :, None], -math.inf)
+    s = torch.where(key_exact, ring_s, int_scores(qg, buf, ne)).masked_fill(~vis, -math.inf)
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isinf(m), 0.0, m)
     e_ring = torch.where(value_exact, torch.exp(s - m), 0.0)
     e = torch.where(value_exact, 0.0, vexp(s - m))
     l = e.double().sum(-1, keepdim=True) + e_ring.double().sum(-1, keepdim=True)
     out = int_values(e, buf, ne) + e_ring.double() @ ring_rows(buf.v_ring, p).double()
-    out = torch.where(l > 0, out / l, 0.0).float().view(B, Hq, D).to(q.dtype)
-    return out.unsqueeze(2) if q.dim() == 4 else out
+    return _finish(out, l, q)
+
+
+def kivi_attention_int_triton_torch(q: Tensor, buf: KIVIBuffers, pos: Tensor, visible: Optional[Tensor],
+                                    now: Tensor, n: int, scale: Optional[float] = None) -> Tensor:
+    """The twin of the Triton kernel (kernels/kivi_int_triton.py; "Triton" in the module docstring), same
+    contract as kivi_attention_int_torch; float64 wherever the kernel's result does not depend on its
+    rounding."""
+    qg, p, ne, vis, key_exact, value_exact = _dense_reads(q, buf, pos, visible, now, n, scale)
+    B, H, Gq, D = qg.shape
+    G = buf.group
+    ng = ne // G
+    S, a = key_dots(qg, buf, ne)
+    u = S.float() * a                                                              # [B, H, Gq, ng, G] fp32
+    z = (qg.double()[:, :, :, None] * buf.k_min[:, :, None, :ng].double()).sum(-1)  # [B, H, Gq, ng]
+    ring_s = qg.double() @ ring_rows(buf.k_ring, p).double().transpose(-1, -2)      # [B, H, Gq, ne]
+    s = torch.where(key_exact, ring_s, (u.double() + z[..., None]).view(B, H, Gq, ne)).masked_fill(~vis, -math.inf)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), 0.0, m)
+    e_ring = torch.where(value_exact, torch.exp(s - m), 0.0)                       # [B, H, Gq, ne] float64
+    packed = vis & ~value_exact
+    packed = packed.view(*packed.shape[:2], 1, ng, G)
+    mu = u.masked_fill(~packed, -math.inf).amax(-1, keepdim=True)                  # [B, H, Gq, ng, 1]
+    some = ~torch.isinf(mu[..., 0])
+    mu = torch.where(torch.isinf(mu), 0.0, mu)
+    e = torch.where(packed, vexp(u - mu), 0.0)                                     # local weights, fp32
+    factor = torch.where(some, torch.exp(mu[..., 0].double() + z - m), 0.0)        # [B, H, Gq, ng]
+    vs = buf.v_scale[:, :, :ne].float().view(B, H, 1, ng, G, -1)
+    pv = e[..., None] * vs                                                         # [B, H, Gq, ng, G, NCG]
+    pmax = pv.amax(4, keepdim=True)
+    pw = (pv * _inverse(pmax, WMAX)).round()
+    cv = unpack(buf.v_packed[:, :, :ne], buf.bits, -1).view(B, H, ng, G, -1, G).double()
+    sums = torch.einsum("bhqgtc,bhgtcj->bhqgcj", pw.double(), cv)                 # exact integers
+    minimums = torch.einsum("bhqgt,bhgtc->bhqgc", e.double(), buf.v_min[:, :, :ne].double().view(B, H, ng, G, -1))
+    block = sums * (pmax / WMAX)[:, :, :, :, 0, :, None].double() + minimums[..., None]
+    out = (factor[..., None, None] * block).sum(3).flatten(-2)                     # [B, H, Gq, D]
+    l = (factor * e.double().sum(-1)).sum(-1, keepdim=True) + e_ring.sum(-1, keepdim=True)
+    return _finish(out + e_ring @ ring_rows(buf.v_ring, p).double(), l, q)

@@ -146,26 +146,15 @@ def kivi_attention_triton(q: Tensor, buf, pos: Tensor, visible: Optional[Tensor]
     per_query = sparse and Hidx == Hq and Gq > 1
     rows = 1 if per_query else Gq
     length = idx.shape[2] if sparse else n
-    BLOCK_G = max(16, 1 << (rows - 1).bit_length())
-    n_blocks = -(-length // G)
-    if n_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
-        n_splits = -(-2 * sms // (B * Hidx)) if sms else 1
-    n_splits = max(1, min(int(n_splits), n_blocks))
-    per_split = -(-n_blocks // n_splits) * G
-    n_splits = max(1, -(-length // per_split))
+    BLOCK_G = block_rows(rows)
+    n_splits, per_split = split_plan(q, B * Hidx, length, G, n_splits)
     NCG = D // G
-    f32 = {"device": q.device, "dtype": torch.float32}
-    m_part, l_part = torch.empty(B, Hidx, n_splits, BLOCK_G, **f32), torch.empty(B, Hidx, n_splits, BLOCK_G, **f32)
-    acc_part = torch.empty(B, Hidx, n_splits, NCG, BLOCK_G, G, **f32)
-    ring_part = torch.empty(B, Hidx, n_splits, BLOCK_G, D, **f32)
-    qc, posc = q3.contiguous(), pos if pos.stride(2) == 1 else pos.contiguous()
-    vis = visible if visible is not None else posc[:, :, :1]
-    vis = (vis if vis.stride(2) == 1 else vis.contiguous()).view(torch.uint8) if visible is not None else vis
+    m_part, l_part, acc_part, ring_part = partials(q, B, Hidx, n_splits, BLOCK_G, NCG, G, D)
+    qc, posc, vis = q3.contiguous(), row_major(pos), row_major(visible)
+    vis = vis.view(torch.uint8) if visible is not None else posc[:, :, :1]
     idxc = idx.long().contiguous() if sparse else posc
     val = valid.contiguous().view(torch.uint8) if valid is not None else idxc
     kp, ks, vp, vs, kr = buf.k_packed, buf.k_scale, buf.v_packed, buf.v_scale, buf.k_ring
-    head = lambda t: t.stride(1) if t.shape[1] > 1 else 0      # noqa: E731  (1 = shared by the KV heads)
     _kernel()[(B, Hidx, n_splits)](
         qc, kp, ks, buf.k_min, vp, vs, buf.v_min, kr, buf.v_ring, posc, vis, now.contiguous(), idxc, val,
         m_part, l_part, acc_part, ring_part,
@@ -173,12 +162,47 @@ def kivi_attention_triton(q: Tensor, buf, pos: Tensor, visible: Optional[Tensor]
         qc.stride(0), qc.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), kp.stride(3),
         ks.stride(0), ks.stride(1), ks.stride(2), vp.stride(0), vp.stride(1), vp.stride(2), vp.stride(3),
         vs.stride(0), vs.stride(1), vs.stride(2), vs.stride(3), kr.stride(0), kr.stride(1), kr.stride(2),
-        posc.stride(0), head(posc), vis.stride(0), head(vis), idxc.stride(0), idxc.stride(1),
+        posc.stride(0), head_stride(posc), vis.stride(0), head_stride(vis), idxc.stride(0), idxc.stride(1),
         D=D, W=kp.shape[-1], BITS=buf.bits, GROUP=G, NCG=NCG, BLOCK_G=BLOCK_G, SPARSE=sparse,
         HAS_VIS=visible is not None, HAS_VALID=valid is not None, PER_QUERY=per_query)
     out = _merge(m_part[..., :rows], l_part[..., :rows], acc_part[..., :rows, :], ring_part[..., :rows, :])
     out = out.reshape(B, Hq, D).to(q.dtype)
     return out.unsqueeze(2) if q.dim() == 4 else out
+
+
+def block_rows(rows: int) -> int:
+    """BLOCK_G: the query rows a program takes, padded to a power of two >= 16 (tl.dot's minimum)."""
+    return max(16, 1 << (rows - 1).bit_length())
+
+
+def split_plan(q: Tensor, lists: int, length: int, G: int, n_splits: Optional[int]) -> tuple[int, int]:
+    """(n_splits, per_split slots) for `lists` programs' reads of `length` slots in blocks of G: n_splits
+    None takes about two programs per SM on CUDA (1 elsewhere); every split gets whole blocks, none is empty."""
+    n_blocks = -(-length // G)
+    if n_splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
+        n_splits = -(-2 * sms // lists) if sms else 1
+    n_splits = max(1, min(int(n_splits), n_blocks))
+    per_split = -(-n_blocks // n_splits) * G
+    return max(1, -(-length // per_split)), per_split
+
+
+def partials(q: Tensor, B: int, Hi: int, S: int, BLOCK_G: int, NCG: int, G: int, D: int) -> tuple[Tensor, ...]:
+    """The splits' outputs (m, l [B, Hi, S, BLOCK_G]; acc [B, Hi, S, NCG, BLOCK_G, G]; ring [B, Hi, S,
+    BLOCK_G, D]), fp32 on q's device, for _merge."""
+    f32 = {"device": q.device, "dtype": torch.float32}
+    return (torch.empty(B, Hi, S, BLOCK_G, **f32), torch.empty(B, Hi, S, BLOCK_G, **f32),
+            torch.empty(B, Hi, S, NCG, BLOCK_G, G, **f32), torch.empty(B, Hi, S, BLOCK_G, D, **f32))
+
+
+def row_major(t: Optional[Tensor]) -> Optional[Tensor]:
+    """t with a unit stride along its last dim (a copy only where it has none)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def head_stride(t: Tensor) -> int:
+    """t's stride along dim 1, 0 when that dim is 1 (shared by the KV heads)."""
+    return t.stride(1) if t.shape[1] > 1 else 0
 
 
 def _merge(m: Tensor, l: Tensor, acc: Tensor, ring: Tensor) -> Tensor:

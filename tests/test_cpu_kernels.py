@@ -433,22 +433,42 @@ def test_compiled_linear_reads_the_weight_once_per_step():
     (2.8x oneDNN's time at 8 rows); both equal F.linear."""
     from model import Linear
     layer = Linear(64, 96, bias=True)
+    for shape, used, unused in [((1, 1, 64), ".sum(", "onednn_linear"), ((4, 1, 64), "onednn_linear", ".sum("),
+                                ((2, 5, 64), "onednn_linear", ".sum(")]:
+        codes = compiled_linear_code(layer, torch.randn(shape))
+        assert len(codes) == 1 and used in codes[0] and unused not in codes[0], (shape, codes)
+
+
+def compiled_linear_code(layer, x) -> list[str]:
+    """The code of the graphs torch.compile(layer, dynamic=True) traces for x, after checking its output
+    against F.linear."""
     codes = []
 
     def backend(gm, example_inputs):
         codes.append(gm.code)
         return gm.forward
 
-    for shape, used, unused in [((1, 1, 64), ".sum(", "onednn_linear"), ((4, 1, 64), "onednn_linear", ".sum("),
-                                ((2, 5, 64), "onednn_linear", ".sum(")]:
-        torch._dynamo.reset()
-        codes.clear()
-        x = torch.randn(shape)
-        with torch.no_grad():
-            out = torch.compile(layer, backend=backend, dynamic=True, fullgraph=True)(x)
-            torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
-        assert len(codes) == 1 and used in codes[0] and unused not in codes[0], (shape, codes)
     torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(layer, backend=backend, dynamic=True, fullgraph=True)(x)
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    return codes
+
+
+@needs_cpp
+def test_compiled_linear_takes_the_plugged_kernel_for_2_to_12_rows():
+    """With the loader's kvc::linear_small_m plugged in, compiled steps of 2 to 12 rows call it (a custom
+    op with a fake: Inductor calls it as it is) as eager steps do; one row stays the reduction, more than
+    12 go to oneDNN (or F.linear); all equal F.linear."""
+    from kernels.cpu import linear_small_m
+    from model import Linear
+    layer = Linear(64, 96, bias=True)
+    layer.small_m_kernel = linear_small_m
+    for shape, used in [((1, 1, 64), ".sum("), ((8, 1, 64), "linear_small_m"), ((2, 6, 64), "linear_small_m"),
+                        ((4, 5, 64), "onednn_linear" if Linear.use_onednn else "linear(")]:
+        codes = compiled_linear_code(layer, torch.randn(shape))
+        assert len(codes) == 1 and used in codes[0], (shape, codes)
 
 
 @pytest.mark.model

@@ -21,7 +21,7 @@ from cache.quantized import SlotStore  # noqa: E402
 
 import kernels.cpu as cpu  # noqa: E402
 from kernels.kivi_attention import kivi_attention, kivi_attention_torch, ring_flags  # noqa: E402
-from kernels.kivi_int import kivi_attention_int_torch, lane_dot, vexp  # noqa: E402
+from kernels.kivi_int import kivi_attention_int_torch, kivi_attention_int_triton_torch, lane_dot, vexp  # noqa: E402
 from model import grouped_attention  # noqa: E402
 
 ARITHS = ["vnni", "avx2"]
@@ -89,11 +89,13 @@ def test_twin_helpers_match_their_definitions():
 INT_VS_KIVI = 0.5       # measured 0.14-0.21 at 4 bits, 0.03-0.04 at 2 bits (kernels/kivi_int.py)
 
 
+@pytest.mark.parametrize("twin", [kivi_attention_int_torch, kivi_attention_int_triton_torch], ids=["cpu", "triton"])
 @pytest.mark.parametrize("bits", [4, 2])
-def test_int_twin_near_fp32_twin(bits):
-    """The integer scheme against today's fp32 arithmetic over the same codes, measured against KIVI's own
-    error (fp32 arithmetic over the codes against attention over the exact k, v): rms(int - fp32) <
-    INT_VS_KIVI * rms(fp32 - exact), at 300 and 2000 tokens with ring keys."""
+def test_int_twin_near_fp32_twin(bits, twin):
+    """The integer scheme (the C++ op's twin and the Triton kernel's) against today's fp32 arithmetic over
+    the same codes, measured against KIVI's own error (fp32 arithmetic over the codes against attention
+    over the exact k, v): rms(int - fp32) < INT_VS_KIVI * rms(fp32 - exact), at 300 and 2000 tokens with
+    ring keys."""
     g = torch.Generator().manual_seed(bits)
     for n in (300, 2000):
         B, H, Hq, D, G, R = 2, 3, 9, 64, 32, 128
@@ -104,9 +106,9 @@ def test_int_twin_near_fp32_twin(bits):
         store.write_range_torch(0, k, v, pos, now)
         exact = grouped_attention(q, k, v, None)
         fp32 = kivi_attention_torch(q, store.buffers, pos, None, now, n)
-        out = kivi_attention_int_torch(q, store.buffers, pos, None, now, n)
+        out = twin(q, store.buffers, pos, None, now, n)
         rms = (out - fp32).pow(2).mean().sqrt() / (fp32 - exact).pow(2).mean().sqrt()
-        print(f"bits {bits} n {n}: rms(int - fp32) / rms(fp32 - exact) = {rms:.3f}, "
+        print(f"{twin.__name__} bits {bits} n {n}: rms(int - fp32) / rms(fp32 - exact) = {rms:.3f}, "
               f"max |int - fp32| = {(out - fp32).abs().max():.2e}")
         assert rms < INT_VS_KIVI
 
