@@ -504,7 +504,9 @@ class Linear(nn.Linear):
                 if x.numel() == x.shape[-1]:
                     out = (x.unsqueeze(-2) * self.weight).sum(-1)
                     return out if self.bias is None else out + self.bias
-                if fp32 and self.small_m_kernel is not None and x.numel() <= 12 * x.shape[-1]:
+                # decode-shaped steps only ([B, 1, K], B static): a prefill's row count is its dynamic prompt
+                # length, and a guard on it would recompile the prefill graph when a prompt crosses 12 tokens
+                if fp32 and self.small_m_kernel is not None and x.shape[-2] == 1 and x.numel() <= 12 * x.shape[-1]:
                     return self.small_m_kernel(x, self.weight, self.bias)
                 if fp32 and self.use_onednn:
                     return torch.ops.kvc.onednn_linear(x, self.weight, self.bias)

@@ -458,14 +458,15 @@ def compiled_linear_code(layer, x) -> list[str]:
 
 @needs_cpp
 def test_compiled_linear_takes_the_plugged_kernel_for_2_to_12_rows():
-    """With the loader's kvc::linear_small_m plugged in, compiled steps of 2 to 12 rows call it (a custom
-    op with a fake: Inductor calls it as it is) as eager steps do; one row stays the reduction, more than
-    12 go to oneDNN (or F.linear); all equal F.linear."""
+    """With the loader's kvc::linear_small_m plugged in, compiled decode steps of 2 to 12 rows ([B, 1, K])
+    call it (a custom op with a fake: Inductor calls it as it is) as eager steps do; one row stays the
+    reduction; more than 12 rows, and prefill shapes [B, T, K] of any size (T is the dynamic prompt length:
+    no guard on it), go to oneDNN (or F.linear); all equal F.linear."""
     from kernels.cpu import linear_small_m
     from model import Linear
     layer = Linear(64, 96, bias=True)
     layer.small_m_kernel = linear_small_m
-    for shape, used in [((1, 1, 64), ".sum("), ((8, 1, 64), "linear_small_m"), ((2, 6, 64), "linear_small_m"),
+    for shape, used in [((1, 1, 64), ".sum("), ((8, 1, 64), "linear_small_m"), ((2, 6, 64), "onednn_linear" if Linear.use_onednn else "linear("),
                         ((4, 5, 64), "onednn_linear" if Linear.use_onednn else "linear(")]:
         codes = compiled_linear_code(layer, torch.randn(shape))
         assert len(codes) == 1 and used in codes[0], (shape, codes)
