@@ -6,9 +6,10 @@ before the first Triton call (the kernels are built lazily, on first use, so imp
 imports Triton).  "cpp" (the C++ CPU kernels, kernels/cpu.py) resolves to "torch" here: the dispatchers
 that have a C++ kernel check for it first (`cpu.use_cpu_kernel`), the others run their twin.
 
-KVC_KIVI_ARITH (`kivi_arith_request`) asks for the arithmetic of KIVI's dense reads of 2/4-bit storage:
-"auto", "int", "fp32", or a CPU ISA "avx2" / "vnni"; kernels/cpu.py resolves it for the C++ op,
-kernels/kivi_int_triton.py for the Triton kernels.
+KVC_KIVI_ARITH (KIVI's dense reads of 2/4-bit storage) and KVC_QLINEAR_ARITH (the quantized layers'
+prefill) ask for an arithmetic: "auto", "int", "fp32", or a CPU ISA "avx2" / "vnni", parsed by
+`arith_request`; kernels/cpu.py resolves them for the C++ ops, kernels/kivi_int_triton.py
+KVC_KIVI_ARITH for the Triton kernels.
 """
 import os
 
@@ -26,15 +27,21 @@ def triton_available() -> bool:
     return True
 
 
-KIVI_ARITHS = ("auto", "int", "fp32", "avx2", "vnni")
+ARITHS = ("auto", "int", "fp32", "avx2", "vnni")      # what the KVC_*_ARITH variables may ask for
+
+
+def arith_request(var: str) -> str:
+    """The arithmetic environment variable `var` (KVC_KIVI_ARITH, KVC_QLINEAR_ARITH) as asked (default
+    "auto"), ValueError for anything not in ARITHS."""
+    want = os.environ.get(var, "auto")
+    if want not in ARITHS:
+        raise ValueError(f"{var} must be {', '.join(ARITHS)}; got {want!r}")
+    return want
 
 
 def kivi_arith_request() -> str:
-    """KVC_KIVI_ARITH as asked (default "auto"), ValueError for anything not in KIVI_ARITHS."""
-    want = os.environ.get("KVC_KIVI_ARITH", "auto")
-    if want not in KIVI_ARITHS:
-        raise ValueError(f"KVC_KIVI_ARITH must be one of {', '.join(KIVI_ARITHS)}; got {want!r}")
-    return want
+    """KVC_KIVI_ARITH as asked (arith_request)."""
+    return arith_request("KVC_KIVI_ARITH")
 
 
 def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from model import EagerOps, Linear, add_rms_norm, attend, rms_norm, rope_split, silu_mul
+from .backend import arith_request
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cpp", "kivi_kernels.cpp", "cpu_qlinear.cpp", "cpu_linear.cpp", "cpu_bindings.cpp")]
@@ -280,9 +281,7 @@ def kivi_arith_default() -> str:
 def _arith_from_env(var: str, best: str, auto: str) -> str:
     """The arithmetic environment variable `var` names: "auto" (or unset) -> `auto`, "int" -> `best`
     (the integer arithmetic built), else one of ARITH (ValueError for anything else)."""
-    want = os.environ.get(var, "auto")
-    if want not in ("auto", "int") and want not in ARITH:
-        raise ValueError(f"{var} must be auto, int, {', '.join(ARITH)}; got {want!r}")
+    want = arith_request(var)
     return auto if want == "auto" else best if want == "int" else want
 
 
