@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx  # the test extra pins the server's extra (starlette, uvicorn) and httpx
 import pytest
+import torch
 import uvicorn
 
 import engine
@@ -429,6 +430,7 @@ def test_compiled_server_equals_eager_alone(tiny_dir):
     """--compile: the decode step is compiled at startup (warm-up through each policy's batch) and requests
     served together give the eager greedy answers."""
     from torch._dynamo.utils import counters
+    torch._dynamo.reset()       # graphs of engine.decode_step compiled by earlier tests in this process would be reused
     counters.clear()
     flags = ["--compile", "--max-batch", "2", "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
     prompts = dict(list(PROMPTS.items())[:3])
