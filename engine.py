@@ -518,8 +518,9 @@ def prefill_context(model: Transformer, tokenizer: Tokenizer, context, new_polic
 
 def append_tokens(model: Transformer, ids: list[int], start: int, decode=decode_step) -> torch.Tensor:
     """Feed ids (a question) to model.cache one decode step each, at positions start.. (decode steps 0..)
-    -> logits [1, V] after the last.  The policy's decode rule applies to each: an appending layer keeps
-    them all, an evicting one treats them as it treats generated tokens."""
+    -> logits [1, V] after the last.  Held whole as a question (`hold_questions`): an appending layer keeps
+    them all, an evicting one takes its victims from the context meanwhile."""
+    hold_questions(model.cache, start, [ids])
     device = model.output.weight.device
     tokens = torch.tensor(ids, device=device)[None]
     pos = torch.arange(start, start + len(ids), device=device)[None]
@@ -542,6 +543,16 @@ def question_rows(model: Transformer, ctx: Context, batch: int = 1):
     for row in range(batch):
         rows.adopt(row, ctx.policy)
     return rows
+
+
+def hold_questions(cache, start: int, questions: list[list[int]]) -> None:
+    """Row r of `cache` appends questions[r] at positions start..: held whole until its first answer token (the
+    contract's hold_question; UsageError when a question is longer than the row can hold)."""
+    for row, q in enumerate(questions):
+        try:
+            cache.hold_question(row, start, start + len(q))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
 
 def answer_questions(model: Transformer, tokenizer: Tokenizer, ctx: Context, questions: Sequence,
@@ -571,7 +582,7 @@ def answer_questions(model: Transformer, tokenizer: Tokenizer, ctx: Context, que
     with torch.inference_mode():
         for g in range(0, len(ids), batch):
             group = ids[g:g + batch]
-            question_rows(model, ctx, len(group))
+            hold_questions(question_rows(model, ctx, len(group)), len(ctx.ids), group)
             generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
             answers, *cost = answer_rows(model, tokenizer, len(ctx.ids), group, max_new_tokens,
                                          Sampler(**sampling, generator=generator), stop_check_every)
@@ -590,8 +601,9 @@ def answer_rows(model: Transformer, tokenizer: Tokenizer, start: int, questions:
     """Every row of model.cache holds a context of `start` tokens: row r gets questions[r].  Decode step i feeds
     every row the token at position start + i: its question's token while it has one, then its sampled answer
     token (pad after its EOS), so row r's answer token j is sampled at step len(q_r) - 1 + j.  The policy's
-    decode rule applies to question and answer tokens alike -> (answers up to EOS, decode steps, seconds until
-    the longest question is in, seconds after)."""
+    decode rule applies to question and answer tokens alike, except that a question held by `hold_questions`
+    is not evicted before its row's first answer token -> (answers up to EOS, decode steps, seconds until the
+    longest question is in, seconds after)."""
     device = model.output.weight.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_ids[0]
@@ -763,24 +775,28 @@ class RowBatch:
         self.policy.adopt(p.row, self.scratch if context is None else context)
         self.next_pos[p.row] = p.done
         if context is not None:
+            self.policy.hold_question(p.row, p.done, len(p.ids))
             self.appending[p.row] = p
             return []
         return [(p.row, logits)]
 
     def _context(self, p: Pending):
         """The agnostic protocol for p: a kept compressed prefix of its prompt, or one it shares with others (the
-        same boundary as exact reuse), compressed now -> that one-row instance, p.question the rest of its prompt;
-        None where none is shared or the rest and p's answer would not fit a row's room (decode_room)."""
+        same boundary as exact reuse), compressed now -> that one-row instance, p.question the rest of its prompt,
+        held whole until p's answer starts (the contract's hold_question); None where none is shared, the rest and
+        p's answer would not fit a row's room (decode_room), or the rest is longer than the context's
+        question_room."""
         room = self.max_new_tokens - (self.max_new_tokens if p.new_tokens is None else p.new_tokens)
         shortest = max(len(p.ids) - room, 1)
         n, context = self.prefixes.lookup(p.ids, shortest)
         at = self.prefixes.boundary(p.ids, [q.ids for q in self.pending if q is not p], p.prefix_len)
+        reused = n
         if context is None and at >= shortest:
-            n, context = at, self._compress(p.ids[:at])
-        elif context is not None:
-            p.reused = n
-        if context is not None:
-            p.started, p.done, p.protocol, p.question = True, n, "agnostic", p.ids[n:]
+            reused, (n, context) = 0, (at, self._compress(p.ids[:at]))
+        held = None if context is None else context.question_room(0)
+        if context is None or (held is not None and len(p.ids) - n > held):
+            return None                     # (a context compressed now stays kept for the next request)
+        p.started, p.done, p.protocol, p.question, p.reused = True, n, "agnostic", p.ids[n:], reused
         return context
 
     def _compress(self, ids: list[int]):

@@ -372,6 +372,12 @@ class DenseCache:
         self.n_filled = max(self.n_filled, n)
         self.aligned = self.pos.shape[0] == 1     # one row: its next slot is n_filled, a prompt may go on
 
+    def question_room(self, row: int) -> Optional[int]:
+        return None                 # every token is kept
+
+    def hold_question(self, row: int, start: int, end: int) -> None:
+        pass                        # nothing is evicted: the question is held whole
+
     # ----------------------------------------------------------------- introspection
     def kept_positions(self, layer: int) -> Tensor:
         pos = self.pos[:, :self.n_filled]

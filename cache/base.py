@@ -25,6 +25,10 @@ room for every generated token); an *evicting* layer (StreamingLLM, H2O, D2O, la
 overwrites the slot `decode_victim` names (by default the unprotected slot of lowest `score`;
 the sinks and the recent window are protected), so its size never grows.  Attention reads the C_l
 slots (empty ones masked): the cost follows what is kept, never max_seq_length.
+A question appended after a compressed context (the agnostic protocol, `hold_question`) is held whole:
+while a row appends it, an evicting layer never picks its tokens as victims (they count as protected,
+like the sinks and the recent window), so the victims come from the context; from the row's first
+answer token on they are ordinary tokens again.
 Policies that need the step's attention probabilities (H2O, D2O) attend over the old slots plus
 the new token with one joint softmax (`attend_with_new`) before choosing the victim, exactly as
 if the cache briefly held C_l + 1 tokens, without copying it.
@@ -516,6 +520,9 @@ class EvictionPolicy:
         # recent window [B, L], and its token budget (row_tokens, host ints): set per request by plan_rows
         self.row_budget = torch.zeros(max_batch_size, n, dtype=torch.long, device=device)
         self.row_window = torch.zeros(max_batch_size, n, dtype=torch.long, device=device)
+        # each row's held question [B, 2]: positions [start, end) protected while the row is before `end`
+        # (hold_question; 0, 0: none)
+        self.row_question = torch.zeros(max_batch_size, 2, dtype=torch.long, device=device)
         # per layer, the budget storage holds: until a prompt arrives, that of a max_seq_length-token prompt
         # (with a ratio the largest any prompt gets: the bound of fixed storage)
         if self.budgeted:
@@ -531,6 +538,7 @@ class EvictionPolicy:
         for p in self.pos:
             if p is not None:
                 p.fill_(-1)
+        self.row_question.zero_()
         self.aligned = True     # every row holds a request that started with the others (else: adopt)
         self.row_tokens = [None] * self.batch
         self.n_filled = 0       # tokens seen so far (prompt + generated), a host int
@@ -633,6 +641,7 @@ class EvictionPolicy:
         """Forget row `row`'s request (host side): its slots become empty; the other rows go on."""
         for pos in self.pos:
             pos[row] = -1
+        self.row_question[row] = 0
         self.row_tokens[row] = None
         self.aligned = False
         self.n_filled = max(int(pos.amax()) + 1 for pos in self.pos)     # the longest row's tokens
@@ -653,6 +662,33 @@ class EvictionPolicy:
         self.n_filled = max(self.n_filled, other.n_filled)
         self.prompt_length = max(self.prompt_length, other.prompt_length)
         self.kept = [max(a, b) for a, b in zip(self.kept, other.kept)]      # what describe() reports
+
+    def question_room(self, row: int) -> Optional[int]:
+        """The longest question row `row` can hold whole (`hold_question`): in each evicting layer its budget
+        less the sinks (so a victim is left outside the sinks and the question); None when no layer evicts."""
+        budgets = [int(self.row_budget[row, layer]) if self.budgeted else self.layer_budget(layer)
+                   for layer, appends in enumerate(self.layer_appends) if not appends]
+        return min(budgets) - self.n_sink if budgets else None
+
+    def hold_question(self, row: int, start: int, end: int) -> None:
+        """Host side (the agnostic protocol): positions [start, end) of row `row`, a question appended one decode
+        step each after its context, are never an evicting layer's victims while the row's position is below
+        `end` (`held`): all of them are held when its first answer token is sampled; after that they are
+        ordinary tokens.  release, adopt and reset forget it.  ValueError when the question cannot be held
+        whole (longer than question_room)."""
+        room = self.question_room(row)
+        if not 0 <= start < end:
+            raise ValueError(f"a held question needs 0 <= start < end, got [{start}, {end})")
+        if room is not None and end - start > room:
+            raise ValueError(f"{self.name}: a question of {end - start} tokens cannot be held whole: an evicting "
+                             f"layer keeps {room + self.n_sink} tokens per KV head, {self.n_sink} of them sinks")
+        self.row_question[row, 0], self.row_question[row, 1] = start, end
+
+    def held(self, layer: int) -> Tensor:
+        """Slots [B, H, C] holding a question that is still being appended (hold_question)."""
+        start, end = self.row_question[:, 0, None, None], self.row_question[:, 1, None, None]
+        pos = self.pos[layer]
+        return (pos >= start) & (pos < end) & (self.q_pos[:, None, :] < end)
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = grouped_attention(q, k, v, self.mask)
@@ -805,10 +841,10 @@ class EvictionPolicy:
         return (pos < n_sink) | (pos > self.q_pos[:, None, :] - window)
 
     def lowest(self, layer: int, score: Tensor, keep: Tensor) -> Tensor:
-        """Victim [B, H]: an empty slot if any, else the unprotected slot of lowest score.  A row never takes
-        the slots past its own budget (a batch allocates the largest row's): they stay closed, so the row
-        holds what it holds alone."""
-        score = score.masked_fill(keep, ALWAYS).masked_fill(self.pos[layer] < 0, NEVER)
+        """Victim [B, H]: an empty slot if any, else the slot of lowest score outside `keep` [B, H, C] and a
+        question being appended (`held`).  A row never takes the slots past its own budget (a batch allocates
+        the largest row's): they stay closed, so the row holds what it holds alone."""
+        score = score.masked_fill(keep | self.held(layer), ALWAYS).masked_fill(self.pos[layer] < 0, NEVER)
         if self.budgeted:
             slots = torch.arange(score.shape[-1], device=score.device)
             score = score.masked_fill(slots >= self.row_budget[:, layer, None, None], ALWAYS)

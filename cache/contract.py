@@ -29,6 +29,20 @@ policy whose `admission` is "row":
                                      it is kept or read: its outputs are garbage and never used)
     release(row)                     host side: the row's request is done, its slots are empty
 
+A question appended after a compressed context (the agnostic protocol: engine.generate(context=...) and
+RowBatch's agnostic rows alike) is held whole:
+
+    adopt(row, context)              the row holds the compressed context, positions [0, start)
+    hold_question(row, start, end)   host side: positions [start, end) are its question, fed one decode step
+                                     each; no decode step evicts them before the one at position `end` (the
+                                     first answer token), so every one is held when that token is sampled.
+                                     An evicting layer takes its victims from the rest (the context), so
+                                     memory stays at the budget; from the first answer token on they are
+                                     ordinary tokens (decode-time eviction may take them).  Per row: no other
+                                     row is affected; release / adopt / reset forget it.
+    question_room(row)               the longest question the row holds whole (None: nothing is evicted);
+                                     hold_question refuses a longer one (ValueError)
+
 The scratch's prompt comes in chunks of RowBatch's prefill_chunk, each chunk one step of the staged
 admission (RowBatch.start / advance, interleaved with the running rows' decode steps); a policy with
 prefill_in_one_pass takes its whole prompt in one forward (it compresses the prompt as a whole), so its
@@ -137,6 +151,14 @@ class CachePolicy(Protocol):
     def adopt(self, row: int, other: "CachePolicy", other_row: int = 0) -> None:
         """Host side (admission "row"): move request `other_row` of `other` (the same spec, set up with the
         same max_seq_length and decode_room, its prefill complete) into the free row `row`."""
+
+    def question_room(self, row: int) -> Optional[int]:
+        """Host side: the longest question row `row` can hold whole (hold_question); None: no layer evicts."""
+
+    def hold_question(self, row: int, start: int, end: int) -> None:
+        """Host side: positions [start, end) of row `row` are a question being appended after its compressed
+        context: no decode step before position `end` evicts them (module docstring).  ValueError when it is
+        longer than question_room(row)."""
 
     def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """(k, v [B, H_kv, C, D], visible [B, H_kv or 1, C]) a decode query may read: the hook a

@@ -195,6 +195,12 @@ class PODPolicy:
     def adopt(self, row: int, other, other_row: int = 0) -> None:
         raise ValueError("pod admits whole batches (admission 'batch'): rows cannot join a running batch")
 
+    def question_room(self, row: int) -> Optional[int]:
+        return None                 # every token is kept
+
+    def hold_question(self, row: int, start: int, end: int) -> None:
+        pass
+
     def reset(self) -> None:
         self.n_filled = 0
         self.prompt_length = 0

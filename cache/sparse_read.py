@@ -373,6 +373,12 @@ class SparseReader(HeadAgg):
     def release(self, row: int) -> None:
         self.inner.release(row)
 
+    def question_room(self, row: int) -> Optional[int]:
+        return self.inner.question_room(row)
+
+    def hold_question(self, row: int, start: int, end: int) -> None:
+        self.inner.hold_question(row, start, end)      # the storage evicts; the reader only reads
+
     def adopt(self, row: int, other: "SparseReader", other_row: int = 0) -> None:
         """The inner storage's row, then the reader's index rows (built here first if this batch has none)."""
         if self.admission != "row":

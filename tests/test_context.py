@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import engine
-from cache import make_policy
+from cache import POLICIES, make_policy
+from cache.base import Budget
 from tests.helpers import kept
 
 QUESTIONS = ["\n\nQuestion: What is this text about?", "\n\nQuestion: Who wrote it?",
@@ -101,6 +102,134 @@ def test_decode_time_eviction_goes_on_after_the_question(tiny, essay_text, polic
     for layer in range(model.args.n_layers):
         for head in kept(model.cache, layer)[0]:
             assert len(head) == 48 and last in head and max(head) == last
+
+
+# every registered policy whose layers evict at decode time (test_the_evicting_list_is_complete), a ratio and a
+# reader over one; budget 48 of a ~200-token context, a 30-token question: longer than h2o's and d2o's recent
+# windows, and knorm and tova protect no window at all
+EVICTING = ["knorm:budget=48", "h2o:budget=48", "tova:budget=48", "streaming:budget=48", "d2o:budget=48",
+            "knorm:ratio=0.7", "knorm+quest:budget=48,quest.n_sink=4,quest.n_recent=8,n_critical=24"]
+LONG_QUESTION = "".join(QUESTIONS)
+
+
+def kept_sets(model, rows=(0,)) -> list:
+    """Per layer, per row in `rows`, per head: the set of positions model.cache holds."""
+    return [[[set(h) for h in kept(model.cache, layer)[r]] for r in rows] for layer in range(model.args.n_layers)]
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_question_is_held_whole_until_the_answer_then_eviction_goes_on(tiny, essay_text, policy):
+    """Agnostic protocol, an evicting policy: when the first answer token is sampled every question position is
+    held in every layer and KV head (the context's tokens made room), at the context's kept count; answer tokens
+    then evict as before (the count stays, the newest token is held, question tokens may leave)."""
+    model, tok = tiny
+    ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec(policy), room=64)
+    n, q = len(ctx.ids), engine.encode_question(tok, LONG_QUESTION, ctx)
+    assert len(q) >= 28
+    engine.question_rows(model, ctx)
+    context = kept_sets(model)                                      # a question's row before its question
+    engine.generate(model, tok, [LONG_QUESTION], 1, context=ctx)     # ends as the first answer token is sampled
+    question = set(range(n, n + len(q)))
+    for layer, (start, before) in enumerate(zip(kept_sets(model), context)):
+        for head, context_head in zip(start[0], before[0]):
+            assert question <= head, (layer, sorted(question - head))
+            assert len(head) == len(context_head) and head - question < context_head
+    result = engine.generate(model, tok, [LONG_QUESTION], 16, context=ctx)
+    last = n + result.stats["decode_steps"] - 1
+    assert last > n + len(q) + 8
+    for layer, (end, before) in enumerate(zip(kept_sets(model), context)):
+        for head, context_head in zip(end[0], before[0]):
+            assert len(head) == len(context_head) and last in head and max(head) == last
+
+
+def test_the_evicting_list_is_complete(tiny, essay_text):
+    """Every registered storage policy (default arguments, budget 48 where it takes one) whose kept count stops
+    growing while it decodes after a context evicts at decode time: it is in EVICTING, so the test above covers
+    it.  simlayerkv is left out: its lazy layers are trimmed to the sinks and the last n_recent tokens (1024 by
+    default) at the second decode step instead (the question's, under agnostic)."""
+    model, tok = tiny
+    names = {s.split(":")[0] for s in EVICTING}
+    for name, cls in POLICIES.items():
+        if cls.is_sparse_reader or name == "simlayerkv":
+            continue
+        text = f"{name}:budget=48" if issubclass(cls, Budget) else name
+        ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec(text), room=8)
+        engine.generate(model, tok, [[5, 6]], 1, context=ctx)
+        before = [len(h) for layer in range(model.args.n_layers) for h in kept(model.cache, layer)[0]]
+        engine.generate(model, tok, [[5, 6, 7, 8]], 1, context=ctx)
+        after = [len(h) for layer in range(model.args.n_layers) for h in kept(model.cache, layer)[0]]
+        assert name in names or all(b + 2 == a for b, a in zip(before, after)), name
+
+
+def test_a_held_question_protects_its_own_row_only(tiny, essay_text):
+    """Two rows copy one knorm context and append the same question; only row 0 holds it: row 1 keeps what a
+    row appending it without a hold keeps (positions and logits), row 0 keeps the whole question."""
+    model, tok = tiny
+    ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec("knorm:budget=48"), room=64)
+    n, q = len(ctx.ids), engine.encode_question(tok, LONG_QUESTION, ctx)
+
+    def append(rows, held):
+        cache = engine.question_rows(model, ctx, rows)
+        if held:
+            cache.hold_question(0, n, n + len(q))
+        with torch.inference_mode():
+            for i, t in enumerate(q):
+                logits = engine.run_decode(model, torch.tensor([[t]] * rows), torch.tensor([[n + i]] * rows), i)
+        return kept_sets(model, range(rows)), logits
+
+    rows, logits = append(2, True)
+    alone, alone_logits = append(1, False)
+    assert [layer[1] for layer in rows] == [layer[0] for layer in alone]
+    torch.testing.assert_close(logits[1], alone_logits[0], atol=1e-5, rtol=1e-5)
+    question = set(range(n, n + len(q)))
+    assert all(question <= h for layer in rows for h in layer[0])
+    assert not all(question <= h for layer in alone for h in layer[0])
+
+
+@pytest.mark.parametrize("policy", ["knorm:budget=48", "h2o:budget=48", "knorm:ratio=0.7"])
+def test_rowbatch_agnostic_rows_hold_what_generate_holds(tiny, essay_text, policy):
+    """The server's path (RowBatch, agnostic=True): two requests share a compressed context and append their
+    questions while a third, unrelated one (aware) decodes beside them.  When each question is in (its row in
+    `joined`), the row holds the positions engine.generate(context=) holds as its first answer token is sampled;
+    the third row holds what it holds alone."""
+    model, tok = tiny
+    ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec(policy), room=64)
+    n = len(ctx.ids)
+    questions = [engine.encode_question(tok, x, ctx) for x in (LONG_QUESTION, QUESTIONS[1])]
+    other = ctx.ids[::-1][:n - 20]
+
+    def drive(requests, agnostic):
+        batch = engine.RowBatch(model, spec(policy), 3, n + 64, 64, prefix_bytes=1 << 30 if agnostic else 0,
+                                min_prefix=16, agnostic=agnostic)
+        pending = [batch.start(ids, prefix_len=n if ids is not other else None, new_tokens=8) for ids in requests]
+        next_token, held = {}, {}
+        while batch.pending:
+            next_token.update({row: int(logits.argmax()) for row, logits in batch.advance()})
+        assert [p.protocol for p in pending] == ["aware", "agnostic", "agnostic"][:len(requests)]
+        for _ in range(max(map(len, questions)) + 2):
+            logits = batch.step(next_token)
+            next_token = {row: int(logits[row].argmax()) for row in next_token}
+            for row in batch.joined:
+                held[row] = [[set(h) for h in kept(batch.policy, layer)[row]] for layer in range(model.args.n_layers)]
+                next_token[row] = int(logits[row].argmax())
+        return held, [[set(h) for h in kept(batch.policy, layer)[0]] for layer in range(model.args.n_layers)]
+
+    held, beside = drive([other, ctx.ids + questions[0], ctx.ids + questions[1]], True)
+    assert sorted(held) == [1, 2]
+    for row, q in zip((1, 2), questions):
+        engine.generate(model, tok, [q], 1, context=ctx)
+        assert held[row] == [layer[0] for layer in kept_sets(model)]
+        assert all(set(range(n, n + len(q))) <= h for layer in held[row] for h in layer)
+    assert beside == drive([other], False)[1]
+
+
+def test_a_question_longer_than_the_row_can_hold_is_refused(tiny, essay_text):
+    model, tok = tiny
+    ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec("h2o:budget=16"), room=64)
+    assert ctx.policy.question_room(0) == 12         # 16 less 4 sinks
+    with pytest.raises(engine.UsageError, match="a question of .* tokens cannot be held whole"):
+        engine.generate(model, tok, [LONG_QUESTION], 4, context=ctx)
+    assert engine.prefill_context(model, tok, "ctx", spec("snapkv:budget=48"), room=8).policy.question_room(0) is None
 
 
 @pytest.mark.parametrize("policy", ["snapkv:budget=48", "h2o:budget=48", "streaming:budget=48", "tova:budget=48",
