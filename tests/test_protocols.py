@@ -43,6 +43,20 @@ def test_agnostic_keeps_the_question_whole_where_aware_compresses_it(loaded, ess
     assert all(len({x for x in head if 0 <= x < 600}) == 64 for head in policy.kept_positions(0)[0].tolist())
 
 
+@pytest.mark.parametrize("policy", ["knorm:ratio=0.5", "tova:ratio=0.75", "h2o:budget=48"])
+def test_the_evals_agnostic_protocol_holds_the_question_whole(tiny_loaded, essays, policy):
+    """The eval's agnostic path (measure.answer, the needle's prompt split where its question starts) on the tiny
+    model: when the first answer token is sampled every question position is held in every layer and KV head."""
+    tok = tiny_loaded.tokenizer
+    hay = needle.Haystack.from_text(tok, essays, 400)
+    p = needle.build_prompt(tok, hay, needle.NEEDLE, needle.QUESTION, 400, 0.5)
+    _, cache = measure.answer(tiny_loaded, spec(policy), p.ids, p.question_start, 1, "agnostic")
+    question = set(range(p.question_start, 400))
+    assert len(question) > 16
+    for layer in range(tiny_loaded.model.args.n_layers):
+        assert all(question <= set(head) for head in cache.kept_positions(layer)[0].tolist()), layer
+
+
 def test_needle_cli_records_the_protocol(default_dir, tmp_path, capsys):
     out = tmp_path / "n.json"
     code, _, err = run_main(needle, capsys, "--checkpoint", default_dir, "--lengths", "400", "--depths", "0.5",
