@@ -1,7 +1,8 @@
 """Compressing policies take their prompt in chunks (cache/base.py, "staged" prefill) with the one-pass result:
 the same kept positions, the same prompt logits and the same next decode step, on the policy matrix's tiny
 random Llama; and engine.RowBatch admits a compressing policy's prompt over several `advance` calls while
-another row decodes, its greedy answer equal to engine.generate's alone (the tiny checkpoint)."""
+another row decodes, its greedy answer equal to engine.generate's alone (the tiny checkpoint; the default model
+marked slow)."""
 from __future__ import annotations
 
 import pytest
@@ -102,27 +103,22 @@ def test_a_later_one_token_chunk_is_refused(model):  # noqa: F811
     assert [engine.chunk_end(s, 5, 1) for s in (0, 2)] == [2, 5]
 
 
-@pytest.mark.parametrize("spec", ["snapkv:budget=64", "h2o:budget=64"])
-def test_row_admission_interleaves_a_compressing_prompt_with_decode(tiny_dir, spec):
-    """A's row decodes while B's long prompt comes in over several `advance` calls (a decode step of A between
-    each two); both greedy answers equal engine.generate's alone."""
-    model, tok = engine.load_model(tiny_dir)
-    g = torch.Generator().manual_seed(3)
-    prompts = {n: torch.randint(0, model.args.vocab_size, (k,), generator=g).tolist() for n, k in (("A", 50), ("B", 300))}
-    new = 8
+def serve_two(model, tok, spec: str, prompts: dict, new: int, chunk: int):
+    """Greedy answers of prompts A and B through a RowBatch of `spec`: A is admitted and decodes; B starts and
+    comes in one `advance` (a prefill chunk of `chunk` tokens) before each decode step of A.  Asserts both
+    answers equal engine.generate's alone (one pass) -> the advances B took."""
     alone = {n: engine.generate(model, tok, [p], max_new_tokens=new, policy=make_policy(spec)).tokens[0]
              for n, p in prompts.items()}
-    batch = engine.RowBatch(model, lambda: make_policy(spec), 2, 400, new, prefill_chunk=64)
-    got, rows, advances = {"A": [], "B": []}, {}, 0
+    batch = engine.RowBatch(model, lambda: make_policy(spec), 2, len(prompts["B"]) + new, new, prefill_chunk=chunk)
+    got, rows, advances = {}, {}, 0
     with torch.inference_mode():
         (row, logits), = batch.admit([prompts["A"]])
         rows["A"], got["A"] = row, [int(logits.argmax())]
         pending = batch.start(prompts["B"])
         while rows:
             if batch.holds(pending):
-                done = batch.advance()
                 advances += 1
-                for row, logits in done:
+                for row, logits in batch.advance():
                     rows["B"], got["B"] = row, [int(logits.argmax())]
             logits = batch.step({r: got[n][-1] for n, r in rows.items()})
             for n, r in list(rows.items()):
@@ -131,7 +127,26 @@ def test_row_admission_interleaves_a_compressing_prompt_with_decode(tiny_dir, sp
                     del rows[n]
                 else:
                     got[n].append(int(logits[r].argmax()))
-    assert advances == 5, "B's 300 tokens come in chunks of 64, one a decode step of A"
-    assert len(got["A"]) == new and len(got["B"]) == new
     for n in prompts:
+        assert len(got[n]) == new
         assert got[n][:len(alone[n])] == alone[n], f"{n}'s served answer differs from generate's alone"
+    return advances
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=64", "h2o:budget=64"])
+def test_row_admission_interleaves_a_compressing_prompt_with_decode(tiny_dir, spec):
+    """A's row decodes while B's long prompt comes in over several `advance` calls (a decode step of A between
+    each two); both greedy answers equal engine.generate's alone."""
+    model, tok = engine.load_model(tiny_dir)
+    g = torch.Generator().manual_seed(3)
+    prompts = {n: torch.randint(0, model.args.vocab_size, (k,), generator=g).tolist() for n, k in (("A", 50), ("B", 300))}
+    assert serve_two(model, tok, spec, prompts, 8, 64) == 5, "B's 300 tokens come in chunks of 64"
+
+
+@pytest.mark.slow
+def test_row_admission_of_a_long_document_on_the_default_model(default_dir, essay_text):
+    """The same with the real default model: a ~1.2k-token document under snapkv:budget=128, chunks of 256."""
+    model, tok = engine.load_model(default_dir)
+    prompts = {"A": tok.encode("Write a short poem about the sea."),
+               "B": tok.encode(essay_text)[:1200] + tok.encode("\n\nSummarize the text above in one sentence.")}
+    assert serve_two(model, tok, "snapkv:budget=128", prompts, 8, 256) == 5
