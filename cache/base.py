@@ -621,7 +621,8 @@ class EvictionPolicy:
         """ValueError for a forward of T tokens the cache cannot take now (host side)."""
         if self.staged is not None:
             if self.n_filled + T > self.prompt_length:
-                raise ValueError(f"prompt chunk ends at {self.n_filled + T}, past the prompt's {self.prompt_length} tokens")
+                raise ValueError(f"prompt chunk ends at {self.n_filled + T}, past the prompt's "
+                                 f"{self.prompt_length} tokens")
             if T == 1 and self.n_filled:
                 raise ValueError("a later prompt chunk of one token would run as a decode step (model.forward): "
                                  "chunks after the first need at least 2 tokens (engine.chunk_end)")
@@ -729,11 +730,11 @@ class EvictionPolicy:
         statistics summed so far; all dropped once the prompt is compressed (end_prefill)."""
         B, T, D = self.batch, self.prompt_length, self.args.head_dim
         n = self.prefill_queries()
-        self.window = None if n is None else min(n, T)
+        self.staged_window = None if n is None else min(n, T)
         z = dict(dtype=self.dtype, device=self.device)
         self.staged = [{"k": torch.empty(B, self.args.n_kv_heads, T, D, **z),
                         "v": torch.empty(B, self.args.n_kv_heads, T, D, **z),
-                        "q": None if n is None else torch.empty(B, self.args.n_heads, self.window, D, **z),
+                        "q": None if n is None else torch.empty(B, self.args.n_heads, self.staged_window, D, **z),
                         "stats": {}} for _ in range(self.args.n_layers)]
 
     def prefill_staged(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -744,16 +745,16 @@ class EvictionPolicy:
         st["k"][:, :, start:end], st["v"][:, :, start:end] = k, v
         ks, vs = st["k"][:, :, :end], st["v"][:, :, :end]
         out = grouped_attention(q, ks, vs, self.mask)
-        if self.window is None:             # every query: add this chunk's column sums
+        if self.staged_window is None:      # every query: add this chunk's column sums
             stats = self.prefill_stats(layer, q, ks, self.q_pos, self.prompt_pos[:, :end])
             st["stats"] = {name: F.pad(x, (0, T - x.shape[-1])) + st["stats"].get(name, 0) for name, x in stats.items()}
-        else:                               # the window's queries that fall in this chunk
-            lo = max(start, T - self.window)
+        else:                               # the window's queries (prompt columns [w0, T)) in this chunk
+            w0 = T - self.staged_window
+            lo = max(start, w0)
             if lo < end:
-                st["q"][:, :, lo - (T - self.window):end - (T - self.window)] = q[:, :, lo - start:]
+                st["q"][:, :, lo - w0:end - w0] = q[:, :, lo - start:]
             if end == T:
-                st["stats"] = self.prefill_stats(layer, st["q"], st["k"], self.prompt_pos[:, T - self.window:],
-                                                 self.prompt_pos)
+                st["stats"] = self.prefill_stats(layer, st["q"], st["k"], self.prompt_pos[:, w0:], self.prompt_pos)
         if end == T:
             self.pending[layer] = (st["k"], st["v"], st["stats"])
         return out
