@@ -140,19 +140,30 @@ def prefill_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tens
     return model(tokens, input_pos, last_only=True)[:, -1]
 
 
+def chunk_end(done: int, total: int, chunk: int) -> int:
+    """Where the prompt chunk starting at token `done` of `total` ends: `chunk` tokens on at most, but a chunk
+    after the first never holds one token (model.forward takes such a forward for a decode step), so it may
+    hold one more (chunk + 1, or 2 when chunk is 1)."""
+    end = min(total, done + max(chunk, 2))
+    return total if total - end == 1 else end
+
+
 def run_prefill(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, prefill=prefill_step,
                 chunk: int = 1024) -> torch.Tensor:
-    """Feed the whole prompt (tokens, input_pos [B, T]) in chunks (in one pass for policies that
-    compress it) and tell the cache it is complete -> last-position logits [B, V]."""
+    """Feed the whole prompt (tokens, input_pos [B, T]) in chunks (`chunk_end`; in one pass for a policy with
+    prefill_in_one_pass) and tell the cache it is complete -> last-position logits [B, V]."""
     T = tokens.shape[1]
     model.cache.before_prefill(input_pos)
-    if model.cache.prefill_in_one_pass:  # compressing policies see the whole prompt
+    if model.cache.prefill_in_one_pass:  # e.g. compressing policies in engine.generate's batch
         chunk = T
     # each chunk is passed as a tensor of its own, not a view: a compiled step guards on a view's base,
     # so a warm-up prompt sliced from a longer one would make the real prompt recompile
     own = lambda t: t.clone(memory_format=torch.contiguous_format)   # noqa: E731
-    for s in range(0, T, chunk):
-        logits = prefill(model, own(tokens[:, s:s + chunk]), own(input_pos[:, s:s + chunk]), s)
+    s = 0
+    while s < T:
+        e = chunk_end(s, T, chunk)
+        logits = prefill(model, own(tokens[:, s:e]), own(input_pos[:, s:e]), s)
+        s = e
     model.cache.end_prefill()
     return logits
 
@@ -655,9 +666,9 @@ class RowBatch:
     A policy with admission "row" takes requests one at a time: each prompt is prefilled alone in a one-row
     instance of the policy (`scratch`), then moved into a free row (`policy.adopt`) while the other rows keep
     their state.  Admission is staged: `start` queues a request (it reserves a row), each `advance` runs one
-    prefill chunk (at most prefill_chunk tokens; the whole prompt for a policy with prefill_in_one_pass) of
-    the oldest one, so a server alternates one chunk with one decode `step` of the running rows and a long
-    prompt never stalls them for its whole length.  `admit` is start + advance until done.  Every `step`
+    prefill chunk (at most prefill_chunk tokens, `chunk_end`; a compressing policy stages the chunks and
+    compresses the prompt with the last, cache/base.py) of the oldest one, so a server alternates one chunk
+    with one decode `step` of the running rows and a long prompt never stalls them for its whole length.  `admit` is start + advance until done.  Every `step`
     decodes all rows together, each at its own position; free rows ride along at position -1 and nothing of
     theirs is read or kept.  A policy with admission "batch" makes decisions for the whole batch (layer
     budgets, sharing configurations), so requests start only in an empty batch, all those started together
@@ -850,7 +861,7 @@ class RowBatch:
         try:
             if not p.started:
                 self._begin(p)
-            end = len(p.ids) if self.scratch.prefill_in_one_pass else min(len(p.ids), p.done + self.prefill_chunk)
+            end = len(p.ids) if self.scratch.prefill_in_one_pass else chunk_end(p.done, len(p.ids), self.prefill_chunk)
             end = min(end, p.snapshot_at) if p.done < p.snapshot_at else end
             tokens = torch.tensor([p.ids[p.done:end]], device=device)
             logits = self.prefill(model, tokens, torch.arange(p.done, end, device=device)[None], p.done)

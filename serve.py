@@ -334,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-length", type=int, default=2048,
                    help="tokens per row, prompt + max_tokens (capped at the model's context)")
     p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens prefilled between two decode steps of the running rows (a policy that "
-                        "compresses the prompt prefills it in one pass)")
+                   help="prompt tokens prefilled between two decode steps of the running rows (a compressing "
+                        "policy stages the chunks and compresses the prompt after the last; pod: one pass)")
     p.add_argument("--prefix-cache-mb", type=float, default=256,
                    help="MiB per policy of prefilled prompt prefixes kept for reuse (a prompt starting with a kept "
                         "prefix prefills only the rest: exact with full, compressed without the question with "

@@ -11,13 +11,21 @@ Each KV head keeps its own tokens.  Policies read and write K/V only through the
 (`write_kept`, `write_slots`, `read_slots`, `key_cosine`, `attend_and_probs`, `attend`, `dense_kv`).
 The contract: cache/contract.py.
 
-Prefill: the whole prompt comes in one pass (`prefill_in_one_pass`); attention over it is full
-and causal (so the first generated token equals the full cache's).  The policy's
-`prefill_stats` summarises what it needs from the layer (e.g. window scores); then `compress`
-keeps the top `layer_budget` of `keep_scores` per KV head (by default the tokens' own
+Prefill: attention over the prompt is full and causal (so the first generated token equals the full
+cache's).  The policy's `prefill_stats` summarises what it needs from the layer (e.g. window scores);
+then `compress` keeps the top `layer_budget` of `keep_scores` per KV head (by default the tokens' own
 `token_scores`), the first `n_sink` and the last `recent_window` tokens always.  Policies whose per-layer budgets
 depend on every layer (D2O, SimLayerKV) set `defer_compression`: the prompt's K/V wait in
 `pending` until `end_prefill`, where `plan` fixes the budgets on the host.
+
+The prompt comes in one pass (engine.generate, the evals), or in chunks when the instance holds rows that
+join a running batch (decode_room set: engine.RowBatch interleaves the chunks with the other rows' decode
+steps; `prefill_in_one_pass`).  Chunks are *staged*: the prompt's K/V wait uncompressed in `staged` (per
+layer [B, H_kv, T, D], T the prompt's length), each chunk attends causally to everything staged so far,
+and the keep decision runs once, at `end_prefill`, on the whole prompt, exactly as in one pass.  The
+statistics come out the same because the policy says which queries they read (`prefill_queries`): the
+last n (the window's queries are staged too, [B, H_q, n, D], and read once the prompt is complete), or
+every query (then each chunk's statistics, column sums over the keys staged so far, add up).
 
 Decode, per layer, without host syncs: an *appending* layer (SnapKV, PyramidKV, SimLayerKV's
 full layers) writes the new token into the next empty slot (capacity = kept prompt tokens +
@@ -123,7 +131,7 @@ class Budget:
 
 
 def column_scores(q: Tensor, k: Tensor, q_pos: Tensor, rows: int | None = None, sliding_window=None,
-                  chunks: int = 16, agg: str = "mean") -> Tensor:
+                  chunks: int = 16, agg: str = "mean", k_pos: Tensor | None = None) -> Tensor:
     """Attention each key receives, reduced over the query heads of its KV head by `agg` (reduce_heads)
     query by query, then summed over the last `rows` queries (all if None) -> [B, H_kv, T] fp32, or
     [B, H_q, T] for agg="query".
@@ -131,8 +139,9 @@ def column_scores(q: Tensor, k: Tensor, q_pos: Tensor, rows: int | None = None, 
     With rows = w this is SnapKV's observation-window score; with all rows it is H2O's
     accumulated attention.  The queries go through in a fixed number of `chunks` (padded with
     position -1, which contribute nothing): memory O(T^2 / chunks), and the loop does not
-    depend on T, so a compiled prefill does not specialize on the prompt length."""
-    k_pos = q_pos
+    depend on T, so a compiled prefill does not specialize on the prompt length.  Keys k [B, H_kv, L, D] are
+    at k_pos [B, L] (None: the queries' own positions, L = T); the result is [B, H, L]."""
+    k_pos = q_pos if k_pos is None else k_pos
     if rows is not None:
         q, q_pos = last_rows(q, q_pos, rows)
         chunks = max(1, rows // 512)
@@ -374,7 +383,6 @@ class EvictionPolicy:
     renamed = {}                   # old parameter name -> new one (refused with a message naming it)
     budget = None                  # tokens kept per layer and KV head (the Budget parameter; None: no budget)
     ratio = None                   # or the share of each prompt removed (the Budget parameter)
-    prefill_in_one_pass = True
     is_sparse_reader = False
     decode_attention = False       # decode needs the step's attention probabilities
     head_agg = "mean"              # how the query heads of a KV head score a token (the HeadAgg parameter)
@@ -389,6 +397,14 @@ class EvictionPolicy:
     n_filled = 0                   # tokens seen so far (prompt + generated), a host int
     row_tokens = ()                # per row, the token budget its prompt resolved to (None: no request); set up
     budgets = None                 # per layer, the budget its storage holds (budgeted policies; set up)
+    staged = None                  # per layer, a prompt coming in chunks: its K/V, window queries, statistics
+
+    @property
+    def prefill_in_one_pass(self) -> bool:
+        """An instance holding rows that join a running batch (decode_room set) takes its prompt in chunks,
+        staged (module doc); otherwise (engine.generate's batch) in one pass, where staging would hold the
+        whole batch's prompts uncompressed beside the cache."""
+        return self.decode_room is None
 
     @classmethod
     def full_cache_args(cls, n_tokens: int):
@@ -454,9 +470,16 @@ class EvictionPolicy:
         `length` tokens long.  Default: `budget` in every layer (PyramidKV and D2O: their schedules)."""
         return [budget] * self.args.n_layers
 
-    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
-        """What the policy needs from this layer's prompt attention (tensors)."""
+    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> dict:
+        """What the policy needs from this layer's prompt attention (tensors): queries q [B, H_q, T, D] at
+        q_pos [B, T] over the keys k [B, H_kv, L, D] at k_pos [B, L] (in one pass the same tokens; see
+        `prefill_queries` for which queries a staged prompt passes)."""
         return {}
+
+    def prefill_queries(self) -> Optional[int]:
+        """Which prompt queries `prefill_stats` reads: the last n (0: none), or None: every query, and then each
+        of its statistics is a sum over the queries of a tensor [..., L] over the keys (it adds up over chunks)."""
+        return 0
 
     def plan(self, stats: list[dict]) -> None:
         """Host-side, with defer_compression: fix per-layer budgets/modes from all layers."""
@@ -546,6 +569,7 @@ class EvictionPolicy:
         self.q_pos = None
         self.pending: dict = {}
         self.prepared = False   # before_prefill ran for this request
+        self.staged = None      # a staged prompt's K/V, window queries and statistics (start_staging)
 
     def before_prefill(self, input_pos: Tensor) -> None:
         """Host side, before the prompt's first forward (input_pos [B, T], the whole prompt):
@@ -560,6 +584,7 @@ class EvictionPolicy:
         if T > self.max_seq_length:
             raise ValueError(f"prompt of {T} tokens exceeds max_seq_length {self.max_seq_length}")
         self.prompt_length = T
+        self.prompt_pos = input_pos
         self.lengths = (input_pos.amax(-1) + 1).tolist()    # each row's prompt length (one host sync)
         self.prepared = True
         if not self.defer_compression:
@@ -587,15 +612,35 @@ class EvictionPolicy:
             self.end_prefill()
         if not self.n_filled and not self.prepared:     # model(...) called without the engine
             self.before_prefill(input_pos)
+        if not self.n_filled and not self.prefill_in_one_pass and T < self.prompt_length:
+            self.start_staging()                        # the first of several chunks
         if not torch.compiler.is_compiling():           # the engine checks these on the host
-            if self.n_filled and T > 1:
-                raise ValueError(f"policy {self.name!r} takes the prompt in one pass; got a second chunk")
-            if self.n_filled >= self.max_seq_length:
-                raise ValueError(f"KV cache full: position {self.n_filled} >= max_seq_length {self.max_seq_length}")
+            self.check_chunk(T)
         self.q_pos = input_pos
-        if not self.n_filled:
+        if self.staged is not None:                     # this chunk over everything staged so far
+            self.chunk_start = self.n_filled
+            self.mask = attention_mask(input_pos, self.prompt_pos[:, :self.n_filled + T], self.group,
+                                       self.sliding_window)
+        elif not self.n_filled:
             self.mask = attention_mask(input_pos, input_pos, self.group, self.sliding_window)
         self.n_filled += T
+
+    def check_chunk(self, T: int) -> None:
+        """ValueError for a forward of T tokens the cache cannot take now (host side)."""
+        if self.staged is not None:
+            if self.n_filled + T > self.prompt_length:
+                raise ValueError(f"prompt chunk ends at {self.n_filled + T}, past the prompt's "
+                                 f"{self.prompt_length} tokens")
+            if T == 1 and self.n_filled:
+                raise ValueError("a later prompt chunk of one token would run as a decode step (model.forward): "
+                                 "chunks after the first need at least 2 tokens (engine.chunk_end)")
+        elif not self.n_filled and T < self.prompt_length:
+            raise ValueError(f"policy {self.name!r} takes the prompt in one pass here (prefill_in_one_pass): got "
+                             f"{T} of its {self.prompt_length} tokens")
+        elif self.n_filled and T > 1:
+            raise ValueError(f"policy {self.name!r} has its whole prompt already; got a second chunk")
+        if self.n_filled >= self.max_seq_length:
+            raise ValueError(f"KV cache full: position {self.n_filled} >= max_seq_length {self.max_seq_length}")
 
     def before_decode_step(self, step: int) -> None:
         pass
@@ -691,8 +736,10 @@ class EvictionPolicy:
         return (pos >= start) & (pos < end) & (self.q_pos[:, None, :] < end)
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.staged is not None:
+            return self.prefill_staged(layer, q, k, v)
         out = grouped_attention(q, k, v, self.mask)
-        stats = self.prefill_stats(layer, q, k, self.q_pos)
+        stats = self.prefill_stats(layer, q, k, self.q_pos, self.q_pos)
         if self.defer_compression:
             self.pending[layer] = (k, v, stats)
         else:
@@ -700,12 +747,53 @@ class EvictionPolicy:
         return out
 
     def end_prefill(self) -> None:
-        if self.pending:
+        if not self.pending:
+            return
+        if self.staged is not None:         # the staged prompt is complete: compress it as one pass would
+            self.q_pos, self.staged = self.prompt_pos, None
+        if self.defer_compression:
             self.plan([self.pending[i][2] for i in range(len(self.k))])
             self.plan_rows()
-            for layer in range(len(self.k)):
+        for layer in range(len(self.k)):
+            if self.defer_compression:
                 self.allocate(layer)
-                self.compress(layer, *self.pending.pop(layer))
+            self.compress(layer, *self.pending.pop(layer))
+
+    # ----------------------------------------------------------------- a prompt in chunks (module doc)
+    def start_staging(self) -> None:
+        """Host side, at the first of several prompt chunks: per layer the prompt's K, V [B, H_kv, T, D], the
+        queries of its last prefill_queries() positions [B, H_q, n, D] (None: every query counts) and the
+        statistics summed so far; all dropped once the prompt is compressed (end_prefill)."""
+        B, T, D = self.batch, self.prompt_length, self.args.head_dim
+        n = self.prefill_queries()
+        self.staged_window = None if n is None else min(n, T)
+        z = dict(dtype=self.dtype, device=self.device)
+        self.staged = [{"k": torch.empty(B, self.args.n_kv_heads, T, D, **z),
+                        "v": torch.empty(B, self.args.n_kv_heads, T, D, **z),
+                        "q": None if n is None else torch.empty(B, self.args.n_heads, self.staged_window, D, **z),
+                        "stats": {}} for _ in range(self.args.n_layers)]
+
+    def prefill_staged(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """One chunk (q [B, H_q, T, D], k, v [B, H_kv, T, D]) of a staged prompt: staged, attended over all staged
+        so far; after the last chunk the layer's prompt waits in `pending` for end_prefill."""
+        start, end, T = self.chunk_start, self.n_filled, self.prompt_length
+        st = self.staged[layer]
+        st["k"][:, :, start:end], st["v"][:, :, start:end] = k, v
+        ks, vs = st["k"][:, :, :end], st["v"][:, :, :end]
+        out = grouped_attention(q, ks, vs, self.mask)
+        if self.staged_window is None:      # every query: add this chunk's column sums
+            stats = self.prefill_stats(layer, q, ks, self.q_pos, self.prompt_pos[:, :end])
+            st["stats"] = {name: F.pad(x, (0, T - x.shape[-1])) + st["stats"].get(name, 0) for name, x in stats.items()}
+        else:                               # the window's queries (prompt columns [w0, T)) in this chunk
+            w0 = T - self.staged_window
+            lo = max(start, w0)
+            if lo < end:
+                st["q"][:, :, lo - w0:end - w0] = q[:, :, lo - start:]
+            if end == T:
+                st["stats"] = self.prefill_stats(layer, st["q"], st["k"], self.prompt_pos[:, w0:], self.prompt_pos)
+        if end == T:
+            self.pending[layer] = (st["k"], st["v"], st["stats"])
+        return out
 
     def compress(self, layer: int, k: Tensor, v: Tensor, stats: dict) -> None:
         """Keep the prompt tokens with the best keep_scores, the sinks and the recent window in the layer's

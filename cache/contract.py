@@ -43,10 +43,17 @@ RowBatch's agnostic rows alike) is held whole:
     question_room(row)               the longest question the row holds whole (None: nothing is evicted);
                                      hold_question refuses a longer one (ValueError)
 
-The scratch's prompt comes in chunks of RowBatch's prefill_chunk, each chunk one step of the staged
-admission (RowBatch.start / advance, interleaved with the running rows' decode steps); a policy with
-prefill_in_one_pass takes its whole prompt in one forward (it compresses the prompt as a whole), so its
-admission step costs the whole prompt.  A policy with prefix_reuse lets RowBatch keep a prefilled prefix:
+The scratch's prompt comes in chunks of RowBatch's prefill_chunk (engine.chunk_end: a chunk after the first
+holds at least 2 tokens, since model.forward runs a later one-token forward as a decode step), each chunk one
+step of the staged admission (RowBatch.start / advance, interleaved with the running rows' decode steps).  A
+compressing policy (cache/base.py's EvictionPolicy) takes the chunks *staged*: its prompt's K/V wait
+uncompressed in a buffer of the prompt's length, each chunk attends to everything staged so far, and
+end_prefill compresses the whole prompt with the statistics one pass gives (`prefill_queries`: the last n
+queries, staged too, or every query, summed chunk by chunk), so the kept tokens and logits are one pass's.
+A policy with prefill_in_one_pass takes its whole prompt in one forward, so its admission step costs the
+whole prompt: pod (it files the whole prompt into its ring and distant store), and an EvictionPolicy
+without decode_room (engine.generate's batch: staging would hold every row's prompt uncompressed beside the
+cache).  A policy with prefix_reuse lets RowBatch keep a prefilled prefix:
 
     (snapshot: a one-row instance)   setup(args, 1, n, ...), adopt(0, scratch) while the scratch's prompt
                                      has filled positions [0, n) (no end_prefill yet)
@@ -61,7 +68,8 @@ sharing configuration, Double Sparsity's prompt-ranked channels, POD's blocks) d
 requests then start only in an empty batch, together (one left-padded prefill), as in engine.generate.
 
 Capabilities are declared as class attributes (never probed with hasattr):
-    prefill_in_one_pass  the engine must feed the whole prompt in one forward (compressing policies)
+    prefill_in_one_pass  the engine must feed the whole prompt in one forward (pod; an EvictionPolicy without
+                         decode_room: a property; readers report their storage's); False: chunks of >= 2 tokens
     is_sparse_reader     a reader (ds, quest, hshare): composes as STORAGE+READER over `inner`
     decode_attention     decode needs each step's attention probabilities (H2O, D2O, TOVA), so no
                          reader may replace its attention

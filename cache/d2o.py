@@ -30,6 +30,15 @@ from cache.base import (NEVER, Budget, EvictionPolicy, HeadAgg, column_scores, c
 from cache.shard import shard_of
 
 
+def column_variance(acc: Tensor, q_pos: Tensor) -> Tensor:
+    """Variance over the prompt's tokens (q_pos [B, T] >= 0) of their accumulated attention acc [B, H, T], averaged
+    over rows and heads: a layer's density (a 0-d tensor)."""
+    valid = (q_pos >= 0)[:, None, :].float()
+    n = valid.sum(-1)
+    mean = (acc * valid).sum(-1) / n
+    return ((((acc - mean[..., None]) ** 2) * valid).sum(-1) / (n - 1).clamp(min=1)).mean()
+
+
 @dataclass(eq=False)
 class D2OPolicy(HeadAgg, Budget, EvictionPolicy):
     admission = "batch"     # layer budgets come from the batch's prompt attention variances
@@ -68,17 +77,19 @@ class D2OPolicy(HeadAgg, Budget, EvictionPolicy):
         self.tau: list = [None] * args.n_layers
 
     # ---------------------------------------------------------------- layer level
-    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
-        acc = column_scores(q, k, q_pos, None, self.sliding_window, agg=self.head_agg)      # [B, H, T]
-        valid = (q_pos >= 0)[:, None, :].float()
-        n = valid.sum(-1)
-        mean = (acc * valid).sum(-1) / n
-        variance = (((acc - mean[..., None]) ** 2) * valid).sum(-1) / (n - 1).clamp(min=1)
-        return {"acc": acc, "variance": variance.mean()}
+    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> dict:
+        return {"acc": column_scores(q, k, q_pos, None, self.sliding_window, agg=self.head_agg, k_pos=k_pos)}
+
+    def prefill_queries(self) -> None:
+        return None     # every query's attention, summed (the variance is taken in plan, over the whole prompt)
 
     def plan(self, stats: list[dict]) -> None:
-        # one host sync; under --tp the mean over every process's heads (one all-reduce)
-        self.variances = shard_of(self.args).mean(torch.stack([s["variance"] for s in stats])).tolist()
+        self.decide(torch.stack([column_variance(s["acc"], self.q_pos) for s in stats]))
+
+    def decide(self, variances: Tensor) -> None:
+        """The layers' variances [n_layers] -> dense layers and weights (one host sync; under --tp the mean over
+        every process's heads: one all-reduce)."""
+        self.variances = shard_of(self.args).mean(variances).tolist()
         self.weights = [self.dense_factor if dense else 1.0 for dense in self.dense_layers(self.variances)]
 
     def layer_budgets(self, budget: int, length: int) -> list[int]:

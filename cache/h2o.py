@@ -40,8 +40,11 @@ class H2OPolicy(HeadAgg, Budget, EvictionPolicy):
     def recent_window(self, layer: int, budget: int) -> int:
         return self.paper_recent(budget) if self.n_recent == -1 else self.n_recent
 
-    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
-        return {"acc": column_scores(q, k, q_pos, None, self.sliding_window, agg=self.head_agg)}
+    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> dict:
+        return {"acc": column_scores(q, k, q_pos, None, self.sliding_window, agg=self.head_agg, k_pos=k_pos)}
+
+    def prefill_queries(self) -> None:
+        return None     # every query's attention, summed
 
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
         return stats["acc"]

@@ -139,6 +139,8 @@ class PODPolicy:
         return {"blocks": "layers"}
 
     defer_compression = True     # EvictionPolicy.before_prefill/begin (reused) leave allocation to us
+    staged = None                # (read by EvictionPolicy.begin) never staged: the prompt comes in one pass, as
+    check_chunk = EvictionPolicy.check_chunk     # its ring and distant store are filed from the whole prompt
 
     def __post_init__(self):
         if self.n_sink < 0 or self.n_recent == 0 or self.n_recent < -1:

@@ -109,12 +109,15 @@ class SimLayerKVPolicy(EvictionPolicy):
         return self.n_sink + self.n_recent if self.lazy[layer] else self.prompt_length
 
     # ---------------------------------------------------------------- finding lazy layers
-    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
+    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> dict:
         if self.strategy != "prefill":
             return {}
         q_last, pos_last = last_rows(q, q_pos, self.obs_window)
-        probs = attention_probs(q_last, k, pos_last, q_pos, self.sliding_window)
-        return {"mass": lazy_mass(probs, pos_last, q_pos, self.n_sink, self.n_recent)}
+        probs = attention_probs(q_last, k, pos_last, k_pos, self.sliding_window)
+        return {"mass": lazy_mass(probs, pos_last, k_pos, self.n_sink, self.n_recent)}
+
+    def prefill_queries(self) -> int:
+        return self.obs_window if self.strategy == "prefill" else 0
 
     def plan(self, stats: list[dict]) -> None:
         if self.strategy == "prefill":

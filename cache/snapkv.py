@@ -31,8 +31,11 @@ class SnapKVPolicy(HeadAgg, Budget, EvictionPolicy):
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"pooling must be max or avg, got {self.pooling!r}")
 
-    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
-        return {"obs": column_scores(q, k, q_pos, self.obs_window, self.sliding_window, agg=self.head_agg)}
+    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> dict:
+        return {"obs": column_scores(q, k, q_pos, self.obs_window, self.sliding_window, agg=self.head_agg, k_pos=k_pos)}
+
+    def prefill_queries(self) -> int:
+        return self.obs_window
 
     def min_budget(self) -> int:
         return max(1, self.obs_window)

@@ -20,10 +20,13 @@ class TOVAPolicy(Budget, EvictionPolicy):
     name = "tova"
     decode_attention = True
 
-    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> dict:
-        last = column_scores(q, k, q_pos, 1, self.sliding_window)        # [B, H_kv, T], group mean
+    def prefill_stats(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> dict:
+        last = column_scores(q, k, q_pos, 1, self.sliding_window, k_pos=k_pos)      # [B, H_kv, T], group mean
         layer_mean = shard_of(self.args).mean(last.mean(1, keepdim=True))  # every head's (--tp: all-reduce)
         return {"acc": layer_mean.expand_as(last)}
+
+    def prefill_queries(self) -> int:
+        return 1
 
     def keep_scores(self, layer: int, stats: dict, q_pos: Tensor, n_heads: int) -> Tensor:
         return stats["acc"]

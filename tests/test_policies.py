@@ -373,7 +373,7 @@ def test_d2o_dense_share_picks_the_lowest_variance_layers():
     policy = bare_policy("d2o", "budget=100,dense_factor=2,dense_share=0.25", layers=8)
     variances = [5.0, 300.0, 1.0, 80.0, 900.0, 40.0, 7.0, 60.0]            # lowest two: layers 2 and 0
     assert policy.dense_layers(variances) == [True, False, True, False, False, False, False, False]
-    policy.plan([{"variance": torch.tensor(v)} for v in variances])
+    policy.decide(torch.tensor(variances))
     budgets = policy.layer_budgets(100, 20)                                # a row's split of its budget
     assert budgets[0] == budgets[2] == 2 * budgets[1] and sum(budgets) == 800
     assert [v * 10 for v in variances] and policy.dense_layers([v * 10 for v in variances]) == \

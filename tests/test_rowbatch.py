@@ -68,7 +68,8 @@ def row_batch(model, name: str, max_batch: int = 2, chunk: int = 32, **kw) -> en
 def test_staged_admission_interleaves_chunks_with_decode(model, name):  # noqa: F811
     """B's and C's long prompts are prefilled one chunk per turn while A (then B) decode: every request gets
     the tokens and logits that admit() gives it, and a decode step never waits for more than one chunk of
-    prompt (a whole prompt for a policy that prefills in one pass)."""
+    prompt (compressing policies too: their chunks are staged; a policy with admission "batch" prefills its
+    group whole, in an empty batch)."""
     prompts = prompts_of({"A": 40, "B": 300, "C": 170})
     arrivals = {"A": 0, "B": 2, "C": 3}
     got, steps = drive(row_batch(model, name), prompts, arrivals, staged=True)
@@ -77,7 +78,7 @@ def test_staged_admission_interleaves_chunks_with_decode(model, name):  # noqa: 
         assert torch.equal(got[n].argmax(-1), ref[n].argmax(-1)), f"request {n}'s tokens differ from admit's"
         torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
     batch = row_batch(model, name)
-    bound = 32 if not batch.policy.prefill_in_one_pass else max(len(p) for p in prompts.values())
+    bound = 32 if batch.rows else max(len(p) for p in prompts.values())
     assert max(n for n, _ in steps) <= bound, steps
     if bound == 32:     # decode steps ran while a prompt was part way in (B's 300 tokens over 10 turns)
         assert sum(1 for _, mid in steps if mid) >= 9, steps
