@@ -15,15 +15,28 @@ prefilled in chunks between the rows' decode steps, or from a kept shared prefix
 from __future__ import annotations
 
 import os
+import sys
+
+
+def wait_policy_flag(argv: list[str]) -> str:
+    """--omp-wait-policy's value in argv (default passive; argparse validates it later)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--omp-wait-policy="):
+            return a.split("=", 1)[1]
+        if a == "--omp-wait-policy" and i + 1 < len(argv):
+            return argv[i + 1]
+    return "passive"
+
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")      # as engine.py: see its docstring
+    # OpenMP reads its wait policy once, when torch is imported: --omp-wait-policy takes effect here
+    if wait_policy_flag(sys.argv) in ("passive", "active"):
+        os.environ["OMP_WAIT_POLICY"] = wait_policy_flag(sys.argv).upper()
 
 import argparse
 import asyncio
 import json
 import signal
-import sys
 import time
 import uuid
 from typing import Optional
@@ -351,6 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=list(engine.DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--weights", choices=engine.WEIGHTS, default="auto", help="as engine.py")
+    p.add_argument("--omp-wait-policy", choices=["passive", "active", "inherit"], default="passive",
+                   help="how the compute threads wait between ops (OMP_WAIT_POLICY for this process, applied when "
+                        "serve.py starts): passive (default; spinning threads hold every core, so each wake-up of "
+                        "the HTTP thread or of a client on the same cores preempts one mid-step: docs/serving.md), "
+                        "active, or inherit the environment's")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (engine.compiled_steps), "
                                                           "compiled at startup")
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism: not supported by the server (only 1)")

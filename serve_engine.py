@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -148,7 +149,8 @@ class Engine:
                 requests[outcome] += n
             return {"status": "ok", "rows_in_use": sum(p["rows_in_use"] for p in lanes.values()),
                     "max_batch": self.max_batch, "queue_depth": sum(p["queue_depth"] for p in lanes.values()),
-                    "max_queue": self.max_queue, "requests": dict(requests), "policies": lanes}
+                    "max_queue": self.max_queue, "requests": dict(requests), "policies": lanes,
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}      # as it was when torch loaded
 
     def run(self) -> None:
         with torch.inference_mode():

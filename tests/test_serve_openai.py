@@ -112,6 +112,14 @@ def test_a_disconnect_mid_stream_frees_the_row(tiny_dir):
         assert srv.finished["snapkv", "cancelled"] == 1 and srv.finished["snapkv", "length"] == 1
 
 
+def test_wait_policy_flag():
+    assert serve.wait_policy_flag(["serve.py", "--checkpoint", "x"]) == "passive"
+    assert serve.wait_policy_flag(["serve.py", "--omp-wait-policy", "active"]) == "active"
+    assert serve.wait_policy_flag(["serve.py", "--omp-wait-policy=inherit"]) == "inherit"
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--checkpoint", "x", "--omp-wait-policy", "spin"])
+
+
 def test_cli_stops_on_sigterm_after_the_requests_in_flight(tiny_dir):
     """The real command line with two policies: bad flags are one-line errors (exit 2); SIGTERM lets a streamed
     request in flight in each policy's batch finish, then the server exits 0."""
@@ -136,7 +144,9 @@ def test_cli_stops_on_sigterm_after_the_requests_in_flight(tiny_dir):
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout and proc.stdout.read()
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                health = httpx.get(f"http://127.0.0.1:{port}/health")
+                if health.status_code == 200:
+                    assert health.json()["omp_wait_policy"] == "PASSIVE"      # serve.py's default
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
