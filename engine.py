@@ -668,12 +668,12 @@ class RowBatch:
     their state.  Admission is staged: `start` queues a request (it reserves a row), each `advance` runs one
     prefill chunk (at most prefill_chunk tokens, `chunk_end`; a compressing policy stages the chunks and
     compresses the prompt with the last, cache/base.py) of the oldest one, so a server alternates one chunk
-    with one decode `step` of the running rows and a long prompt never stalls them for its whole length.  `admit` is start + advance until done.  Every `step`
-    decodes all rows together, each at its own position; free rows ride along at position -1 and nothing of
-    theirs is read or kept.  A policy with admission "batch" makes decisions for the whole batch (layer
-    budgets, sharing configurations), so requests start only in an empty batch, all those started together
-    prefilled as one left-padded batch by one advance (as `generate` does).  Storage is fixed when the batch
-    is made: a policy with `ratio=` (its budget a share of each prompt) holds in every row the budget of a
+    with one decode `step` of the running rows and a long prompt never stalls them for its whole length.
+    `admit` is start + advance until done.  Every `step` decodes all rows together, each at its own position;
+    free rows ride along at position -1 and nothing of theirs is read or kept.  A policy with admission
+    "batch" makes decisions for the whole batch (layer budgets, sharing configurations), so requests start
+    only in an empty batch, all those started together prefilled as one left-padded batch by one advance (as
+    `generate` does).  Storage is fixed when the batch is made: a policy with `ratio=` (its budget a share of each prompt) holds in every row the budget of a
     max_seq_length-token prompt, and each request resolves its own, smaller or equal, at admission.
 
     prefix_bytes > 0 keeps prefilled prefixes (prefix_cache.py) when the policy declares prefix_reuse: a prompt
@@ -803,7 +803,7 @@ class RowBatch:
         at = self.prefixes.boundary(p.ids, [q.ids for q in self.pending if q is not p], p.prefix_len)
         reused = n
         if context is None and at >= shortest:
-            reused, (n, context) = 0, (at, self._compress(p.ids[:at]))
+            n, context, reused = at, self._compress(p.ids[:at]), 0
         held = None if context is None else context.question_room(0)
         if context is None or (held is not None and len(p.ids) - n > held):
             return None                     # (a context compressed now stays kept for the next request)

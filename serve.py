@@ -30,8 +30,8 @@ def wait_policy_flag(argv: list[str]) -> str:
 
 if __name__ == "__main__":
     # OpenMP reads its wait policy once, when torch is imported: --omp-wait-policy takes effect here
-    if wait_policy_flag(sys.argv) in ("passive", "active"):
-        os.environ["OMP_WAIT_POLICY"] = wait_policy_flag(sys.argv).upper()
+    if (wait_policy := wait_policy_flag(sys.argv)) in ("passive", "active"):
+        os.environ["OMP_WAIT_POLICY"] = wait_policy.upper()
 
 import argparse
 import asyncio
