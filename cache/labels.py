@@ -22,6 +22,7 @@ from torch import Tensor
 from cache.calibration import channel_importance, channels_path, ensure_channels, rank_channels, read_channels_file
 from cache.sparse_read import SparseReader, param, select_slots
 from kernels import approx_scores, dequantize_labels_4bit, quantize_labels_4bit, resolve_backend
+from kernels.cpu import label_scores_supported, label_write_cpu, use_cpu_kernel
 
 
 def gather_channels(x: Tensor, channels: Tensor) -> Tensor:
@@ -67,8 +68,16 @@ class LabelCache:
             if store[layer] is not None:
                 store[layer] = store[layer].index_select(1, perm).contiguous()
 
-    def write(self, layer: int, k: Tensor, channels: Tensor, slot) -> None:
-        """Label of the new key k [B, H, 1, D] (heads in the label cache's order) at `slot`."""
+    def write(self, layer: int, k: Tensor, channels: Tensor, slot, backend: str = "auto") -> None:
+        """Label of the new key k [B, H, 1, D] (heads in the label cache's order) at `slot` (an int, or
+        [B, H] long): kvc::label_write on CPU where it is built, else write_torch."""
+        if use_cpu_kernel(backend, label_scores_supported(k, self.labels[layer])):
+            label_write_cpu(k, channels, self.labels[layer], self.scale[layer], self.minimum[layer], slot)
+        else:
+            self.write_torch(layer, k, channels, slot)
+
+    def write_torch(self, layer: int, k: Tensor, channels: Tensor, slot) -> None:
+        """write's twin in torch ops."""
         lab = gather_channels(k, channels)                                    # [B, H, 1, C]
         parts = [lab]
         if self.bits == 4:
@@ -203,7 +212,7 @@ class LabelReader(SparseReader):
                 if t[layer] is not None]
 
     def update(self, layer: int, k: Tensor, slot) -> None:
-        self.labels.write(layer, k, self.label_channels[layer], slot)
+        self.labels.write(layer, k, self.label_channels[layer], slot, self.backend)
 
     def query_labels(self, layer: int, q: Tensor, channels: Tensor) -> Tensor:
         """q [B, H_q, 1, D] restricted to each KV head's heavy channels -> [B, H_q, C]."""
@@ -214,13 +223,14 @@ class LabelReader(SparseReader):
     def scores(self, layer: int, q: Tensor, heads: Optional[int] = None) -> Tensor:
         """Approximate scores [B, h, S] of the first `heads` KV heads (label cache order).
 
-        The Triton kernel scores the head slice of the label cache as it is.  The torch twin scores
-        every head and returns the first `heads` rows: the slice is not one strided batch, so
+        The Triton and C++ kernels score the head slice of the label cache as it is.  The torch twin
+        scores every head and returns the first `heads` rows: the slice is not one strided batch, so
         torch.matmul would first copy it (2 MB per layer at 4096 tokens), which costs more than the
         extra heads' dot products."""
         channels = self.label_channels[layer]
-        sliced = (heads is not None and heads < channels.shape[0]
-                  and resolve_backend(self.backend, q) == "triton")
+        kernel = (resolve_backend(self.backend, q) == "triton"
+                  or use_cpu_kernel(self.backend, label_scores_supported(q, self.labels.labels[layer])))
+        sliced = heads is not None and heads < channels.shape[0] and kernel
         if sliced:
             channels = channels[:heads]
             q = q[:, :heads * self.group]

@@ -9,6 +9,8 @@ sparse readers', KIVI's, the dense caches' and the weight-quantized linear layer
                                        False with one warning if it cannot be built (no compiler)
     sparse_decode_attention_cpu(...)   == kernels.sparse_decode_attention_torch (fp32, D 64 or 128)
     select_top_cpu(scores, bias, n)    == torch.topk of F.pad(scores, (0, n)) + bias, as a set per row
+    label_scores_cpu / label_write_cpu == kernels.approx_scores_torch (no masking) / LabelCache.write_torch
+                                       (cpu_labels.cpp: the label cache of ds and hshare)
     kivi_attention_cpu(...)            == kernels.kivi_attention.kivi_attention_torch (packed K/V + residual);
                                        dense reads of 2/4-bit storage in integer arithmetic where the CPU has
                                        AVX-512 VNNI (== kernels.kivi_int.kivi_attention_int_torch;
@@ -54,7 +56,8 @@ from model import EagerOps, Linear, add_rms_norm, attend, rms_norm, rope_split, 
 from .backend import arith_request
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_kernels.cpp", "kivi_kernels.cpp", "cpu_qlinear.cpp", "cpu_linear.cpp", "cpu_bindings.cpp")]
+           for name in ("cpu_kernels.cpp", "kivi_kernels.cpp", "cpu_qlinear.cpp", "cpu_linear.cpp", "cpu_labels.cpp",
+                        "cpu_bindings.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_vec.h")]      # what the sources #include (part of the build tag)
 
 
@@ -176,6 +179,14 @@ def _register_fakes() -> None:
         B, H = scores.shape[:2]
         return (scores.new_empty((B, H, n), dtype=torch.long), scores.new_empty((B, H, n), dtype=torch.bool))
 
+    @torch.library.register_fake("kvc::label_scores")
+    def _(q_label, labels, scale, minimum, group_sum):
+        return q_label.new_empty((q_label.shape[0], labels.shape[1] if group_sum else q_label.shape[1], labels.shape[2]))
+
+    @torch.library.register_fake("kvc::label_write")
+    def _(*args):
+        return None
+
     @torch.library.register_fake("kvc::decode_attention")
     def _(q, k, v, visible, scale, lanes=0):
         return torch.empty_like(q)
@@ -246,6 +257,32 @@ def select_top_cpu(scores: Tensor, bias: Tensor, n: int) -> tuple[Tensor, Tensor
     """Top-n slots of scores [B, h, S] + bias [B, 1 or h, S + n] (fp32) -> (idx, valid) [B, h, n],
     idx in ascending slot order (see cache.sparse_read.select_slots for the contract)."""
     return torch.ops.kvc.select_top(_unit_stride_rows(scores), _unit_stride_rows(bias), n)
+
+
+def label_scores_supported(q_label: Tensor, labels: Tensor) -> bool:
+    """Whether kvc::label_scores / label_write take these tensors (fp32 queries or keys on the CPU; fp32 or
+    4-bit packed labels with contiguous channels)."""
+    return (q_label.device.type == "cpu" and q_label.dtype == torch.float32
+            and labels.dtype in (torch.float32, torch.uint8) and labels.stride(-1) == 1)
+
+
+def label_scores_cpu(q_label: Tensor, labels: Tensor, scale: Optional[Tensor], minimum: Optional[Tensor],
+                     group_sum: bool) -> Tensor:
+    """kvc::label_scores: kernels.approx_scores without masking ([B, H_kv, S] summed over each group, or
+    [B, H_q, S])."""
+    none = labels.new_empty(0, dtype=torch.float16)
+    return torch.ops.kvc.label_scores(q_label, labels, none if scale is None else scale,
+                                      none if minimum is None else minimum, group_sum)
+
+
+def label_write_cpu(k: Tensor, channels: Tensor, labels: Tensor, scale: Optional[Tensor], minimum: Optional[Tensor],
+                    slot) -> None:
+    """kvc::label_write: the label of k [B, H, 1, D] at slot (an int for every row, or [B, H] long), in place."""
+    none = labels.new_empty(0, dtype=torch.float16)
+    per_row = isinstance(slot, Tensor)
+    torch.ops.kvc.label_write(k, channels, labels, none if scale is None else scale,
+                              none if minimum is None else minimum, slot if per_row else none.long(),
+                              0 if per_row else slot)
 
 
 def _unit_stride_rows(t: Tensor) -> Tensor:

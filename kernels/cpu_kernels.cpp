@@ -27,7 +27,8 @@
 //       the n largest of scores + bias per row (torch.topk's set; ties go to the lower slot), in
 //       ascending slot order; where fewer than n entries exceed -inf, the rest are marked invalid
 //       (idx = S + j, never to be read).  Exact: a 3-pass radix select on the floats' order-preserving
-//       integer keys, then one pass collecting the slots.
+//       integer keys (the first pass fused with computing them, the other two over the first pass's bin
+//       only), then one pass collecting the slots.
 //
 // Both parallelise over the B * heads lists with at::parallel_for (torch's thread pool).
 #include <torch/extension.h>
@@ -610,40 +611,49 @@ std::tuple<torch::Tensor, torch::Tensor> select_top(torch::Tensor scores, torch:
   bool* okp = ok.data_ptr<bool>();
   const uint32_t NEG_INF_KEY = 0x007FFFFFu;                      // the key of -inf: nothing below it matters
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> key(S), hist(2048);
+    std::vector<uint32_t> key(S), cand(S), hist(2048);
     for (int64_t r = begin; r < end; ++r) {
       const float* s = sp + (r / H) * ss0 + (r % H) * ss1;
       const float* b = bp + (r / H) * bs0 + (r % H) * bs1;
-      int64_t finite = 0;                                         // entries above -inf
-      for (int64_t j = 0; j < S; ++j) {
+      std::fill(hist.begin(), hist.end(), 0u);
+      for (int64_t j = 0; j < S; ++j) {                           // keys, and the histogram of their top 11 bits
         const float x = s[j] + b[j];
         uint32_t u;
         std::memcpy(&u, &x, 4);
         const uint32_t kj = (u & 0x80000000u) ? ~u : (u | 0x80000000u);   // larger float, larger key
         key[j] = kj;
-        finite += kj > NEG_INF_KEY;
+        hist[kj >> 21]++;
       }
+      int64_t finite = S;                          // entries above -inf: -inf's key is the top of its bin
+      for (uint32_t bin = 0; bin <= (NEG_INF_KEY >> 21); ++bin) finite -= hist[bin];
       int64_t* o = ip + r * n;
       int64_t w = 0;
       if (finite <= n) {
         for (int64_t j = 0; j < S; ++j)
           if (key[j] > NEG_INF_KEY) o[w++] = j;
       } else {
-        // the n-th largest key, 11 + 11 + 10 bits at a time; `remaining` ends as the number of
-        // entries equal to it that belong to the top n
-        uint32_t prefix = 0, mask = 0;
+        // the n-th largest key, 11 + 11 + 10 bits at a time; `remaining` ends as the number of entries equal
+        // to it that belong to the top n.  Pass 1's bin chosen, the later passes read its candidates only.
         int64_t remaining = n;
-        const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
-        for (int p = 0; p < 3; ++p) {
+        uint32_t bin = 2047;
+        for (; bin > 0 && (int64_t)hist[bin] < remaining; --bin) remaining -= hist[bin];
+        uint32_t prefix = bin << 21;
+        int64_t m = 0;
+        for (int64_t j = 0; j < S; ++j)
+          if ((key[j] >> 21) == bin) cand[m++] = key[j];
+        const int shifts[2] = {10, 0}, widths[2] = {11, 10};
+        for (int p = 0; p < 2; ++p) {
           const int sh = shifts[p];
           const uint32_t bins = 1u << widths[p];
           std::fill(hist.begin(), hist.begin() + bins, 0u);
-          for (int64_t j = 0; j < S; ++j)
-            if ((key[j] & mask) == prefix) hist[(key[j] >> sh) & (bins - 1)]++;
-          int64_t bin = bins - 1;
-          for (; bin > 0 && (int64_t)hist[bin] < remaining; --bin) remaining -= hist[bin];
-          prefix |= (uint32_t)bin << sh;
-          mask |= (bins - 1) << sh;
+          for (int64_t i = 0; i < m; ++i) hist[(cand[i] >> sh) & (bins - 1)]++;
+          uint32_t c = bins - 1;
+          for (; c > 0 && (int64_t)hist[c] < remaining; --c) remaining -= hist[c];
+          prefix |= c << sh;
+          int64_t kept = 0;                                         // candidates sharing the longer prefix
+          for (int64_t i = 0; i < m; ++i)
+            if (((cand[i] >> sh) & (bins - 1)) == c) cand[kept++] = cand[i];
+          m = kept;
         }
         for (int64_t j = 0; j < S && w < n; ++j) {
           if (key[j] > prefix) o[w++] = j;

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .backend import resolve_backend
+from .cpu import label_scores_cpu, label_scores_supported, use_cpu_kernel
 
 triton = tl = None  # imported lazily by _kernels()
 
@@ -269,10 +270,15 @@ def approx_scores(q_label: Tensor, labels: Tensor, label_scale: Optional[Tensor]
 
     q_label [B, H_q, C]; labels [B, H_kv, S, C] (any float dtype) or uint8 [B, H_kv, S, C//2] with
     label_scale, label_min [B, H_kv, S] (quantize_labels_4bit).  With `length` (int or [B]) the result
-    is also masked as mask_sink_recent(scores, n_sink, n_recent, length) does (fused in Triton)."""
+    is also masked as mask_sink_recent(scores, n_sink, n_recent, length) does (fused in Triton).  On CPU
+    the C++ kernel (kvc::label_scores, kernels/cpu_labels.cpp) runs where it is built and takes the tensors."""
     if resolve_backend(backend, q_label, labels) == "triton":
         return approx_scores_triton(q_label, labels, label_scale, label_min, group=group, length=length,
                                     n_sink=n_sink, n_recent=n_recent)
+    if use_cpu_kernel(backend, label_scores_supported(q_label, labels)):
+        _label_shapes(q_label, labels, label_scale, label_min, group)
+        s = label_scores_cpu(q_label, labels, label_scale, label_min, group == "kv")
+        return s if length is None else mask_sink_recent_torch(s, n_sink, n_recent, length, inplace=True)
     return approx_scores_torch(q_label, labels, label_scale, label_min, group=group, length=length,
                                n_sink=n_sink, n_recent=n_recent)
 
