@@ -673,8 +673,9 @@ class RowBatch:
     free rows ride along at position -1 and nothing of theirs is read or kept.  A policy with admission
     "batch" makes decisions for the whole batch (layer budgets, sharing configurations), so requests start
     only in an empty batch, all those started together prefilled as one left-padded batch by one advance (as
-    `generate` does).  Storage is fixed when the batch is made: a policy with `ratio=` (its budget a share of each prompt) holds in every row the budget of a
-    max_seq_length-token prompt, and each request resolves its own, smaller or equal, at admission.
+    `generate` does).  Storage is fixed when the batch is made: a policy with `ratio=` (its budget a share of
+    each prompt) holds in every row the budget of a max_seq_length-token prompt, and each request resolves its
+    own, smaller or equal, at admission.
 
     prefix_bytes > 0 keeps prefilled prefixes (prefix_cache.py) when the policy declares prefix_reuse: a prompt
     starting with a kept prefix prefills only the rest, exactly (protocol "exact").  With agnostic=True a policy

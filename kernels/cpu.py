@@ -181,7 +181,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kvc::label_scores")
     def _(q_label, labels, scale, minimum, group_sum):
-        return q_label.new_empty((q_label.shape[0], labels.shape[1] if group_sum else q_label.shape[1], labels.shape[2]))
+        heads = labels.shape[1] if group_sum else q_label.shape[1]
+        return q_label.new_empty((q_label.shape[0], heads, labels.shape[2]))
 
     @torch.library.register_fake("kvc::label_write")
     def _(*args):
@@ -266,22 +267,25 @@ def label_scores_supported(q_label: Tensor, labels: Tensor) -> bool:
             and labels.dtype in (torch.float32, torch.uint8) and labels.stride(-1) == 1)
 
 
+def _label_params(labels: Tensor, scale: Optional[Tensor], minimum: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The 4-bit labels' scale and minimum, empty tensors for fp32 labels (which have none)."""
+    none = labels.new_empty(0, dtype=torch.float16)
+    return none if scale is None else scale, none if minimum is None else minimum
+
+
 def label_scores_cpu(q_label: Tensor, labels: Tensor, scale: Optional[Tensor], minimum: Optional[Tensor],
                      group_sum: bool) -> Tensor:
     """kvc::label_scores: kernels.approx_scores without masking ([B, H_kv, S] summed over each group, or
     [B, H_q, S])."""
-    none = labels.new_empty(0, dtype=torch.float16)
-    return torch.ops.kvc.label_scores(q_label, labels, none if scale is None else scale,
-                                      none if minimum is None else minimum, group_sum)
+    return torch.ops.kvc.label_scores(q_label, labels, *_label_params(labels, scale, minimum), group_sum)
 
 
 def label_write_cpu(k: Tensor, channels: Tensor, labels: Tensor, scale: Optional[Tensor], minimum: Optional[Tensor],
                     slot) -> None:
     """kvc::label_write: the label of k [B, H, 1, D] at slot (an int for every row, or [B, H] long), in place."""
-    none = labels.new_empty(0, dtype=torch.float16)
     per_row = isinstance(slot, Tensor)
-    torch.ops.kvc.label_write(k, channels, labels, none if scale is None else scale,
-                              none if minimum is None else minimum, slot if per_row else none.long(),
+    slots = slot if per_row else labels.new_empty(0, dtype=torch.long)
+    torch.ops.kvc.label_write(k, channels, labels, *_label_params(labels, scale, minimum), slots,
                               0 if per_row else slot)
 
 

@@ -24,6 +24,15 @@
 #include <cstring>
 #include <vector>
 
+// packed labels' fp16 scale and minimum: [B, H, S] like the labels, both of one layout
+static void check_label_params(const torch::Tensor& labels, const torch::Tensor& scale, const torch::Tensor& minimum,
+                               const char* op) {
+  TORCH_CHECK(scale.dtype() == torch::kHalf && minimum.dtype() == torch::kHalf
+              && scale.sizes() == labels.sizes().slice(0, 3) && minimum.sizes() == scale.sizes()
+              && scale.strides() == minimum.strides(),
+              op, ": packed labels need fp16 scale/minimum [B, H, S] of one layout");
+}
+
 static float half_to_float(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
 
 // Scores of one output row over S labels.  q: the row's C query channels; qsum: their sum.
@@ -63,19 +72,17 @@ static void float_row(const float* q, int64_t C, const float* lab, int64_t ls, i
 
 torch::Tensor label_scores(torch::Tensor q_label, torch::Tensor labels, torch::Tensor scale, torch::Tensor minimum,
                            bool group_sum) {
-  TORCH_CHECK(q_label.dim() == 3 && q_label.dtype() == torch::kFloat, "kvc::label_scores: q_label must be fp32 [B, Hq, C]");
-  TORCH_CHECK(labels.dim() == 4 && labels.stride(3) == 1, "kvc::label_scores: labels [B, H, S, C] with contiguous channels");
+  TORCH_CHECK(q_label.dim() == 3 && q_label.dtype() == torch::kFloat,
+              "kvc::label_scores: q_label must be fp32 [B, Hq, C]");
+  TORCH_CHECK(labels.dim() == 4 && labels.stride(3) == 1,
+              "kvc::label_scores: labels [B, H, S, C] with contiguous channels");
   const bool packed = labels.dtype() == torch::kByte;
   TORCH_CHECK(packed || labels.dtype() == torch::kFloat, "kvc::label_scores: labels must be fp32 or packed uint8");
   auto q = q_label.contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), C = q.size(2), H = labels.size(1), S = labels.size(2);
   TORCH_CHECK(labels.size(0) == B && Hq % H == 0, "kvc::label_scores: batch or head counts do not match");
   TORCH_CHECK(labels.size(3) == (packed ? C / 2 : C) && (!packed || C % 2 == 0), "kvc::label_scores: channel count");
-  if (packed) {
-    TORCH_CHECK(scale.dtype() == torch::kHalf && minimum.dtype() == torch::kHalf && scale.sizes() == labels.sizes().slice(0, 3)
-                && minimum.sizes() == scale.sizes() && scale.strides() == minimum.strides(),
-                "kvc::label_scores: packed labels need fp16 scale/minimum [B, H, S] of one layout");
-  }
+  if (packed) check_label_params(labels, scale, minimum, "kvc::label_scores");
   const int64_t G = Hq / H, Hout = group_sum ? H : Hq;
   auto out = torch::empty({B, Hout, S}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -142,15 +149,16 @@ static void quantize_label(const float* x, int64_t C, uint8_t* packed, at::Half*
 
 void label_write(torch::Tensor k, torch::Tensor channels, torch::Tensor labels, torch::Tensor scale,
                  torch::Tensor minimum, torch::Tensor slots, int64_t slot) {
-  TORCH_CHECK(k.dim() == 4 && k.size(2) == 1 && k.dtype() == torch::kFloat, "kvc::label_write: k must be fp32 [B, H, 1, D]");
-  TORCH_CHECK(channels.dim() == 2 && channels.dtype() == torch::kLong, "kvc::label_write: channels must be long [H, C]");
+  TORCH_CHECK(k.dim() == 4 && k.size(2) == 1 && k.dtype() == torch::kFloat,
+              "kvc::label_write: k must be fp32 [B, H, 1, D]");
+  TORCH_CHECK(channels.dim() == 2 && channels.dtype() == torch::kLong,
+              "kvc::label_write: channels must be long [H, C]");
   const int64_t B = k.size(0), H = k.size(1), D = k.size(3), C = channels.size(1);
   const bool packed = labels.dtype() == torch::kByte;
   TORCH_CHECK(packed || labels.dtype() == torch::kFloat, "kvc::label_write: labels must be fp32 or packed uint8");
   TORCH_CHECK(labels.dim() == 4 && labels.size(0) == B && labels.size(1) == H && labels.stride(3) == 1
               && labels.size(3) == (packed ? C / 2 : C) && channels.size(0) == H, "kvc::label_write: label shapes");
-  TORCH_CHECK(!packed || (scale.dtype() == torch::kHalf && minimum.dtype() == torch::kHalf && scale.dim() == 3
-                          && minimum.strides() == scale.strides() && C % 2 == 0), "kvc::label_write: fp16 scale/minimum");
+  if (packed) check_label_params(labels, scale, minimum, "kvc::label_write");
   const bool per_row = slots.numel() > 0;
   TORCH_CHECK(!per_row || (slots.dtype() == torch::kLong && slots.sizes() == torch::IntArrayRef({B, H})),
               "kvc::label_write: slots must be long [B, H] (or empty: `slot` for all)");

@@ -123,6 +123,8 @@ def test_label_write_refuses_bad_slots_and_channels():
         label_write_cpu(k, channels, cache.labels[0], cache.scale[0], cache.minimum[0], 4)
     with pytest.raises(RuntimeError, match="channel out of range"):
         label_write_cpu(k, channels + 64, cache.labels[0], cache.scale[0], cache.minimum[0], 0)
+    with pytest.raises(RuntimeError, match="scale/minimum"):        # fewer slots of scales than of labels
+        label_write_cpu(k, channels, cache.labels[0], cache.scale[0][:, :, :2], cache.minimum[0][:, :, :2], 3)
 
 
 def test_the_kernels_are_traced_by_torch_compile():
