@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .backend import kivi_arith_request
-from .kivi_triton import _merge, block_rows, head_stride, partials, row_major, split_plan
+from .kivi_triton import block_rows, launch_operands, merged_output, partials, split_plan
 
 triton = tl = None
 rne = vexp = None                     # the kernel's jitted helpers (module globals: Triton resolves names there)
@@ -191,20 +191,12 @@ def kivi_attention_int_triton(q: Tensor, buf, pos: Tensor, visible: Optional[Ten
     BLOCK_G = block_rows(rows)
     n_splits, per_split = split_plan(q, B * H, n, G, n_splits)
     NCG = D // G
-    m_part, l_part, acc_part, ring_part = partials(q, B, H, n_splits, BLOCK_G, NCG, G, D)
-    qc, posc, vis = q3.contiguous(), row_major(pos), row_major(visible)
-    vis = vis.view(torch.uint8) if visible is not None else posc[:, :, :1]
-    kp, ks, vp, vs, kr = buf.k_packed, buf.k_scale, buf.v_packed, buf.v_scale, buf.k_ring
+    parts = partials(q, B, H, n_splits, BLOCK_G, NCG, G, D)
+    tensors, strides = launch_operands(q3, buf, pos, visible, now)
     _kernel()[(B, H, n_splits)](
-        qc, kp, ks, buf.k_min, vp, vs, buf.v_min, kr, buf.v_ring, posc, vis, now.contiguous(),
-        m_part, l_part, acc_part, ring_part,
+        *tensors, *parts,
         float(1.0 / math.sqrt(D) if scale is None else scale), n, per_split, n_splits, rows, buf.residual,
-        qc.stride(0), qc.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), kp.stride(3),
-        ks.stride(0), ks.stride(1), ks.stride(2), vp.stride(0), vp.stride(1), vp.stride(2), vp.stride(3),
-        vs.stride(0), vs.stride(1), vs.stride(2), vs.stride(3), kr.stride(0), kr.stride(1), kr.stride(2),
-        posc.stride(0), head_stride(posc), vis.stride(0), head_stride(vis),
-        D=D, W=kp.shape[-1], BITS=buf.bits, GROUP=G, NCG=NCG, BLOCK_G=BLOCK_G, HAS_VIS=visible is not None,
-        enable_fp_fusion=False)
-    out = _merge(m_part[..., :rows], l_part[..., :rows], acc_part[..., :rows, :], ring_part[..., :rows, :])
-    out = out.reshape(B, Hq, D).to(q.dtype)
-    return out.unsqueeze(2) if q.dim() == 4 else out
+        *strides,
+        D=D, W=buf.k_packed.shape[-1], BITS=buf.bits, GROUP=G, NCG=NCG, BLOCK_G=BLOCK_G,
+        HAS_VIS=visible is not None, enable_fp_fusion=False)
+    return merged_output(q, parts, rows)

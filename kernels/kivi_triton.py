@@ -149,24 +149,38 @@ def kivi_attention_triton(q: Tensor, buf, pos: Tensor, visible: Optional[Tensor]
     BLOCK_G = block_rows(rows)
     n_splits, per_split = split_plan(q, B * Hidx, length, G, n_splits)
     NCG = D // G
-    m_part, l_part, acc_part, ring_part = partials(q, B, Hidx, n_splits, BLOCK_G, NCG, G, D)
-    qc, posc, vis = q3.contiguous(), row_major(pos), row_major(visible)
-    vis = vis.view(torch.uint8) if visible is not None else posc[:, :, :1]
+    parts = partials(q, B, Hidx, n_splits, BLOCK_G, NCG, G, D)
+    tensors, strides = launch_operands(q3, buf, pos, visible, now)
+    posc = tensors[9]                           # pos (long): idx and valid of dense reads, never read
     idxc = idx.long().contiguous() if sparse else posc
     val = valid.contiguous().view(torch.uint8) if valid is not None else idxc
-    kp, ks, vp, vs, kr = buf.k_packed, buf.k_scale, buf.v_packed, buf.v_scale, buf.k_ring
     _kernel()[(B, Hidx, n_splits)](
-        qc, kp, ks, buf.k_min, vp, vs, buf.v_min, kr, buf.v_ring, posc, vis, now.contiguous(), idxc, val,
-        m_part, l_part, acc_part, ring_part,
+        *tensors, idxc, val, *parts,
         float(1.0 / math.sqrt(D) if scale is None else scale), length, per_split, n_splits, rows, Gq, R,
-        qc.stride(0), qc.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), kp.stride(3),
-        ks.stride(0), ks.stride(1), ks.stride(2), vp.stride(0), vp.stride(1), vp.stride(2), vp.stride(3),
-        vs.stride(0), vs.stride(1), vs.stride(2), vs.stride(3), kr.stride(0), kr.stride(1), kr.stride(2),
-        posc.stride(0), head_stride(posc), vis.stride(0), head_stride(vis), idxc.stride(0), idxc.stride(1),
-        D=D, W=kp.shape[-1], BITS=buf.bits, GROUP=G, NCG=NCG, BLOCK_G=BLOCK_G, SPARSE=sparse,
+        *strides, idxc.stride(0), idxc.stride(1),
+        D=D, W=buf.k_packed.shape[-1], BITS=buf.bits, GROUP=G, NCG=NCG, BLOCK_G=BLOCK_G, SPARSE=sparse,
         HAS_VIS=visible is not None, HAS_VALID=valid is not None, PER_QUERY=per_query)
+    return merged_output(q, parts, rows)
+
+
+def launch_operands(q3: Tensor, buf, pos: Tensor, visible: Optional[Tensor], now: Tensor):
+    """What both KIVI kernels (this one and kernels/kivi_int_triton.py's) take first: (q, the eight
+    buffers, pos, visible (bytes; pos's first column when None), now) and the strides that follow the
+    scalars (q's, the buffers', pos's and visible's; a dim of size 1 shared: stride 0)."""
+    qc, posc, vis = q3.contiguous(), row_major(pos), row_major(visible)
+    vis = vis.view(torch.uint8) if visible is not None else posc[:, :, :1]
+    kp, ks, vp, vs, kr = buf.k_packed, buf.k_scale, buf.v_packed, buf.v_scale, buf.k_ring
+    tensors = (qc, kp, ks, buf.k_min, vp, vs, buf.v_min, kr, buf.v_ring, posc, vis, now.contiguous())
+    strides = (qc.stride(0), qc.stride(1), *kp.stride(), *ks.stride()[:3], *vp.stride(), *vs.stride(),
+               *kr.stride()[:3], posc.stride(0), head_stride(posc), vis.stride(0), head_stride(vis))
+    return tensors, strides
+
+
+def merged_output(q: Tensor, parts: tuple[Tensor, ...], rows: int) -> Tensor:
+    """The splits' partials (`partials`) merged into out [B, H_q, D] (or q's [B, H_q, 1, D]) in q's dtype."""
+    m_part, l_part, acc_part, ring_part = parts
     out = _merge(m_part[..., :rows], l_part[..., :rows], acc_part[..., :rows, :], ring_part[..., :rows, :])
-    out = out.reshape(B, Hq, D).to(q.dtype)
+    out = out.reshape(q.shape[0], q.shape[1], q.shape[-1]).to(q.dtype)
     return out.unsqueeze(2) if q.dim() == 4 else out
 
 
