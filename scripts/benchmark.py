@@ -106,9 +106,15 @@ Memory rows (mode "memory"): policy, policy_args, kv_bits, context_length, decod
 CPU: set OMP_WAIT_POLICY=ACTIVE (recommended; the header prints the setting in effect): PyTorch's
 OpenMP threads otherwise sleep between ops, which costs milliseconds per op on small CPUs.  Run on
 an otherwise idle machine; the median of interleaved repeats damps but cannot remove noise.
---kv-bits 16,4 runs every configuration at both storage precisions (KIVI-packed with
---kv-group-size/--kv-residual; policies without a packed format, pod and the sparse readers, are
-reported as skipped at 4 or 2 bits).
+--kv-bits 32,16,4,2 runs every configuration at each storage: fp32, 16-bit (--kv-dtype, e.g.
+bfloat16; only `full` stores K/V in a dtype other than the compute dtype), KIVI-packed with
+--kv-group-size/--kv-residual (pod has no packed format); rows a policy cannot store that way are
+reported as skipped.  With several storages an e2e run ends with the table of decode tok/s by
+policy x storage (x the policy's first storage, x full's at the same storage).
+Peers: --peers llama.cpp,hf adds batch-1 decode ratios against those engines; --prefill-row [TOKENS]
+a batch-1 prefill of TOKENS (2048) tokens by the fp32 checkpoint, by ours on the Q4_1 GGUF as stored
+and by llama.cpp on the same file (scripts/peers.py: each side in its own subprocess, --repeats
+interleaved rounds), printed as tok/s with the ratios over our fp32 and over llama.cpp.
 
 Code: scripts/bench/ (specs, measure, roofline, report, one module per mode; see its __init__.py).
 """

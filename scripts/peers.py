@@ -289,6 +289,34 @@ def compare_with_rows(ours: list[dict], peers: str, threads: int, steps: int, gg
         print(f"#   {label:32s} ctx {c:5d} {tps:7.1f} tok/s | " + " | ".join(parts))
 
 
+def prefill_row(threads: int, context: int = 2048, repeats: int = 1, gguf: Path = DEFAULT_GGUF,
+                hf: Path = DEFAULT_HF) -> list[dict]:
+    """The benchmark's --prefill-row: batch-1 prefill of `context` tokens by our fp32 checkpoint, by ours
+    on the Q4_1 GGUF as stored (integer prefill arithmetic where the CPU has it), and by llama.cpp on
+    the same file, each in its own subprocess (`run`), rounds interleaved; prints tok/s and the ratios;
+    returns the rows (prefill_tok_s added)."""
+    args = argparse.Namespace(ours=[str(hf), str(gguf)], peers="llama.cpp", gguf=gguf, hf=hf, contexts=[context],
+                              steps=2, warmup=0, threads=threads, repeats=repeats, text=None, seed=0)
+    rows = run(args)
+    for r in rows:
+        r["prefill_tok_s"] = context / r["prefill_s"] if r.get("prefill_s") else None
+    fp32, q41, cpp = (rows[i].get("prefill_tok_s") for i in range(3))
+    print(f"# prefill, batch 1, {context} tokens ({threads} threads, same OMP_WAIT_POLICY, medians of {repeats}): "
+          "tok/s (x our fp32, x llama.cpp)")
+    for r in rows:
+        v = r["prefill_tok_s"]
+        print(f"{r['side']:58s} " + (f"{v:8.1f} ({fmt_ratio(v, fp32)}, {fmt_ratio(v, cpp)})" if v
+                                     else f"error: {r.get('error')}"), flush=True)
+    if q41 and cpp:
+        print(f"# Q4_1 GGUF as stored: {q41 / cpp:.2f}x llama.cpp's prefill, "
+              f"{fmt_ratio(q41, fp32)} our fp32's", flush=True)
+    return rows
+
+
+def fmt_ratio(num: Optional[float], den: Optional[float]) -> str:
+    return f"{num / den:.2f}x" if num and den else "-"
+
+
 def print_table(rows: list[dict], base_sides: Sequence[str]) -> None:
     by = {(r["side"], r["context"]): r for r in rows}
     print(f"{'side':58s} {'ctx':>5s} {'tok/s':>7s} " + " ".join(f"{'/' + b[:10]:>11s}" for b in base_sides)

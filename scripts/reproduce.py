@@ -128,23 +128,40 @@ def speed_rows(path: Path):
     return cols, rows
 
 
+KIVI_POLICIES = "full; ds; hshare:ratios=1/2-1/2-1/2"      # the storage table's columns (issue 34)
+
+
 def kivi_argv(quick: bool, out: Path) -> list[str]:
     size = (["--context-lengths", "1024", "--decode-steps", "16", "--repeats", "1"] if quick else
-            ["--context-lengths", "4096", "--decode-steps", "32", "--repeats", "3"])
-    return ["scripts/benchmark.py", "--policies", "full", "--kv-bits", "32,16,4,2", "--kv-dtype", "bfloat16",
-            "--batch-sizes", "8", *size, "--json", str(out)]
+            ["--context-lengths", "4096", "--decode-steps", "32", "--repeats", "2"])
+    return ["scripts/benchmark.py", "--policies", KIVI_POLICIES, "--kv-bits", "32,16,4,2", "--kv-dtype", "bfloat16",
+            "--batch-sizes", "8", *size, "--speedup-vs", "full", "--json", str(out)]
 
 
 def kivi_rows(path: Path):
+    """Decode tok/s by storage (rows) x policy (columns), each cell with its ratio over the same policy's
+    fp32 storage and over `full` at the same storage; a storage a policy cannot use says why."""
     names = {32: "fp32 (kv32)", 16: "bfloat16 (kv16)", 4: "KIVI 4-bit", 2: "KIVI 2-bit"}
-    ok = {r["kv_bits"]: r for r in _bench_rows(path) if r["status"] == "ok"}
-    cols = ["storage, `full`", "decode tok/s", "vs fp32", "vs bf16", "step ms", "KV allocated"]
+    got = {(r["kv_bits"], r["policy"]): r for r in _bench_rows(path)}
+    policies = sorted(dict.fromkeys(p for _, p in got), key=lambda p: p != "full")     # full first, then as run
+    label = {p: next(f"`{r['policy']}{':' + r['policy_args'] if r['policy_args'] else ''}`"
+                     for (_, q), r in got.items() if q == p) for p in policies}
+    cols = ["storage"] + [f"{label[p]} tok/s (x its fp32, x `full`)" for p in policies] + ["KV allocated, `full`"]
+
+    def tps(bits, policy):
+        r = got.get((bits, policy))
+        return r["decode_tokens_per_s"] if r and r["status"] == "ok" else None
     rows = []
-    for bits, r in ok.items():
-        tps = r["decode_tokens_per_s"]
-        ratio = {b: _f(tps / ok[b]["decode_tokens_per_s"], ".2f") if b in ok else "" for b in (32, 16)}
-        rows.append([names.get(bits, str(bits)), _f(tps), ratio[32], ratio[16], _f(r["decode_step_ms"]),
-                     f"{r['kv_bytes_allocated'] / MIB:.1f} MiB"])
+    for bits in sorted({b for b, _ in got}, reverse=True):                             # fp32, 16-bit, 4, 2
+        cells = []
+        for p in policies:
+            v = tps(bits, p)
+            cells.append(f"{v:.1f} ({_f(v / tps(32, p), '.2f') if tps(32, p) else '-'}x, "
+                         f"{_f(v / tps(bits, 'full'), '.2f') if tps(bits, 'full') else '-'}x)" if v is not None
+                         else got[(bits, p)]["status"])
+        full = got.get((bits, "full"))
+        rows.append([names.get(bits, str(bits)), *cells,
+                     f"{full['kv_bytes_allocated'] / MIB:.1f} MiB" if full and full["status"] == "ok" else ""])
     return cols, rows
 
 
@@ -237,7 +254,8 @@ def peers_rows(path: Path):
 TABLES = {t.topic: t for t in (
     Table("speed", "2. Decode throughput per policy at batch 8", "Every policy against `full`, same run",
           speed_argv, speed_rows, "Random prompt ids; decode tok/s aggregate over the batch, prefill excluded."),
-    Table("kivi", "6. KIVI 2/4-bit storage", "Decode speed per KV storage", kivi_argv, kivi_rows, order=3),
+    Table("kivi", "6. KIVI 2/4-bit storage", "Decode speed per KV storage and policy", kivi_argv, kivi_rows,
+          order=3),
     Table("memory", "15. Largest batch under a memory limit", "Per policy", memory_argv, memory_rows,
           "verified: the batch was run and its peak stayed within the limit; estimate: the linear model's answer."),
     Table("accuracy", "13. Accuracy table", "Needle and perplexity per policy", accuracy_argv, accuracy_rows,

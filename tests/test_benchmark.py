@@ -348,6 +348,7 @@ def test_memory_limit_search_monotonic_and_verified(capsys, kv_tiny_dir, tmp_pat
     (["--memory-limit", "8 parsecs"], "cannot parse memory size '8 parsecs'"),
     (["--decode-steps", "0"], "--decode-steps must be at least 1"),
     (["--compile-prefill"], "--compile-prefill needs --compile on or both"),
+    (["--prefill-row", "0"], "--prefill-row must be at least 1 token"),
 ])
 def test_cli_errors(capsys, tmp_path, argv, message):
     rc = benchmark.main(["--checkpoint", str(tmp_path / "no-model"), *argv])

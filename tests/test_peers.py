@@ -48,6 +48,31 @@ def test_a_failing_side_is_a_row(tmp_path):
     assert "does not exist" in res["error"]
 
 
+def test_prefill_row_runs_three_sides_and_prints_ratios(monkeypatch, capsys):
+    """The benchmark's --prefill-row: our fp32 checkpoint, ours on the GGUF and llama.cpp on the same file, one
+    context; prefill tok/s over our fp32 and over llama.cpp; a side that failed prints its error."""
+    seen = {}
+
+    def fake_run(args):
+        seen.update(ours=args.ours, peers=args.peers, contexts=args.contexts, repeats=args.repeats)
+        return [{"side": "ours fp32", "context": 2048, "prefill_s": 4.0},
+                {"side": "ours gguf", "context": 2048, "prefill_s": 2.0},
+                {"side": "llama.cpp", "context": 2048, "prefill_s": 8.0}]
+    monkeypatch.setattr(peers, "run", fake_run)
+    rows = peers.prefill_row(2, 2048, 3, gguf=Path("m.gguf"), hf=Path("ck"))
+    assert seen == {"ours": ["ck", "m.gguf"], "peers": "llama.cpp", "contexts": [2048], "repeats": 3}
+    assert [r["prefill_tok_s"] for r in rows] == [512.0, 1024.0, 256.0]
+    out = capsys.readouterr().out
+    assert "1024.0 (2.00x, 4.00x)" in out and "256.0 (0.50x, 1.00x)" in out
+    assert "Q4_1 GGUF as stored: 4.00x llama.cpp's prefill, 2.00x our fp32's" in out
+    monkeypatch.setattr(peers, "run", lambda args: [{"side": "ours fp32", "context": 64, "prefill_s": 1.0},
+                                                    {"side": "ours gguf", "context": 64, "prefill_s": 1.0},
+                                                    {"side": "llama.cpp", "context": 64, "error": "not installed"}])
+    peers.prefill_row(1, 64)
+    out = capsys.readouterr().out
+    assert "error: not installed" in out and "Q4_1 GGUF as stored" not in out
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("options", ["", ":kv_bits=4", ":qlinear_arith=fp32"])
 def test_ours_on_the_default_model(default_gguf, options):

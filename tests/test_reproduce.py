@@ -84,10 +84,13 @@ def test_benchmark_rows_become_the_speed_and_kivi_tables(tmp_path):
     cols, rows = reproduce.speed_rows(path)
     assert rows[1] == ["`snapkv`", "250.0", "2.50x", "32.0", "3.0 MiB", "50%"]
     assert rows[2][:2] == ["`pod`", "skipped"] and len(rows[2]) == len(cols)
-    path.write_text(json.dumps([bench_row("full", 32, 100.0), bench_row("full", 16, 125.0),
-                                bench_row("full", 4, 150.0)]))
-    _, rows = reproduce.kivi_rows(path)
-    assert rows[2][:4] == ["KIVI 4-bit", "150.0", "1.50", "1.20"]
+    path.write_text(json.dumps([bench_row("full", 32, 100.0), bench_row("ds", 32, 160.0), bench_row("full", 16, 125.0),
+                                {**bench_row("ds", 16), "status": "skipped"}, bench_row("full", 4, 150.0),
+                                bench_row("ds", 4, 180.0)]))
+    cols, rows = reproduce.kivi_rows(path)
+    assert cols[1:3] == ["`full` tok/s (x its fp32, x `full`)", "`ds` tok/s (x its fp32, x `full`)"]
+    assert rows[1][:3] == ["bfloat16 (kv16)", "125.0 (1.25x, 1.00x)", "skipped"]
+    assert rows[2] == ["KIVI 4-bit", "150.0 (1.50x, 1.00x)", "180.0 (1.12x, 1.20x)", "3.0 MiB"]
     assert reproduce.bandwidth_of(path) == 40.0               # reused by the later benchmark runs
     assert reproduce.bandwidth_of(tmp_path / "missing.json") is None
     assert reproduce.bandwidth_of(tmp_path) is None           # the eval suite's output folder

@@ -76,6 +76,9 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     engine.add_tp_flags(p)
     p.add_argument("--peers", metavar="llama.cpp,hf", help="e2e: also run these peer engines (scripts/peers.py, each "
                                                           "in a subprocess) at the batch-1 contexts and print ours / theirs")
+    p.add_argument("--prefill-row", type=int, nargs="?", const=2048, metavar="TOKENS",
+                   help="e2e: also time a batch-1 prefill of TOKENS (2048) tokens by the fp32 checkpoint, by ours on "
+                        "the Q4_1 GGUF and by llama.cpp on the same file (scripts/peers.py, --repeats rounds)")
     p.add_argument("--json", type=Path, help="write the rows as a JSON list (atomically, after every row)")
     p.add_argument("--csv", type=Path, help="write the rows as CSV (atomically, after every row)")
     p.add_argument("--plot", type=Path, help="write a PNG plot (needs matplotlib)")
@@ -100,6 +103,8 @@ def check_options(o: argparse.Namespace) -> None:
     require_positive(o, "decode_steps", "repeats", "prefill_chunk")
     if o.warmup_steps < 0:
         raise BenchmarkError("--warmup-steps must be >= 0")
+    if o.prefill_row is not None and o.prefill_row < 1:
+        raise BenchmarkError("--prefill-row must be at least 1 token")
     if o.compile_prefill and o.compile == "off":
         raise BenchmarkError("--compile-prefill needs --compile on or both")
     o.policy_list, o.reference = with_reference(parse_policies(o.policies or ["all"]), o.speedup_vs)
@@ -188,6 +193,9 @@ def run(o: argparse.Namespace) -> int:
     if o.peers and mode.name == "e2e":
         from peers import compare_with_rows
         compare_with_rows(writer.rows, o.peers, torch.get_num_threads(), o.decode_steps)
+    if o.prefill_row and mode.name == "e2e":
+        from peers import prefill_row
+        prefill_row(torch.get_num_threads(), o.prefill_row, o.repeats)
     if o.plot:
         plot(writer.rows, o.plot, mode.name)
     return 1 if bench.errors else 0
