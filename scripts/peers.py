@@ -308,8 +308,8 @@ def prefill_row(threads: int, context: int = 2048, repeats: int = 1, gguf: Path 
         print(f"{r['side']:58s} " + (f"{v:8.1f} ({fmt_ratio(v, fp32)}, {fmt_ratio(v, cpp)})" if v
                                      else f"error: {r.get('error')}"), flush=True)
     if q41 and cpp:
-        print(f"# Q4_1 GGUF as stored: {q41 / cpp:.2f}x llama.cpp's prefill, "
-              f"{fmt_ratio(q41, fp32)} our fp32's", flush=True)
+        print(f"# Q4_1 GGUF as stored: {fmt_ratio(q41, cpp)} llama.cpp's prefill, {fmt_ratio(q41, fp32)} our fp32's",
+              flush=True)
     return rows
 
 

@@ -143,25 +143,24 @@ def kivi_rows(path: Path):
     fp32 storage and over `full` at the same storage; a storage a policy cannot use says why."""
     names = {32: "fp32 (kv32)", 16: "bfloat16 (kv16)", 4: "KIVI 4-bit", 2: "KIVI 2-bit"}
     got = {(r["kv_bits"], r["policy"]): r for r in _bench_rows(path)}
-    policies = sorted(dict.fromkeys(p for _, p in got), key=lambda p: p != "full")     # full first, then as run
-    label = {p: next(f"`{r['policy']}{':' + r['policy_args'] if r['policy_args'] else ''}`"
-                     for (_, q), r in got.items() if q == p) for p in policies}
-    cols = ["storage"] + [f"{label[p]} tok/s (x its fp32, x `full`)" for p in policies] + ["KV allocated, `full`"]
+    labels = {r["policy"]: f"`{r['policy']}{':' + r['policy_args'] if r['policy_args'] else ''}`" for r in got.values()}
+    policies = sorted(labels, key=lambda p: p != "full")                               # full first, then as run
+    tps = {key: r["decode_tokens_per_s"] for key, r in got.items() if r["status"] == "ok"}
 
-    def tps(bits, policy):
-        r = got.get((bits, policy))
-        return r["decode_tokens_per_s"] if r and r["status"] == "ok" else None
+    def ratio(v: float, base: Optional[float]) -> str:
+        return f"{v / base:.2f}x" if base else "-x"
+
+    def cell(bits: int, policy: str) -> str:
+        v = tps.get((bits, policy))
+        if v is None:
+            return got[(bits, policy)]["status"]
+        return f"{v:.1f} ({ratio(v, tps.get((32, policy)))}, {ratio(v, tps.get((bits, 'full')))})"
+    cols = ["storage"] + [f"{labels[p]} tok/s (x its fp32, x `full`)" for p in policies] + ["KV allocated, `full`"]
     rows = []
     for bits in sorted({b for b, _ in got}, reverse=True):                             # fp32, 16-bit, 4, 2
-        cells = []
-        for p in policies:
-            v = tps(bits, p)
-            cells.append(f"{v:.1f} ({_f(v / tps(32, p), '.2f') if tps(32, p) else '-'}x, "
-                         f"{_f(v / tps(bits, 'full'), '.2f') if tps(bits, 'full') else '-'}x)" if v is not None
-                         else got[(bits, p)]["status"])
         full = got.get((bits, "full"))
-        rows.append([names.get(bits, str(bits)), *cells,
-                     f"{full['kv_bytes_allocated'] / MIB:.1f} MiB" if full and full["status"] == "ok" else ""])
+        rows.append([names.get(bits, str(bits)), *(cell(bits, p) for p in policies),
+                     f"{full['kv_bytes_allocated'] / MIB:.1f} MiB" if (bits, "full") in tps else ""])
     return cols, rows
 
 
