@@ -658,6 +658,7 @@ class Pending:
     new_tokens: Optional[int] = None    # tokens it may generate (None: max_new_tokens): what its row must hold
     protocol: str = "aware"             # how its prompt is held: "exact", "aware" or "agnostic" (RowBatch)
     question: list[int] = field(default_factory=list)   # agnostic: prompt tokens still to append, one a step
+    kept: Optional[object] = None       # exact: the kept prefix its prompt starts with (reused or snapshotted)
 
 
 class RowBatch:
@@ -684,7 +685,10 @@ class RowBatch:
     starting with it has its row adopt it and appends the rest of its prompt one decode step each (`step` feeds
     them; `joined` lists the rows whose prompt the latest step completed), protocol "agnostic"; where its
     question and answer do not fit a row's room (max_new_tokens), its whole prompt is prefilled ("aware").
-    `reuse_off` says why a batch keeps no prefixes.
+    `reuse_off` says why a batch keeps no prefixes.  With share_prefix (exact reuse; off for a compiled decode
+    step, which would recompile when rows start and stop sharing) a request's row reads the kept prefix its
+    prompt started with in place instead of a copy (DenseCache.adopt(prefix=)): many questions about one
+    document read its K/V once per step for all their rows.
 
         batch = RowBatch(model, lambda: make_policy("snapkv"), max_batch=8, max_seq_length=4096, max_new_tokens=256)
         p = batch.start(ids)                    # while batch.room > 0
@@ -696,12 +700,13 @@ class RowBatch:
 
     def __init__(self, model: Transformer, make_policy, max_batch: int, max_seq_length: int, max_new_tokens: int,
                  prefill=prefill_step, decode=decode_step, prefill_chunk: int = 1024, prefix_bytes: int = 0,
-                 min_prefix: int = 32, agnostic: bool = False):
+                 min_prefix: int = 32, agnostic: bool = False, share_prefix: bool = True):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.model, self.make_policy, self.max_batch = model, make_policy, max_batch
         self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
         self.prefill, self.decode, self.prefill_chunk = prefill, decode, prefill_chunk
+        self.share_prefix = share_prefix
         self.policy, self.scratch = make_policy(), make_policy()
         for policy in (self.scratch, self.policy):     # storage for prompt + max_new_tokens, fixed at setup
             policy.decode_room = max_new_tokens
@@ -784,7 +789,10 @@ class RowBatch:
         self.pending.remove(p)
         if not self.active:
             self.steps = 0
-        self.policy.adopt(p.row, self.scratch if context is None else context)
+        if context is None and self.share_prefix and p.kept is not None:    # its row reads the prefix in place
+            self.policy.adopt(p.row, self.scratch, prefix=p.kept)
+        else:
+            self.policy.adopt(p.row, self.scratch if context is None else context)
         self.next_pos[p.row] = p.done
         if context is not None:
             self.policy.hold_question(p.row, p.done, len(p.ids))
@@ -885,6 +893,7 @@ class RowBatch:
             if snapshot is not None:
                 self.scratch.adopt(0, snapshot)
                 p.done = p.reused = n
+                p.kept = snapshot
             at = self.prefixes.boundary(p.ids, [q.ids for q in self.pending if q is not p], p.prefix_len)
             p.snapshot_at = at if at > p.done else 0
         device = self.model.output.weight.device
@@ -898,6 +907,7 @@ class RowBatch:
         snapshot.setup(self.model.args, 1, p.done, weight.dtype, weight.device)
         snapshot.adopt(0, self.scratch)
         self.prefixes.insert(tuple(p.ids[:p.done]), snapshot, snapshot.kv_bytes()["allocated"])
+        p.kept = snapshot
 
     def step(self, tokens: dict[int, int]) -> torch.Tensor:
         """One decode step: tokens {row: the token at the row's next position} for every active row but those

@@ -191,6 +191,20 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -
     return out.reshape(B, Hq, T, D)
 
 
+def prefix_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, pk: Tensor, pv: Tensor,
+                     own_from: Tensor) -> Tensor:
+    """Decode attention where rows share a prefix: q [B, H_q, 1, D]; k, v [B, H_kv, n, D]; visible [B, 1, n]
+    bool; pk, pv [1, H_kv, P, D], the shared prefix; own_from [B] long.  Row b attends over its visible slots
+    [own_from[b], n) and, where own_from[b] > 0, over the P prefix rows too -> [B, H_q, 1, D].  (The
+    prefix is expanded here; a kernel reads it once for every row, DenseCache.decode_kernel.)"""
+    B, n, P = q.shape[0], k.shape[2], pk.shape[2]
+    own = visible[:, 0, :n] & (torch.arange(n, device=k.device) >= own_from[:, None])
+    mask = torch.cat([(own_from > 0)[:, None].expand(B, P), own], 1)                   # [B, P + n]
+    mask = mask | ~mask.any(-1, keepdim=True)            # a row with nothing visible: finite (unused) output
+    keys, values = (torch.cat([p.expand(B, -1, -1, -1), x], 2) for p, x in ((pk, k), (pv, v)))
+    return grouped_attention(q, keys, values, mask[:, None].expand(B, q.shape[1] // k.shape[1], P + n))
+
+
 def attention_mask(q_pos: Tensor, k_pos: Tensor, group: int, sliding_window: Optional[int]) -> Tensor:
     """Visibility [B, group*T, L] of keys at positions k_pos [B, L] from queries q_pos [B, T].
 
@@ -252,8 +266,11 @@ class DenseCache:
         pass
     # decode_kernel(q [B, H_q, 1, D], k, v [B, H_kv, n, D], visible [B, 1, n] bool) -> [B, H_q, 1, D]:
     # a faster kernel for one-token steps (Transformer.setup_caches passes its own in); None =
-    # grouped_attention with the step's mask
+    # grouped_attention with the step's mask.  A row with nothing visible (a free row) gets any finite output.
     decode_kernel = None
+    # prefix_kernel: prefix_attention's contract (rows reading a shared prefix, see adopt), a loader's
+    # kernel (Transformer.setup_caches passes it in) or the function itself
+    prefix_kernel = None
 
     def setup(self, args: ModelArgs, max_batch_size: int, max_seq_length: int,
               dtype: torch.dtype, device) -> None:
@@ -261,6 +278,7 @@ class DenseCache:
         self.pos = torch.full((max_batch_size, max_seq_length), -1, dtype=torch.long, device=device)
         self.length = torch.zeros(max_batch_size, dtype=torch.long, device=device)   # slots each row holds
         self.rows = torch.arange(max_batch_size, device=device)
+        self.own_from = torch.zeros(max_batch_size, dtype=torch.long, device=device)  # see adopt(prefix=)
         self.group = args.n_heads // args.n_kv_heads
         self.sliding_window = args.sliding_window
         self.reset()
@@ -283,6 +301,8 @@ class DenseCache:
         self.aligned = True     # every row's next slot is n_filled (else each row's own: `length`)
         self.start = 0          # (aligned) the first slot this forward writes
         self.mask = None
+        self.own_from.zero_()
+        self.prefix = None      # the kept prefix that rows read in place (adopt(prefix=)), or None
 
     def begin(self, input_pos: Tensor) -> None:
         B, T = input_pos.shape
@@ -305,6 +325,9 @@ class DenseCache:
         self.n_filled = end
         # one mask per forward, shared by all layers
         self.mask = attention_mask(input_pos, self.pos[:, :end], self.group, self.sliding_window)
+        # the decode kernels' [B, 1, n]: a free row (position -1) reads nothing (the mask lets it see every slot,
+        # for a finite softmax in grouped_attention; a kernel reading nothing gives that row anything finite)
+        self.decode_visible = self.mask[:, :1] & (input_pos[:, :1, None] >= 0)
 
     def store(self, layer: int, k: Tensor, v: Tensor):
         """Write this forward's k, v [B, H_kv, T, D] into their slots; returns the slot: an int (aligned
@@ -325,11 +348,17 @@ class DenseCache:
         return grouped_attention(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.mask)
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.prefix is not None:                       # rows read a kept prefix in place (adopt)
+            self.store(layer, k, v)
+            n, P = self.n_filled, self.prefix.n_filled
+            attend = self.prefix_kernel or prefix_attention
+            return attend(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.decode_visible,
+                          self.prefix.k[layer][:, :, :P], self.prefix.v[layer][:, :, :P], self.own_from)
         if self.decode_kernel is None:
             return self.prefill(layer, q, k, v)
         self.store(layer, k, v)
         n = self.n_filled
-        return self.decode_kernel(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.mask[:, :1])
+        return self.decode_kernel(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.decode_visible)
 
     def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """(k, v [B, H_kv, n, D], visible [B, 1, n]) over the filled slots, for sparse readers."""
@@ -358,19 +387,45 @@ class DenseCache:
         self.pos[row] = -1
         self.length[row] = 0
         self.n_filled = int(self.length.max())
+        if self.prefix is not None:
+            self.own_from[row] = 0
+            if not bool(self.own_from.any()):     # no row reads the kept prefix any more
+                self.prefix = None
 
-    def adopt(self, row: int, other: "DenseCache", other_row: int = 0) -> None:
+    def adopt(self, row: int, other: "DenseCache", other_row: int = 0, prefix: Optional["DenseCache"] = None) -> None:
         """Take over request `other_row` of `other` (set up like this cache but for its batch size, its
-        prompt complete) into the free row `row` (host side, between decode steps)."""
+        prompt complete) into the free row `row` (host side, between decode steps).
+
+        prefix: a kept one-row instance whose P filled slots are the first P of that request's (prefix_reuse:
+        the request started from it).  Where this cache can (`shares_prefix`), the row then reads those P
+        slots from `prefix` in place at decode (prefix_attention; one prefix at a time, shared by every row
+        that adopts it) and only the rest is copied; else the whole request is copied."""
         n = other.n_filled
         if n > self.capacity:
             raise ValueError(f"a request of {n} tokens does not fit the cache's {self.capacity} slots")
         self.release(row)
-        for dst, src in zip(self.row_tensors(row, n), other.row_tensors(other_row, n)):
-            dst.copy_(src)
+        share = prefix is not None and self.shares_prefix(prefix)
+        first = prefix.n_filled if share else 0
+        if share and first > n:
+            raise ValueError(f"a prefix of {first} tokens is longer than the request's {n}")
+        if share:                                  # this class's storage: K/V after the prefix, every position
+            for dst, src in zip(self.k + self.v, other.k + other.v):
+                dst[row, :, first:n] = src[other_row, :, first:n]
+            self.pos[row, :n] = other.pos[other_row, :n]
+            self.prefix = prefix
+            self.own_from[row] = first
+        else:
+            for dst, src in zip(self.row_tensors(row, n), other.row_tensors(other_row, n)):
+                dst.copy_(src)
         self.length[row] = n
         self.n_filled = max(self.n_filled, n)
-        self.aligned = self.pos.shape[0] == 1     # one row: its next slot is n_filled, a prompt may go on
+        # one row: its next slot is n_filled, a prompt may go on (not while it reads a prefix: decode only)
+        self.aligned = self.pos.shape[0] == 1 and self.prefix is None
+
+    def shares_prefix(self, prefix: "DenseCache") -> bool:
+        """Whether rows may read `prefix` in place (adopt): `full` in the compute dtype (its decode is this
+        class's), no sliding window, and no other prefix read by a row now."""
+        return self.plain_full and not self.sliding_window and (self.prefix is None or self.prefix is prefix)
 
     def question_room(self, row: int) -> Optional[int]:
         return None                 # every token is kept
@@ -386,8 +441,13 @@ class DenseCache:
 
     def kv_bytes(self) -> dict:
         per_slot = sum(t[:, :, 0].numel() * t.element_size() for t in self.k + self.v)
-        live = per_slot * self.n_filled if self.aligned else per_slot * int(self.length.sum()) // self.pos.shape[0]
-        return {"allocated": per_slot * self.capacity, "live": live, "read_per_step": per_slot * self.n_filled}
+        B = self.pos.shape[0]
+        live = per_slot * self.n_filled if self.aligned else per_slot * int(self.length.sum()) // B
+        read = per_slot * self.n_filled
+        if self.prefix is not None:                 # a shared prefix counts once; rows skip their copy's slots
+            saved = int(self.own_from.sum()) - self.prefix.n_filled
+            live, read = live - per_slot * saved // B, read - per_slot * saved // B
+        return {"allocated": per_slot * self.capacity, "live": live, "read_per_step": read}
 
     def describe(self) -> dict:
         return {"policy": self.name, "capacity": self.capacity if hasattr(self, "pos") else None}   # None: not set up
@@ -597,6 +657,7 @@ class Transformer(nn.Module):
         self.rope_cos = self.rope_sin = None
         # the full cache's decode attention (see DenseCache.decode_kernel); a loader may plug in a kernel
         self.decode_kernel = None
+        self.prefix_kernel = None       # the same for rows reading a shared prefix (DenseCache.prefix_kernel)
         self.ops = TORCH_OPS            # every layer's small ops (see EagerOps); a loader may choose others
 
     def use_ops(self, ops: EagerOps) -> None:
@@ -619,6 +680,8 @@ class Transformer(nn.Module):
         policy = policy if policy is not None else DenseCache()
         if isinstance(policy, DenseCache) and policy.decode_kernel is None:
             policy.decode_kernel = self.decode_kernel
+        if isinstance(policy, DenseCache) and policy.prefix_kernel is None:
+            policy.prefix_kernel = self.prefix_kernel
         policy.setup(self.args, max_batch_size, max_seq_length, weight.dtype, weight.device)
         self.cache = policy
         self.max_seq_length = max_seq_length

@@ -124,7 +124,8 @@ class Engine:
         prefill, decode = self.steps
         return engine.RowBatch(self.model, make_policy, self.max_batch, self.max_seq_length, self.max_new_tokens,
                                prefill=prefill, decode=decode, prefill_chunk=self.prefill_chunk,
-                               prefix_bytes=self.prefix_bytes, agnostic=self.agnostic)
+                               prefix_bytes=self.prefix_bytes, agnostic=self.agnostic,
+                               share_prefix=decode is engine.decode_step)        # not under --compile
 
     def submit(self, job: Job) -> None:
         with self.wake:

@@ -6,7 +6,8 @@ import torch
 
 from checkpoint.check import CheckpointError
 from checkpoint.memory import release_freed_memory
-from kernels.cpu import cpu_eager_ops, cpu_kernels_available, decode_attention, use_linear_kernel
+from kernels.cpu import (cpu_eager_ops, cpu_kernels_available, decode_attention, prefix_attention_cpu,
+                         use_linear_kernel)
 from kernels.qlinear import QuantizedEmbedding, QuantizedLinear, QWeight, dequantize
 from model import ModelArgs, Transformer
 
@@ -118,5 +119,6 @@ def build_model(args: ModelArgs, hf_tensors: dict, device, dtype: torch.dtype, c
         cpu_kernels_available()                   # build/load now, not inside a torch.compile trace
         use_linear_kernel(model)                  # the C++ decode-sized fp32 linear layers
     model.decode_kernel = decode_attention        # the C++ kernel on CPU (grouped_attention elsewhere)
+    model.prefix_kernel = prefix_attention_cpu    # the same for rows reading a shared prefix
     model.use_ops(cpu_eager_ops())                # fewer, larger ops in eager CPU steps
     return model.eval()

@@ -20,6 +20,8 @@ sparse readers', KIVI's, the dense caches' and the weight-quantized linear layer
                                        (vector width: attention_lanes(), KVC_ATTN_LANES)
     decode_attention(q, k, v, visible) == model.grouped_attention of one decode query over a dense cache
                                        (the C++ kernel on fp32 CPU tensors, grouped_attention otherwise)
+    prefix_attention_cpu(...)          == model.prefix_attention: decode attention where rows share a kept
+                                       prefix (kvc::prefix_attention reads it once for all of them)
     kvc::dense_decode                  == dense_decode_torch: a decode step's attention over a DenseCache
     cpu_eager_ops()                    model.EagerOps with kvc::rms_norm, add_rms_norm, rope_split, silu_mul
                                        and dense_decode in eager fp32 CPU steps (the loader's choice)
@@ -190,6 +192,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kvc::decode_attention")
     def _(q, k, v, visible, scale, lanes=0):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("kvc::prefix_attention")
+    def _(q, k, v, visible, pk, pv, own_from, scale, lanes=0):
         return torch.empty_like(q)
 
     @torch.library.register_fake("kvc::rms_norm")
@@ -430,8 +436,25 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor])
         return torch.ops.kvc.decode_attention(q.reshape(B, Hq, D).contiguous(), k, v, vis,
                                               1.0 / math.sqrt(D), attention_lanes()).view(B, Hq, 1, D)
     from model import grouped_attention
-    mask = None if visible is None else visible[..., None, :S].expand(B, visible.shape[1], (Hq // k.shape[1]) * T, S)
+    if visible is not None:                     # a row with nothing visible (a free row): any finite output
+        visible = visible[..., :S] | ~visible[..., :S].any(-1, keepdim=True)
+    mask = None if visible is None else visible[..., None, :].expand(B, visible.shape[1], (Hq // k.shape[1]) * T, S)
     return grouped_attention(q, k, v, mask)
+
+
+def prefix_attention_cpu(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, pk: Tensor, pv: Tensor,
+                         own_from: Tensor) -> Tensor:
+    """model.prefix_attention (rows reading a shared prefix) as kvc::prefix_attention where decode_attention
+    takes the C++ kernel (the prefix's K/V read once for all its rows), else model.prefix_attention."""
+    B, Hq, T, D = q.shape
+    if (T == 1 and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == pk.dtype == pv.dtype == torch.float32
+            and D in (64, 128) and k.stride(3) == v.stride(3) == pk.stride(3) == pv.stride(3) == 1
+            and cpu_kernels_available()):
+        return torch.ops.kvc.prefix_attention(q.reshape(B, Hq, D).contiguous(), k, v, _unit_stride_rows(visible), pk,
+                                              pv, own_from.contiguous(), 1.0 / math.sqrt(D),
+                                              attention_lanes()).view(B, Hq, 1, D)
+    from model import prefix_attention
+    return prefix_attention(q, k, v, visible, pk, pv, own_from)
 
 
 def dense_decode_torch(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, visible: Tensor,

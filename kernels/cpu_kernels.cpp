@@ -14,6 +14,9 @@
 //       of 8 or 16 slots reduced together (attend_dense); lanes: the vector width, 16 (AVX-512) or 8
 //       (AVX2), 0: the build's ISA's (forced by tests and KVC_ATTN_LANES, see kernels/cpu.py)
 //   kvc::dense_attention(q, k, v, n, scale, lanes = 0): the same over rows 0..n-1, all visible
+//   kvc::prefix_attention(q, k, v, visible, pk, pv [1, Hkv, P, D], own_from [B] long, scale, lanes = 0)
+//       decode_attention with a prefix shared by rows: row b reads its slots [own_from[b], S) and, where
+//       own_from[b] > 0, the P prefix rows (read once for all such rows: their query heads together)
 //   kvc::rms_norm(x [..., D], weight [D], eps) -> x * rsqrt(mean(x^2) + eps) * weight (one op for the eager step)
 //   kvc::rope_split(qkv [B, T, (Hq + 2 Hkv) D], cos, sin [B, T, D] (or [B, 1, T, D]), Hq, Hkv) -> q [B, Hq, T, D], k, v [B, Hkv, T, D]
 //       the fused projection's heads split out, q and k rotated (model.apply_rope), all contiguous
@@ -364,31 +367,71 @@ static int64_t dense_chunks(int64_t lists, int64_t S, int64_t threads) {
   return std::max<int64_t>(1, c);
 }
 
-// dense decode attention: every query head of a GQA group over slots [0, S) of its KV head, the slots
-// split into chunks (flash-decoding) so that both threads work even with few KV heads; each chunk is
-// attend_dense over its rows in place, the chunks' partials merged by log-sum-exp
-// (slots [0, S) of k, v, whose third dim may be larger: a dense cache's buffers; T float or bf16)
+// o [D] <- the partial outputs src[i] [D] (i < n) mixed by the weights exp(l[i] - max l) of their log-sum-exps
+// l[i] (flash-decoding's merge); every l[i] -inf (nothing visible): o stays as it is (zeros)
+static void merge_partials(int64_t n, const float* const* src, const float* l, int64_t D, float* o) {
+  float m = -INFINITY, total = 0.f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, l[i]);
+  if (std::isinf(m)) return;
+  for (int64_t i = 0; i < n; ++i) {
+    const float w = std::exp(l[i] - m);
+    for (int64_t d = 0; d < D; ++d) o[d] += w * src[i][d];
+    total += w;
+  }
+  for (int64_t d = 0; d < D; ++d) o[d] /= total;
+}
+
+// dense decode attention: every query head of a GQA group over slots [from_b, S) of its KV head (from_b =
+// own_from[b], 0 when own_from is empty), the slots split into chunks (flash-decoding) so that both threads
+// work even with few KV heads; each chunk is attend_dense over its rows in place.  A shared prefix (pk, pv
+// [1, Hkv, P, D], rows contiguous; P = 0: none): the rows with from_b > 0 also attend over its P rows, read
+// once for all of them: per KV head and prefix chunk, one attend_dense of their R * G query rows together
+// (K and V loaded once per block for all R * G, where each row's own copy would be read R times).  All
+// partials merged by log-sum-exp.  (Slots [0, S) of k, v, whose third dim may be larger: a dense cache's
+// buffers; T float or bf16, the prefix's too.)
 template <typename T>
 static torch::Tensor decode_attention_t(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                        int64_t S, const torch::Tensor& visible, double scale, int lanes) {
+                                        int64_t S, const torch::Tensor& visible, double scale, int lanes,
+                                        const torch::Tensor& pk, const torch::Tensor& pv,
+                                        const std::vector<int64_t>& from) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
   const bool has_vis = visible.numel() > 0;
   const int64_t lists = B * Hkv, threads = at::get_num_threads();
+  std::vector<int64_t> sharing;                                     // the rows reading the prefix
+  for (int64_t b = 0; b < (int64_t)from.size(); ++b)
+    if (from[b] > 0) sharing.push_back(b);
+  const int64_t R = sharing.size(), RG = R * G, P = R ? pk.size(2) : 0;
   const int64_t chunks = dense_chunks(lists, S, threads), chunk = (S + chunks - 1) / chunks;
+  const int64_t pchunks = R ? dense_chunks(Hkv, P, threads) : 0, pchunk = R ? (P + pchunks - 1) / pchunks : 0;
+  const bool merge = chunks > 1 || R > 0;
   auto part = torch::empty({lists, chunks, G, D}, q.options());
-  auto lse = chunks > 1 ? torch::empty({lists, chunks, G}, q.options()) : torch::Tensor();
+  auto lse = merge ? torch::empty({lists, chunks, G}, q.options()) : torch::Tensor();
   const float* qp = q.data_ptr<float>();
   const T* kp = (const T*)k.data_ptr();
   const T* vp = (const T*)v.data_ptr();
   const bool* visp = has_vis ? visible.data_ptr<bool>() : nullptr;
   float* pp = part.data_ptr<float>();
-  float* lp = chunks > 1 ? lse.data_ptr<float>() : nullptr;
+  float* lp = merge ? lse.data_ptr<float>() : nullptr;
+  const int64_t work_floats = dense_work(std::max(G, RG), D, std::max(chunk, pchunk));
+  // each list's slots: [from_b, S) narrowed to its first and last visible one (a free row of a running batch,
+  // all hidden, reads nothing; a shorter row stops at its length)
+  std::vector<int64_t> lo(lists), hi(lists);
+  for (int64_t r = 0; r < lists; ++r) {
+    const int64_t b = r / Hkv, h = r % Hkv;
+    lo[r] = from.empty() ? 0 : std::min(from[b], S);
+    hi[r] = S;
+    if (!visp) continue;
+    const bool* vr = visp + b * visible.stride(0) + (visible.size(1) == 1 ? 0 : h * visible.stride(1));
+    while (lo[r] < hi[r] && !vr[lo[r]]) ++lo[r];
+    while (hi[r] > lo[r] && !vr[hi[r] - 1]) --hi[r];
+  }
   at::parallel_for(0, lists * chunks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> work;
-    work.resize(std::max<size_t>(work.size(), dense_work(G, D, chunk)));
+    work.resize(std::max<size_t>(work.size(), work_floats));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / chunks, c = i % chunks, b = r / Hkv, h = r % Hkv;
-      const int64_t n0 = c * chunk, N = std::max<int64_t>(0, std::min(S, n0 + chunk) - n0);
+      const int64_t row_chunk = (hi[r] - lo[r] + chunks - 1) / chunks;
+      const int64_t n0 = lo[r] + c * row_chunk, N = std::max<int64_t>(0, std::min(hi[r], n0 + row_chunk) - n0);
       const T* kb = kp + b * k.stride(0) + h * k.stride(1) + n0 * k.stride(2);
       const T* vb = vp + b * v.stride(0) + h * v.stride(1) + n0 * v.stride(2);
       const bool* vl = visp ? visp + b * visible.stride(0) + (visible.size(1) == 1 ? 0 : h * visible.stride(1)) + n0 : nullptr;
@@ -396,28 +439,61 @@ static torch::Tensor decode_attention_t(const torch::Tensor& q, const torch::Ten
                           (float)scale, work.data(), pp + i * G * D, lp ? lp + i * G : nullptr);
     }
   });
-  if (chunks == 1) return part.view({B, Hq, D});
-  auto out = torch::zeros({B, Hq, D}, q.options());                 // merge: weights exp(lse_c - max)
-  float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < lists; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      float m = -INFINITY, total = 0.f;
-      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, lp[(r * chunks + c) * G + g]);
-      if (std::isinf(m)) continue;                                  // nothing visible: 0
-      float* o = op + (r * G + g) * D;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float w = std::exp(lp[(r * chunks + c) * G + g] - m);
-        const float* src = pp + ((r * chunks + c) * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += w * src[d];
-        total += w;
+  if (!merge) return part.view({B, Hq, D});
+  torch::Tensor qpre, ppart, plse;                                  // the prefix's queries [Hkv, R G, D], partials
+  if (R) {
+    qpre = torch::empty({Hkv, RG, D}, q.options());
+    ppart = torch::empty({Hkv, pchunks, RG, D}, q.options());
+    plse = torch::empty({Hkv, pchunks, RG}, q.options());
+    float* qg = qpre.data_ptr<float>();
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t j = 0; j < R; ++j)
+        std::memcpy(qg + (h * RG + j * G) * D, qp + (sharing[j] * Hq + h * G) * D, G * D * sizeof(float));
+    const T* pkp = (const T*)pk.data_ptr();
+    const T* pvp = (const T*)pv.data_ptr();
+    float *ppp = ppart.data_ptr<float>(), *plp = plse.data_ptr<float>();
+    at::parallel_for(0, Hkv * pchunks, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> work;
+      work.resize(std::max<size_t>(work.size(), work_floats));
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t h = i / pchunks, n0 = (i % pchunks) * pchunk, N = std::max<int64_t>(0, std::min(P, n0 + pchunk) - n0);
+        attend_dense_any<T>(lanes, qg + h * RG * D, RG, D, pkp + h * pk.stride(1) + n0 * pk.stride(2), pk.stride(2),
+                            pvp + h * pv.stride(1) + n0 * pv.stride(2), pv.stride(2), nullptr, N, (float)scale,
+                            work.data(), ppp + i * RG * D, plp + i * RG);
       }
-      for (int64_t d = 0; d < D; ++d) o[d] /= total;
+    });
+  }
+  auto out = torch::zeros({B, Hq, D}, q.options());
+  float* op = out.data_ptr<float>();
+  const float* ppp = R ? ppart.data_ptr<float>() : nullptr;
+  const float* plp = R ? plse.data_ptr<float>() : nullptr;
+  std::vector<const float*> src(chunks + pchunks);
+  std::vector<float> l(chunks + pchunks);
+  for (int64_t r = 0, j = 0; r < lists; ++r) {
+    const int64_t b = r / Hkv, h = r % Hkv;
+    const bool shares = j < R && sharing[j] == b;
+    for (int64_t g = 0; g < G; ++g) {
+      int64_t n = 0;
+      for (int64_t c = 0; c < chunks; ++c, ++n) {
+        src[n] = pp + ((r * chunks + c) * G + g) * D;
+        l[n] = lp[(r * chunks + c) * G + g];
+      }
+      for (int64_t c = 0; shares && c < pchunks; ++c, ++n) {
+        src[n] = ppp + ((h * pchunks + c) * RG + j * G + g) * D;
+        l[n] = plp[(h * pchunks + c) * RG + j * G + g];
+      }
+      merge_partials(n, src.data(), l.data(), D, op + (r * G + g) * D);
     }
+    if (shares && h == Hkv - 1) ++j;
+  }
   return out;
 }
 
+// (pk, pv, own_from empty: no shared prefix)
 static torch::Tensor decode_attention_n(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                        int64_t S, const torch::Tensor& visible, double scale, int64_t lanes) {
+                                        int64_t S, const torch::Tensor& visible, double scale, int64_t lanes,
+                                        const torch::Tensor& pk = {}, const torch::Tensor& pv = {},
+                                        const torch::Tensor& own_from = {}) {
   TORCH_CHECK(q.dtype() == torch::kFloat && k.dtype() == v.dtype() &&
               (k.dtype() == torch::kFloat || k.dtype() == torch::kBFloat16),
               "kvc dense attention: fp32 q, fp32 or bf16 k/v");
@@ -433,9 +509,21 @@ static torch::Tensor decode_attention_n(const torch::Tensor& q, const torch::Ten
                                        (visible.size(1) == 1 || visible.size(1) == Hkv) && visible.size(2) >= S &&
                                        visible.stride(2) == 1 && visible.dtype() == torch::kBool),
               "visible must be bool [B, 1 or Hkv, >= S] with contiguous rows");
+  std::vector<int64_t> from;                                        // each row's first own slot
+  if (own_from.defined() && own_from.numel() > 0) {
+    TORCH_CHECK(own_from.dim() == 1 && own_from.size(0) == B && own_from.dtype() == torch::kLong &&
+                own_from.is_contiguous(), "kvc prefix attention: own_from must be a contiguous long [B]");
+    TORCH_CHECK(pk.dim() == 4 && pk.sizes() == pv.sizes() && pk.size(0) == 1 && pk.size(1) == Hkv &&
+                pk.size(2) >= 1 && pk.size(3) == D && pk.stride(3) == 1 && pv.stride(3) == 1 &&
+                pk.dtype() == k.dtype() && pv.dtype() == k.dtype(),
+                "kvc prefix attention: pk, pv must be [1, Hkv, P >= 1, D] with contiguous rows, in k's dtype");
+    const int64_t* fp = own_from.data_ptr<int64_t>();
+    from.assign(fp, fp + B);
+    for (int64_t f : from) TORCH_CHECK(f >= 0, "kvc prefix attention: own_from must be >= 0");
+  }
   const int w = dense_lanes(lanes);
-  if (k.dtype() == torch::kFloat) return decode_attention_t<float>(q, k, v, S, visible, scale, w);
-  return decode_attention_t<uint16_t>(q, k, v, S, visible, scale, w);
+  if (k.dtype() == torch::kFloat) return decode_attention_t<float>(q, k, v, S, visible, scale, w, pk, pv, from);
+  return decode_attention_t<uint16_t>(q, k, v, S, visible, scale, w, pk, pv, from);
 }
 
 //   kvc::dense_attention(q [B, Hq, D] fp32, k, v [B, Hkv, S, D] fp32 or bf16 (rows contiguous), n, scale, lanes)
@@ -449,6 +537,17 @@ torch::Tensor dense_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor visible,
                                double scale, int64_t lanes) {
   return decode_attention_n(q, k, v, k.size(2), visible, scale, lanes);
+}
+
+//   kvc::prefix_attention(q [B, Hq, D] fp32, k, v [B, Hkv, S, D], visible [B, 1 or Hkv, >= S] bool (or empty),
+//                         pk, pv [1, Hkv, P, D], own_from [B] long, scale, lanes) -> [B, Hq, D]
+//       decode_attention where rows share a prefix: row b attends over its visible slots [own_from[b], S) and,
+//       when own_from[b] > 0, over the P rows of pk, pv too (held once for every row that reads it: a served
+//       document that many requests ask about)
+torch::Tensor prefix_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor visible,
+                               torch::Tensor pk, torch::Tensor pv, torch::Tensor own_from, double scale,
+                               int64_t lanes) {
+  return decode_attention_n(q, k, v, k.size(2), visible, scale, lanes, pk, pv, own_from);
 }
 
 // one row of rms_norm
@@ -673,6 +772,8 @@ TORCH_LIBRARY(kvc, m) {
   m.def("select_top(Tensor scores, Tensor bias, int n) -> (Tensor, Tensor)");
   m.def("dense_attention(Tensor q, Tensor k, Tensor v, SymInt n, float scale, int lanes=0) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor visible, float scale, int lanes=0) -> Tensor");
+  m.def("prefix_attention(Tensor q, Tensor k, Tensor v, Tensor visible, Tensor pk, Tensor pv, Tensor own_from, "
+        "float scale, int lanes=0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int Hq, int Hkv) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gu) -> Tensor");
@@ -686,6 +787,7 @@ TORCH_LIBRARY_IMPL(kvc, CPU, m) {
   m.impl("select_top", &select_top);
   m.impl("dense_attention", &dense_attention);
   m.impl("decode_attention", &decode_attention);
+  m.impl("prefix_attention", &prefix_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_split", &rope_split);
   m.impl("silu_mul", &silu_mul);
