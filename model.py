@@ -177,7 +177,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     """GQA attention with an explicit mask, without repeating the cache.
 
-    q [B, H_q, T, D]; k, v [B, H_kv, L, D]; mask bool (True = attend) or None, already expanded
+    q [B, H_q, T, D]; k, v [B, H_kv, L, D]; mask bool (True = attend), an additive bias in q's dtype
+    (0 / -inf: the same mask, cheaper when many calls share it) or None, already expanded
     over the G = H_q / H_kv query heads of a group: [B, G*T, L] (same for every KV head) or
     [B, H_kv, G*T, L] (per KV head).  Returns [B, H_q, T, D].
     Query head h reads KV head h // G (HuggingFace's `repeat_kv` order).
@@ -300,7 +301,7 @@ class DenseCache:
         self.n_filled = 0
         self.aligned = True     # every row's next slot is n_filled (else each row's own: `length`)
         self.start = 0          # (aligned) the first slot this forward writes
-        self.mask = None
+        self.mask = self.bias = None
         self.own_from.zero_()
         self.prefix = None      # the kept prefix that rows read in place (adopt(prefix=)), or None
 
@@ -328,6 +329,7 @@ class DenseCache:
         # the decode kernels' [B, 1, n]: a free row (position -1) reads nothing (the mask lets it see every slot,
         # for a finite softmax in grouped_attention; a kernel reading nothing gives that row anything finite)
         self.decode_visible = self.mask[:, :1] & (input_pos[:, :1, None] >= 0)
+        self.bias = None                # prefill's (below)
 
     def store(self, layer: int, k: Tensor, v: Tensor):
         """Write this forward's k, v [B, H_kv, T, D] into their slots; returns the slot: an int (aligned
@@ -345,7 +347,10 @@ class DenseCache:
         """q [B, H_q, T, D], k/v [B, H_kv, T, D] (RoPE applied) -> attention output [B, H_q, T, D]."""
         self.store(layer, k, v)
         n = self.n_filled
-        return grouped_attention(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.mask)
+        if self.bias is None:           # the mask as an additive bias, once per forward (SDPA converts a bool
+            self.bias = torch.zeros(self.mask.shape, dtype=q.dtype, device=q.device)  # mask at every call)
+            self.bias.masked_fill_(~self.mask, float("-inf"))
+        return grouped_attention(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.bias)
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.prefix is not None:                       # rows read a kept prefix in place (adopt)
