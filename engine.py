@@ -28,7 +28,7 @@ from cache.kv_dtype import kv_storage
 from cache.quantized import GROUP, RESIDUAL, check_format
 from checkpoint import WEIGHTS, CheckpointError, build_model, read_checkpoint, release_freed_memory
 from model import DenseCache, Transformer
-from prefix_cache import PrefixCache
+from prefix_cache import PrefixCache, common_prefix
 from tokenizer import TextStream, Tokenizer
 import tp as tensor_parallel
 from tp import TPError
@@ -753,8 +753,22 @@ class RowBatch:
         taken = {p.row for p in self.pending}
         row = next(r for r in range(self.max_batch) if self.next_pos[r] < 0 and r not in taken)
         protocol = "exact" if self.policy.prefix_reuse else "aware"
+        self._snapshot_for(ids)
         self.pending.append(Pending(list(ids), row, prefix_len, new_tokens=new_tokens, protocol=protocol))
         return self.pending[-1]
+
+    def _snapshot_for(self, ids: list[int]) -> None:
+        """A request starting while the oldest one's prompt is being prefilled (exact reuse): where they share a
+        prefix the prefill has not yet passed, none is planned, and it is at least min_prefix tokens longer
+        than the kept one that prompt started from, that prefill snapshots it, as if
+        this request had been waiting when it began (prefix_cache.py, boundary); else this request would
+        prefill the shared prefix again."""
+        p = self.pending[0] if self.pending and self.prefixes is not None and not self.agnostic else None
+        if p is None or not p.started or p.snapshot_at:
+            return
+        n = min(common_prefix(p.ids, ids), len(p.ids) - 1)
+        if n - p.reused >= self.prefixes.min_tokens and n > p.done and tuple(p.ids[:n]) not in self.prefixes.entries:
+            p.snapshot_at = n
 
     def cancel(self, pending: Pending) -> None:
         """Drop a started request before its prompt is complete (its client left); its row is free again."""

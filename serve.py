@@ -19,24 +19,27 @@ import sys
 
 
 def wait_policy_flag(argv: list[str]) -> str:
-    """--omp-wait-policy's value in argv (default passive; argparse validates it later)."""
+    """--omp-wait-policy's value in argv (default "default"; argparse validates it later)."""
     for i, a in enumerate(argv):
         if a.startswith("--omp-wait-policy="):
             return a.split("=", 1)[1]
         if a == "--omp-wait-policy" and i + 1 < len(argv):
             return argv[i + 1]
-    return "passive"
+    return "default"
 
 
 if __name__ == "__main__":
     # OpenMP reads its wait policy once, when torch is imported: --omp-wait-policy takes effect here
     if (wait_policy := wait_policy_flag(sys.argv)) in ("passive", "active"):
         os.environ["OMP_WAIT_POLICY"] = wait_policy.upper()
+    elif wait_policy == "default":              # OpenMP's own: spin a short while after each op, then sleep
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 import argparse
 import asyncio
 import json
 import signal
+import threading
 import time
 import uuid
 from typing import Optional
@@ -364,11 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=list(engine.DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--weights", choices=engine.WEIGHTS, default="auto", help="as engine.py")
-    p.add_argument("--omp-wait-policy", choices=["passive", "active", "inherit"], default="passive",
+    p.add_argument("--omp-wait-policy", choices=["default", "passive", "active", "inherit"], default="default",
                    help="how the compute threads wait between ops (OMP_WAIT_POLICY for this process, applied when "
-                        "serve.py starts): passive (default; spinning threads hold every core, so each wake-up of "
-                        "the HTTP thread or of a client on the same cores preempts one mid-step: docs/serving.md), "
-                        "active, or inherit the environment's")
+                        "serve.py starts): default (OMP_WAIT_POLICY unset: OpenMP's own, spin a short while, then "
+                        "sleep), passive, active (threads that spin hold every core, so each wake-up of the HTTP "
+                        "thread or of a client on the same cores preempts one mid-step: docs/serving.md), or "
+                        "inherit the environment's")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (engine.compiled_steps), "
                                                           "compiled at startup")
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism: not supported by the server (only 1)")
@@ -424,15 +428,29 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     model_id = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    for sig in (signal.SIGTERM, signal.SIGINT):     # uvicorn stops gracefully (finishing the requests in flight),
-        signal.signal(sig, lambda *_: None)         # then raises the signal again: exit 0 instead of dying by it
-    srv.thread.start()
+    server = uvicorn.Server(uvicorn.Config(make_app(srv, model_id), host=args.host, port=args.port,
+                                           log_level="warning", timeout_graceful_shutdown=30))
+
+    def http() -> None:                             # uvicorn's event loop, in a thread of its own
+        try:
+            server.run()
+        finally:
+            srv.request_stop()                      # its requests in flight are done: the engine may stop
+
+    def on_signal(*_) -> None:                      # SIGTERM/SIGINT: stop accepting, finish the requests in
+        server.force_exit = server.should_exit      # flight (a second signal: at once), exit 0
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    thread = threading.Thread(target=http, name="http", daemon=True)
+    thread.start()
     try:
-        uvicorn.run(make_app(srv, model_id), host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=30)
+        srv.run()                                   # the engine loop in the main thread (docs/serving.md, Threads)
     finally:
-        srv.stop()
-    return 0
+        server.should_exit = True
+        thread.join(timeout=60)
+    return 0 if server.started else 1               # (the port could not be bound: uvicorn said why)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ read its `out` queue.
     srv = Engine(model, tokenizer, {"full": ("full", make_full)}, max_batch=8, max_queue=64, max_seq_length=2048,
                  max_new_tokens=256)
     srv.thread.start(); srv.submit(job); ...; srv.stop()
+
+serve.py calls `srv.run()` in the main thread instead (uvicorn's loop runs in another): PyTorch's OpenMP threads run
+the forwards faster for the process's main thread than for another (docs/serving.md, Threads).
 """
 from __future__ import annotations
 
@@ -135,11 +138,17 @@ class Engine:
             self.lanes[job.lane].waiting.append(job)
             self.wake.notify()
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """`run` returns at its next iteration (failing the requests still in it)."""
         with self.wake:
             self.stopping = True
             self.wake.notify()
-        self.thread.join(timeout=30)
+
+    def stop(self) -> None:
+        """request_stop, then wait for `thread` (when `run` runs there)."""
+        self.request_stop()
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)
 
     def health(self) -> dict:
         with self.wake:

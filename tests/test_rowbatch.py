@@ -188,3 +188,30 @@ def test_prefix_boundaries():
     assert many.boundary([1, 2, 7, 7]) == 2
     cache.insert((1, 2, 3, 4), "a", 10)
     assert cache.boundary([1, 2, 3, 4, 7]) == 0                    # already kept
+
+
+def test_a_request_arriving_mid_prefill_has_the_shared_prefix_snapshotted(model):  # noqa: F811
+    """Questions on one document arriving one by one (as a server's do): the first prompt's prefill has begun,
+    with no other request waiting, when the second starts; the prefill then snapshots the 150 tokens they share
+    (not yet prefilled), so the second prefills only its question, with the same logits as without reuse."""
+    prompts = prompts_of({"q1": 12, "q2": 20, "q3": 9}, shared=150)
+    batch = row_batch(model, "full", max_batch=3, prefix_bytes=1 << 30, min_prefix=16)
+    with torch.inference_mode():
+        first = batch.start(prompts["q1"])
+        batch.advance()                                         # chunk 1 of q1: it shares nothing yet
+        assert first.started and first.snapshot_at == 0 and first.done == 32
+        batch.start(prompts["q2"])
+        assert first.snapshot_at == 150
+        done = dict(batch.advance())
+        while len(done) < 2:
+            done.update(batch.advance())
+        batch.start(prompts["q3"])                              # after q2: from the kept prefix, no new snapshot
+        while len(done) < 3:
+            done.update(batch.advance())
+    assert batch.prefill_tokens == sum(map(len, prompts.values())) - 2 * 150
+    assert len(batch.prefixes.entries) == 1
+    plain = row_batch(model, "full", max_batch=3)
+    with torch.inference_mode():
+        ref = dict(plain.admit(list(prompts.values())))
+    for row in ref:
+        torch.testing.assert_close(done[row], ref[row], atol=1e-5, rtol=1e-5)

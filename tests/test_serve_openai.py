@@ -113,7 +113,7 @@ def test_a_disconnect_mid_stream_frees_the_row(tiny_dir):
 
 
 def test_wait_policy_flag():
-    assert serve.wait_policy_flag(["serve.py", "--checkpoint", "x"]) == "passive"
+    assert serve.wait_policy_flag(["serve.py", "--checkpoint", "x"]) == "default"
     assert serve.wait_policy_flag(["serve.py", "--omp-wait-policy", "active"]) == "active"
     assert serve.wait_policy_flag(["serve.py", "--omp-wait-policy=inherit"]) == "inherit"
     with pytest.raises(SystemExit):
@@ -146,7 +146,7 @@ def test_cli_stops_on_sigterm_after_the_requests_in_flight(tiny_dir):
             try:
                 health = httpx.get(f"http://127.0.0.1:{port}/health")
                 if health.status_code == 200:
-                    assert health.json()["omp_wait_policy"] == "PASSIVE"      # serve.py's default
+                    assert health.json()["omp_wait_policy"] == ""      # serve.py's default: OpenMP's own
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
