@@ -11,16 +11,16 @@ G consecutive input channels per output row (K % G == 0, G % 32 == 0):
 A `QWeight` holds one such tensor; `dequantize(qw)` -> W~ fp32.
 
 Backends of `QuantizedLinear` (chosen when the module is built, by its device):
-    cpp     CPU: kernels/cpu_qlinear.cpp on 16-row tiles (`to_tiles`).  For up to MAX_GEMV_ROWS rows of x
-            a GEMV: y = W~ x~, with x~ the activations rounded to 16-bit integers per block of 32
-            (relative error <= 2^-16 of the block's largest value), summed exactly in int32 by AVX-512
+    cpp     CPU: kernels/cpu_qlinear.cpp on 16-row tiles (`to_tiles`).  Below MIN_INT_ROWS rows of x a GEMV
+            per MAX_GEMV_ROWS rows: y = W~ x~, with x~ the activations rounded to 16-bit integers per block
+            of 32 (relative error <= 2^-16 of the block's largest value), summed exactly in int32 by AVX-512
             VNNI (portable loops without it).  Twin: `qlinear_reference`.  From MIN_INT_ROWS rows (prefill):
             `kvc::qlinear_int`, the stored codes times int8 activations (per row and block of 32,
             d = max|x| / 127) in integer arithmetic, AVX-512 VNNI vpdpbusd or AVX2 vpmaddubsw
             (`prefill_arith`, from KVC_QLINEAR_ARITH: kernels/cpu.py qlinear_arith_default).  Twin:
             `qlinear_int_reference`.  On a 2-core AVX-512 EPYC (1 thread, 512 rows, the default model's
             layer shapes) VNNI ran at 112-143 G MAC/s, AVX2 at 39-82, oneDNN's fp32 matmul at 32-47.
-            In between, or with prefill_arith "fp32" (or no integer ISA): W~ dequantized once
+            From MIN_INT_ROWS rows with prefill_arith "fp32" (or no integer ISA): W~ dequantized once
             (`kvc::qdequant`) and the dense matmul, y = x W~^T.
     triton  CUDA: a GEMV that dequantizes the row-major codes in registers (y = x W~^T) for up to
             MAX_GEMV_ROWS rows; more rows dequantize W~ once and use the dense matmul.
@@ -49,7 +49,8 @@ from .cpu import ARITH, qlinear_arith_default
 
 TILE = 16            # rows per CPU tile
 MIN_GROUP = 32       # group sizes are multiples of this
-MAX_GEMV_ROWS = 16   # rows of x up to which the GEMV kernels run (more: dequantize + dense matmul)
+MAX_GEMV_ROWS = 16   # rows of x one GEMV call takes (CPU: more, below MIN_INT_ROWS, take one call per 16 rows;
+                     # Triton: more rows dequantize + dense matmul)
 MIN_INT_ROWS = 128   # rows of x from which the CPU prefill takes int8 activations (kvc::qlinear_int): shorter
                      # prompts (chat turns) keep exact activations, where dequantizing costs little; with int8
                      # ones the default chat prompt's first answer token, a near-tie, flipped for Q4_1 and int4
@@ -332,15 +333,24 @@ class QuantizedLinear(nn.Module):
         self._gemv_direct = self.backend == "cpp" and bias is None and self.out_features % TILE == 0
         self.prefill_arith = qlinear_arith_default() if self.backend == "cpp" else "fp32"
 
+    def _gemv(self, x: Tensor) -> Tensor:
+        """x [M <= MAX_GEMV_ROWS, K] -> [M, N padded to TILE]: the GEMV kernel."""
+        fp32 = x.dtype == torch.float32 and x.is_contiguous()
+        out = torch.ops.kvc.qlinear(x if fp32 else x.float().contiguous(), self.weight, self.scales, self.mins,
+                                    self.bits, self.group, False)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
     def _cpp(self, x: Tensor) -> Tensor:
         """x [M, K] -> [M, N]: the GEMV kernel for decode-sized M, from MIN_INT_ROWS rows the integer prefill
-        kernel in `prefill_arith` (unless "fp32"), else dequantize + dense matmul."""
-        if x.shape[0] <= MAX_GEMV_ROWS:
-            fp32 = x.dtype == torch.float32 and x.is_contiguous()
-            out = torch.ops.kvc.qlinear(x if fp32 else x.float().contiguous(), self.weight, self.scales, self.mins,
-                                        self.bits, self.group, False)
-            out = out if x.dtype == torch.float32 else out.to(x.dtype)
-        elif self.prefill_arith != "fp32" and x.shape[0] >= MIN_INT_ROWS:
+        kernel in `prefill_arith` (unless "fp32"); in between (a chunk of a few dozen tokens, such as a question
+        after a kept prefix) the GEMV per MAX_GEMV_ROWS rows: 4-12x faster than dequantizing W~ for the call at
+        25-127 rows (the default model's Q4_1 layers, AMD EPYC); else dequantize + dense matmul."""
+        M = x.shape[0]
+        if M <= MAX_GEMV_ROWS:
+            out = self._gemv(x)
+        elif M < MIN_INT_ROWS:
+            out = torch.cat([self._gemv(x[i:i + MAX_GEMV_ROWS]) for i in range(0, M, MAX_GEMV_ROWS)])
+        elif self.prefill_arith != "fp32":
             out = torch.ops.kvc.qlinear_int(x.float().contiguous(), self.weight, self.scales, self.mins, self.bits,
                                             self.group, ARITH[self.prefill_arith])
             out = out if x.dtype == torch.float32 else out.to(x.dtype)

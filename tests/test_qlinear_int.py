@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
 import engine  # noqa: E402
 import kernels.cpu  # noqa: E402
 from kernels.cpu import ARITH, qlinear_arith_default, qlinear_int_arith  # noqa: E402
-from kernels.qlinear import (MIN_INT_ROWS, QuantizedLinear, dequantize, qlinear_int_reference,  # noqa: E402
+from kernels.qlinear import (MAX_GEMV_ROWS, MIN_INT_ROWS, QuantizedLinear, dequantize, qlinear_int_reference,  # noqa: E402
                              qlinear_torch, to_tiles)
 from quantize import quantize_int4, quantize_weight  # noqa: E402
 from tests.helpers import needs_cpp, prompt_logits  # noqa: E402
@@ -75,14 +75,15 @@ def test_twin_within_int8_rounding_of_fp32_activations(mode, group, sym):
 
 @needs_cpp
 def test_quantized_linear_prefill_switch(monkeypatch):
-    """From MIN_INT_ROWS rows kvc::qlinear_int runs in prefill_arith (default: the best built); "fp32", and
-    fewer rows (more than MAX_GEMV_ROWS), take the old path (dequantize + dense matmul: exact to the twin);
-    bf16 in, bf16 out."""
+    """From MIN_INT_ROWS rows kvc::qlinear_int runs in prefill_arith (default: the best built), "fp32" takes the
+    old path (dequantize + dense matmul: exact to the twin); fewer rows (more than MAX_GEMV_ROWS) take the GEMV
+    per MAX_GEMV_ROWS rows; bf16 in, bf16 out."""
     qw = quantize_int4(weight(), 32)
     lin = QuantizedLinear(qw)
     assert lin.prefill_arith == qlinear_arith_default()
     short = torch.randn(MIN_INT_ROWS - 1, 256)
-    assert torch.equal(lin(short), qlinear_torch(short, qw))
+    blocks = [lin(short[i:i + MAX_GEMV_ROWS]) for i in range(0, len(short), MAX_GEMV_ROWS)]
+    assert len(blocks) > 1 and torch.equal(lin(short), torch.cat(blocks))
     x = torch.randn(2, MIN_INT_ROWS // 2, 256, generator=torch.Generator().manual_seed(0))
     x2 = x.view(-1, 256)
     for arith in built_ariths():
