@@ -456,7 +456,8 @@ static torch::Tensor decode_attention_t(const torch::Tensor& q, const torch::Ten
       thread_local std::vector<float> work;
       work.resize(std::max<size_t>(work.size(), work_floats));
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t h = i / pchunks, n0 = (i % pchunks) * pchunk, N = std::max<int64_t>(0, std::min(P, n0 + pchunk) - n0);
+        const int64_t h = i / pchunks, n0 = (i % pchunks) * pchunk;
+        const int64_t N = std::max<int64_t>(0, std::min(P, n0 + pchunk) - n0);
         attend_dense_any<T>(lanes, qg + h * RG * D, RG, D, pkp + h * pk.stride(1) + n0 * pk.stride(2), pk.stride(2),
                             pvp + h * pv.stride(1) + n0 * pv.stride(2), pv.stride(2), nullptr, N, (float)scale,
                             work.data(), ppp + i * RG * D, plp + i * RG);

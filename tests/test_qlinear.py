@@ -152,9 +152,9 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
 @needs_cpp
 @pytest.mark.parametrize("M", [1, MAX_GEMV_ROWS, MAX_GEMV_ROWS + 1, 300])
 def test_quantized_linear_rows_and_dtypes(M):
-    """GEMV (below MIN_INT_ROWS rows, per MAX_GEMV_ROWS: 16-bit activations) and the prefill (from MIN_INT_ROWS: int8 activations, or
-    with prefill_arith "fp32" dequantize + matmul, exact) agree with x W~^T within their activation
-    rounding (16-bit: 2^-15 of each block's largest |x|, times |W~|); bf16 in, bf16 out."""
+    """GEMV (below MIN_INT_ROWS rows, per MAX_GEMV_ROWS: 16-bit activations) and the prefill (from MIN_INT_ROWS:
+    int8 activations, or with prefill_arith "fp32" dequantize + matmul, exact) agree with x W~^T within their
+    activation rounding (16-bit: 2^-15 of each block's largest |x|, times |W~|); bf16 in, bf16 out."""
     qw = quantize_int4(weight(), 32)
     lin = QuantizedLinear(qw)
     x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M))

@@ -22,8 +22,8 @@ if str(ROOT) not in sys.path:
 import engine  # noqa: E402
 import kernels.cpu  # noqa: E402
 from kernels.cpu import ARITH, qlinear_arith_default, qlinear_int_arith  # noqa: E402
-from kernels.qlinear import (MAX_GEMV_ROWS, MIN_INT_ROWS, QuantizedLinear, dequantize, qlinear_int_reference,  # noqa: E402
-                             qlinear_torch, to_tiles)
+from kernels.qlinear import (MAX_GEMV_ROWS, MIN_INT_ROWS, QuantizedLinear, dequantize,  # noqa: E402
+                             qlinear_int_reference, qlinear_torch, to_tiles)
 from quantize import quantize_int4, quantize_weight  # noqa: E402
 from tests.helpers import needs_cpp, prompt_logits  # noqa: E402
 from tests.test_qlinear import IDS, SCHEMES, TEXT, act_bound, int8_rounded, summed, weight  # noqa: E402

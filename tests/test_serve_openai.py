@@ -168,20 +168,24 @@ def test_cli_stops_on_sigterm_after_the_requests_in_flight(tiny_dir):
 
 
 def test_default_model_greedy_alongside_others_equals_alone(default_dir, essay_text):
-    """The default model, two policies (snapkv compressing a ~300-token document), six chat requests at once:
-    each greedy answer equals engine.generate's for the same request alone with the same policy."""
+    """The default model, two policies (snapkv compressing a ~300-token document), eight chat requests at once
+    (two questions on the same document: `full` keeps it and a row reads it in place): each greedy answer equals
+    engine.generate's for the same request alone with the same policy."""
     specs = {"full": "full", "snapkv": "snapkv:budget=64"}
     flags = ["--policies", "; ".join(specs.values()), "--max-batch", "3", "--max-new-tokens-limit", "24",
              "--max-seq-length", "1024"]
     questions = {essay_text[:1200] + "\n\nSummarize the text above in one sentence.": 24,
+                 essay_text[:1200] + "\n\nWhat is the text above about? Answer briefly.": 20,
                  "What is the capital of France?": 16, "Write a haiku about the sea.": 20}
     work = [(name, q, n) for name in specs for q, n in questions.items()]
-    with served_openai(default_dir, *flags) as (client, _, _):
+    with served_openai(default_dir, *flags) as (client, _, srv):
         def ask(w):
             return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": w[1]}],
                                                   max_tokens=w[2], temperature=0, extra_body={"kv_policy": w[0]})
+        ask(("full", essay_text[:1200] + "\n\nWho wrote it?", 4))   # seen: the next prompt on it keeps the essay
         with ThreadPoolExecutor(len(work)) as pool:
             got = list(pool.map(ask, work))
+        assert srv.lanes["full"].batch.prefixes.stats()["hits"] >= 1      # a row read the kept essay in place
     for name, spec in specs.items():
         outs = [out for out, w in zip(got, work) if w[0] == name]
         for out, ref in zip(outs, alone(default_dir, flags, questions, spec, chat=True)):
