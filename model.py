@@ -411,9 +411,9 @@ class DenseCache:
         self.release(row)
         share = prefix is not None and self.shares_prefix(prefix)
         first = prefix.n_filled if share else 0
-        if share and first > n:
-            raise ValueError(f"a prefix of {first} tokens is longer than the request's {n}")
         if share:                                  # this class's storage: K/V after the prefix, every position
+            if first > n:
+                raise ValueError(f"a prefix of {first} tokens is longer than the request's {n}")
             for dst, src in zip(self.k + self.v, other.k + other.v):
                 dst[row, :, first:n] = src[other_row, :, first:n]
             self.pos[row, :n] = other.pos[other_row, :n]

@@ -167,6 +167,18 @@ def test_cli_stops_on_sigterm_after_the_requests_in_flight(tiny_dir):
         proc.wait(timeout=30)
 
 
+def test_cli_exits_1_when_its_port_is_taken(tiny_dir):
+    """uvicorn runs in a thread beside the engine loop (the main thread): a port it cannot bind ends the
+    process with exit 1 and uvicorn's message, not a server that never answers."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVC_CPU_KERNELS": "0"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        proc = subprocess.run([sys.executable, "serve.py", "--checkpoint", str(tiny_dir), "--port",
+                               str(s.getsockname()[1])], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "address already in use" in proc.stderr
+
+
 def test_default_model_greedy_alongside_others_equals_alone(default_dir, essay_text):
     """The default model, two policies (snapkv compressing a ~300-token document), eight chat requests at once
     (two questions on the same document: `full` keeps it and a row reads it in place): each greedy answer equals
