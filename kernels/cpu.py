@@ -422,6 +422,14 @@ def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, n: int, scale: Optional
     return torch.ops.kvc.dense_attention(q.squeeze(2).contiguous(), k, v, n, scale, attention_lanes()).unsqueeze(2)
 
 
+def _dense_decode_kernel_takes(q: Tensor, k: Tensor, v: Tensor, pk: Optional[Tensor] = None,
+                               pv: Optional[Tensor] = None) -> bool:
+    """Whether the C++ dense decode kernels take one query q [B, H_q, 1, D] over k, v (and a shared prefix
+    pk, pv): the tensors sparse_attention_supported takes, the kernels built."""
+    return (q.shape[2] == 1 and sparse_attention_supported(q, k, v)
+            and (pk is None or sparse_attention_supported(q, pk, pv)) and cpu_kernels_available())
+
+
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor]) -> Tensor:
     """Decode attention over a dense cache: q [B, H_q, 1, D], k, v [B, H_kv, S, D], visible bool
     [B, 1 or H_kv, >= S] (True = attend) or None -> [B, H_q, 1, D]; query head h reads KV head
@@ -430,8 +438,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor])
     128, else model.grouped_attention with the equivalent mask."""
     B, Hq, T, D = q.shape
     S = k.shape[2]
-    if (T == 1 and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and D in (64, 128)
-            and k.stride(3) == 1 and v.stride(3) == 1 and cpu_kernels_available()):
+    if _dense_decode_kernel_takes(q, k, v):
         vis = torch.empty(0, dtype=torch.bool) if visible is None else _unit_stride_rows(visible)
         return torch.ops.kvc.decode_attention(q.reshape(B, Hq, D).contiguous(), k, v, vis,
                                               1.0 / math.sqrt(D), attention_lanes()).view(B, Hq, 1, D)
@@ -447,9 +454,7 @@ def prefix_attention_cpu(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, pk: T
     """model.prefix_attention (rows reading a shared prefix) as kvc::prefix_attention where decode_attention
     takes the C++ kernel (the prefix's K/V read once for all its rows), else model.prefix_attention."""
     B, Hq, T, D = q.shape
-    if (T == 1 and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == pk.dtype == pv.dtype == torch.float32
-            and D in (64, 128) and k.stride(3) == v.stride(3) == pk.stride(3) == pv.stride(3) == 1
-            and cpu_kernels_available()):
+    if _dense_decode_kernel_takes(q, k, v, pk, pv):
         return torch.ops.kvc.prefix_attention(q.reshape(B, Hq, D).contiguous(), k, v, _unit_stride_rows(visible), pk,
                                               pv, own_from.contiguous(), 1.0 / math.sqrt(D),
                                               attention_lanes()).view(B, Hq, 1, D)
