@@ -10,7 +10,7 @@ import engine
 from cache import make_policy
 from cache.kv_dtype import kv_storage
 from kernels import approx_scores, sparse_decode_attention
-from tests import test_kernels, test_kivi_kernels, test_qlinear
+from tests import test_kernels, test_kivi_int_triton, test_kivi_kernels, test_qlinear
 
 pytestmark = pytest.mark.gpu
 
@@ -47,6 +47,14 @@ def test_label_scores_interpreter_cases_on_cuda(case):
 
 def test_kivi_triton_equals_twin_on_cuda():
     assert test_kivi_kernels.triton_worst_error("cuda") <= 1e-4
+
+
+@pytest.mark.parametrize("case", [c for c in test_kivi_int_triton.CASES if c[0] != "switch"],
+                         ids=test_kivi_int_triton.case_id)
+def test_kivi_int_triton_equals_twin_on_cuda(case):
+    """The integer KIVI kernel compiled for the GPU (int8 tl.dot) against its twin, the interpreter's cases."""
+    run = {"twin": test_kivi_int_triton.twin_case, "residual": test_kivi_int_triton.residual_case}
+    assert run[case[0]](*case[1:], device="cuda") <= test_kivi_int_triton.TOL
 
 
 def test_qlinear_triton_gemv_equals_twin_on_cuda():

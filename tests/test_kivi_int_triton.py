@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
 from tests.test_kivi_kernels import random_store  # noqa: E402
 
 import kernels.kivi_int_triton as kit  # noqa: E402
-from kernels.kivi_attention import kivi_attention, kivi_attention_torch, ring_flags  # noqa: E402
+from kernels.kivi_attention import KIVIBuffers, kivi_attention, kivi_attention_torch, ring_flags  # noqa: E402
 from kernels.kivi_int import kivi_attention_int_triton_torch  # noqa: E402
 
 TOL = 1e-4
@@ -33,13 +33,17 @@ def case_id(case) -> str:
     return "-".join(map(str, case))
 
 
-def error(q, store, pos, visible, now, n, splits) -> float:
-    out = kit.kivi_attention_int_triton(q, store.buffers, pos, visible, now, n, n_splits=splits)
+def error(q, store, pos, visible, now, n, splits, device="cpu") -> float:
+    """|kernel - twin|: the twin on the CPU, the kernel on `device` (CPU: the interpreter)."""
     ref = kivi_attention_int_triton_torch(q, store.buffers, pos, visible, now, n)
-    return (out - ref).abs().max().item()
+    buf = store.buffers
+    to = (lambda t: None if t is None else t.to(device))
+    out = kit.kivi_attention_int_triton(to(q), KIVIBuffers(*map(to, buf[:8]), buf.bits, buf.group), to(pos),
+                                        to(visible), to(now), n, n_splits=splits)
+    return (out.cpu() - ref).abs().max().item()
 
 
-def twin_case(bits, D, G, R) -> float:
+def twin_case(bits, D, G, R, device="cpu") -> float:
     """Lengths on both sides of the group boundaries (odd ones too), past the residual (packed values):
     GQA 3:1 and MHA, positions and visibility per head or shared, no visibility, slots shuffled as an
     evicting policy leaves them, 1-3 splits."""
@@ -51,32 +55,33 @@ def twin_case(bits, D, G, R) -> float:
         if i % 3 == 0:
             pos = pos[:, :1]
         visible = (pos >= 0) & (torch.rand(pos.shape, generator=g) > 0.15) if i % 3 < 2 else None
-        worst = max(worst, error(q, store, pos, visible, now, n, 1 + i % 3))
+        worst = max(worst, error(q, store, pos, visible, now, n, 1 + i % 3, device))
     return worst
 
 
-def residual_case(bits) -> float:
+def residual_case(bits, device="cpu") -> float:
     """n through a whole R-block: the key residual takes every size 0 .. R-1."""
     R, sizes, worst = 16, set(), 0.0
     for n in range(4 * R, 5 * R):
         store, pos, now, g = random_store(1, 1, 64, n, bits, 16, R, seed=n)
         q = torch.randn(1, 2, 1, 64, generator=g)
         sizes.add(int(ring_flags(pos, now, R)[0][0, 0].sum()))
-        worst = max(worst, error(q, store, pos, pos >= 0, now, n, 1 + n % 2))
+        worst = max(worst, error(q, store, pos, pos >= 0, now, n, 1 + n % 2, device))
     assert sizes == set(range(R))
     return worst
 
 
 def switch_case() -> float:
-    """kivi_attention(backend="triton"): KVC_KIVI_ARITH=int runs the integer kernel on dense reads of 2/4-bit
-    storage, fp32 and auto the fp32 kernel, sparse reads stay fp32; a bad value is a ValueError."""
+    """kivi_attention(backend="triton"): KVC_KIVI_ARITH=int and auto run the integer kernel on dense reads of
+    2/4-bit storage, fp32 the fp32 kernel, sparse reads stay fp32; a bad value is a ValueError."""
     store, pos, now, g = random_store(1, 1, 64, 70, 4, 16, 16, seed=3)
     q = torch.randn(1, 2, 1, 64, generator=g)
     idx = torch.arange(0, 70, 3).expand(1, 1, -1)
     dense = (q, store.buffers, pos, None, now, 70)
     fp32 = kivi_attention_torch(*dense)
     worst = 0.0
-    for env, ref in (("int", kivi_attention_int_triton_torch(*dense)), ("fp32", fp32), ("auto", fp32)):
+    int_ref = kivi_attention_int_triton_torch(*dense)
+    for env, ref in (("int", int_ref), ("fp32", fp32), ("auto", int_ref)):
         os.environ["KVC_KIVI_ARITH"], kit._use_int = env, None
         worst = max(worst, (kivi_attention(*dense, backend="triton") - ref).abs().max().item())
         sparse = kivi_attention(*dense, idx=idx, backend="triton") - kivi_attention_torch(*dense, idx=idx)
@@ -134,3 +139,11 @@ def test_rejects_what_it_cannot_read():
 
 if __name__ == "__main__" and "--triton-cases" in sys.argv:
     _main_triton_cases()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the script itself")
+def test_the_gpu_timing_script_refuses_without_cuda(capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_kivi_triton
+    assert bench_kivi_triton.main([]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
