@@ -115,6 +115,15 @@ class HeadAgg:
                                   "or query (each query head keeps its own tokens: G x the KV memory)")
 
 
+@dataclass(eq=False)
+class DecodeEviction:
+    """Parameter of the policies whose layers evict during decode (memory flat): `decode_evict=false` makes
+    them compress at prefill only and append every decode token, as kvpress's presses do (memory then
+    grows with the question and the answer, as an appending policy's)."""
+    decode_evict: bool = param(True, "evict a kept token for each decode token, so memory stays flat (false: "
+                                     "compress at prefill only and append decode tokens, as kvpress)")
+
+
 DEFAULT_BUDGET = 256      # tokens per layer and KV head when neither budget nor ratio is given
 
 
@@ -389,6 +398,7 @@ class EvictionPolicy:
     head_aggs = HEAD_AGG           # the values head_agg may take
     defer_compression = False      # budgets need every layer's statistics (see module doc)
     appending = False              # default layer mode: append decode tokens instead of evicting
+    decode_evict = True            # False: every layer appends (the DecodeEviction parameter)
     admission = "row"              # requests join and leave single rows (per-request plans: "batch")
     prefix_reuse = False           # the prompt is compressed as a whole: no prefix to continue
     decode_room = None             # generated tokens a row holds (None: up to max_seq_length; see capacity)
@@ -538,7 +548,7 @@ class EvictionPolicy:
         self.pos: list = [None] * n
         self.score: list = [None] * n
         self.kept = [0] * n                   # prompt tokens kept per layer (host ints)
-        self.layer_appends = [self.appending] * n
+        self.layer_appends = [self.appending or not self.decode_evict] * n
         # each row's budget per layer [B, L] (an evicting layer's slots past it stay closed to that row) and
         # recent window [B, L], and its token budget (row_tokens, host ints): set per request by plan_rows
         self.row_budget = torch.zeros(max_batch_size, n, dtype=torch.long, device=device)

@@ -11,11 +11,12 @@ from torch import Tensor
 
 from dataclasses import dataclass
 
-from cache.base import Budget, EvictionPolicy, HeadAgg, column_scores, recent_param, reduce_heads, sink_param
+from cache.base import (Budget, DecodeEviction, EvictionPolicy, HeadAgg, column_scores, recent_param, reduce_heads,
+                        sink_param)
 
 
 @dataclass(eq=False)
-class H2OPolicy(HeadAgg, Budget, EvictionPolicy):
+class H2OPolicy(DecodeEviction, HeadAgg, Budget, EvictionPolicy):
     name = "h2o"
     n_sink: int = sink_param(4)
     n_recent: int = recent_param(-1, "recent tokens always kept (-1: half of budget - n_sink, the paper's "

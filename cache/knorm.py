@@ -5,7 +5,8 @@ A key's norm predicts the attention it will get (low norm, high attention), so a
 -||k||_2 of its key (rotated, as stored), per KV head, computed from the key alone: no attention
 probabilities, so it composes with any attention kernel and with the sparse readers (knorm+quest).
 At prefill each layer and KV head keeps the `budget` prompt tokens of lowest key norm; at every decode
-step the new token is stored and the kept token of highest key norm leaves, so memory stays flat.
+step the new token is stored and the kept token of highest key norm leaves, so memory stays flat
+(`decode_evict=false`: kvpress's rule, prefill compression only, decode tokens appended).
 Defaults as kvpress's KnormPress and the authors' code: no sinks and no recent window (n_sink=0,
 n_recent=0; both available through the eviction base) and every layer compressed.  `ratio=` keeps
 kvpress's share of the prompt (its compression_ratio); `budget=` a fixed count per layer and head.
@@ -15,11 +16,11 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from cache.base import Budget, EvictionPolicy, recent_param, sink_param
+from cache.base import Budget, DecodeEviction, EvictionPolicy, recent_param, sink_param
 
 
 @dataclass(eq=False)
-class KnormPolicy(Budget, EvictionPolicy):
+class KnormPolicy(DecodeEviction, Budget, EvictionPolicy):
     name = "knorm"
     n_sink: int = sink_param(0)
     n_recent: int = recent_param(0)

@@ -2,17 +2,18 @@
 
 budget = n_sink + n_recent slots per layer and KV head.  At prefill the prompt's first n_sink
 and last `n_recent` tokens are kept; at every decode step the oldest non-sink token is evicted,
-so memory stays flat for any generation length.  Keys keep their original positions.
+so memory stays flat for any generation length (`decode_evict=false`: kvpress's StreamingLLMPress
+rule, the window fixed at prefill and decode tokens appended).  Keys keep their original positions.
 The rule is the eviction base's defaults: the sinks and the recent window (budget - n_sink, per row under
 a ratio) are always kept, and a token's score is its position (the oldest unprotected one leaves).
 """
 from dataclasses import dataclass
 
-from cache.base import Budget, EvictionPolicy, sink_param
+from cache.base import Budget, DecodeEviction, EvictionPolicy, sink_param
 
 
 @dataclass(eq=False)
-class StreamingPolicy(Budget, EvictionPolicy):
+class StreamingPolicy(DecodeEviction, Budget, EvictionPolicy):
     name = "streaming"
     n_sink: int = sink_param(4)
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from cache.base import Budget, EvictionPolicy, column_scores
+from cache.base import Budget, DecodeEviction, EvictionPolicy, column_scores
 from cache.shard import shard_of
 
 
 @dataclass(eq=False)
-class TOVAPolicy(Budget, EvictionPolicy):
+class TOVAPolicy(DecodeEviction, Budget, EvictionPolicy):
     name = "tova"
     decode_attention = True
 

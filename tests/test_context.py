@@ -142,6 +142,24 @@ def test_question_is_held_whole_until_the_answer_then_eviction_goes_on(tiny, ess
             assert len(head) == len(context_head) and last in head and max(head) == last
 
 
+@pytest.mark.parametrize("policy", ["knorm", "h2o", "tova", "streaming"])
+def test_decode_evict_false_compresses_at_prefill_only(tiny, essay_text, policy):
+    """decode_evict=false (kvpress's rule): the context's kept set stays whole under the question and the answer,
+    and every token they add is kept beside it, in every layer and KV head; the default evicts instead."""
+    model, tok = tiny
+    for evict in (False, True):
+        ctx = engine.prefill_context(model, tok, context_text(essay_text, 800),
+                                     spec(f"{policy}:budget=48,decode_evict={str(evict).lower()}"), room=64)
+        engine.question_rows(model, ctx)
+        context = kept_sets(model)
+        result = engine.generate(model, tok, [LONG_QUESTION], 16, context=ctx)
+        added = set(range(len(ctx.ids), len(ctx.ids) + result.stats["decode_steps"]))
+        assert len(added) > 40
+        for layer, (end, before) in enumerate(zip(kept_sets(model), context)):
+            for head, context_head in zip(end[0], before[0]):
+                assert (head == context_head | added) != evict, (layer, evict)
+
+
 def test_the_evicting_list_is_complete(tiny, essay_text):
     """Every registered storage policy (default arguments, budget 48 where it takes one) whose kept count stops
     growing while it decodes after a context evicts at decode time: it is in EVICTING, so the test above covers
