@@ -4,7 +4,7 @@
 
 Imports only the standard library, torch, transformers and kvpress (never this project's engine), so
 it runs under the interpreter of a venv that holds kvpress and the transformers it pins.  JOB.json:
-{"checkpoint": HF folder, "dtype": "float32", "threads": N, "requests": [{"context": ids,
+{"checkpoint": HF folder, "dtype": "float32", "device": "cpu" or "cuda", "threads": N, "requests": [{"context": ids,
 "question": ids, "max_new_tokens": n}], "jobs": [{"method", "press" (a kvpress class name, or
 null for no press), "ratio"}]}.  Prints one JSON line per job, {"method", "ratio", "seconds",
 "answers"} (or "error": a press that raises fails alone), as each finishes.  Each answer comes from KVPressTextGenerationPipeline._forward (through
@@ -31,13 +31,13 @@ def make_press(name: Optional[str], ratio: float):
     return getattr(kvpress, name)(compression_ratio=ratio)
 
 
-def load_pipeline(checkpoint: str, dtype: str, attn: str):
+def load_pipeline(checkpoint: str, dtype: str, attn: str, device: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
     import kvpress  # noqa: F401 - registers the kv-press-text-generation pipeline
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype), attn_implementation=attn)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    return pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    return pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device=device)
 
 
 def serve(job_path: str) -> int:
@@ -49,7 +49,7 @@ def serve(job_path: str) -> int:
     for j in job["jobs"]:
         attn = "eager" if j["press"] in EAGER else "sdpa"
         if attn not in pipes:
-            pipes[attn] = load_pipeline(job["checkpoint"], job["dtype"], attn)
+            pipes[attn] = load_pipeline(job["checkpoint"], job["dtype"], attn, job.get("device", "cpu"))
         t0 = time.perf_counter()
         try:
             answers = answer_all(pipes[attn], make_press(j["press"], j["ratio"]), job["requests"])

@@ -180,7 +180,7 @@ def cell_path(out: Path, ident: dict) -> Path:
 
 
 def run(out: Path, python: str, checkpoint: str, dtype: str, task: str, params: dict, protocol: str, metric: str,
-        items: list[Item], pairs: list[tuple[str, float]]) -> list[dict]:
+        items: list[Item], pairs: list[tuple[str, float]], device: str = "cpu") -> list[dict]:
     """kvpress's records for one task and protocol, one per (method, ratio) of `pairs`: those finished in an
     earlier run read from out/cells, the rest run in one child process and written there."""
     checkpoint = str(Path(checkpoint).resolve())
@@ -210,7 +210,7 @@ def run(out: Path, python: str, checkpoint: str, dtype: str, task: str, params: 
         print(f"  {rec['row']} x {task}: {metric} {rec['score']:.1f} ({line['seconds']:.1f} s)", file=sys.stderr,
               flush=True)
 
-    job = {"checkpoint": checkpoint, "dtype": dtype, "threads": torch.get_num_threads(),
+    job = {"checkpoint": checkpoint, "dtype": dtype, "device": device, "threads": torch.get_num_threads(),
            "requests": [request(item, protocol) for item in items],
            "jobs": [{"method": m, "press": PRESSES[m], "ratio": r} for m, r in todo]}
     print(f"kvpress: {len(todo)} presses x {len(items)} prompts, {task} {protocol}", file=sys.stderr, flush=True)
@@ -228,38 +228,51 @@ def failed(method: str, ratio: float, protocol: str, task: str, params: dict, er
 
 # --------------------------------------------------------------------------- pairing
 
-def ratio_of(r: dict) -> Optional[float]:
-    """The ratio of one of our records: `ratio=r` in its arguments, 0 for the bare full cache, else None."""
+SIDES = ("ours", "ours decode_evict=false", "kvpress")   # our rows NAME:ratio=r, with decode_evict=false, kvpress's
+
+
+def side_of(r: dict) -> Optional[tuple[float, str]]:
+    """(ratio, side) of a record: kvpress's; ours from `NAME:ratio=r` (0 for the bare full cache), or with
+    decode_evict=false too (compressed at prefill only: kvpress's rule); None for any other of our rows."""
     if r.get("peer"):
-        return r["ratio"]
+        return r["ratio"], "kvpress"
     args = dict(kv.split("=", 1) for kv in (r.get("policy_args") or "").split(",") if "=" in kv)
-    if r["policy"] == "full" and not args and r.get("kv_bits", 16) == 16:
-        return 0.0
-    return float(args["ratio"]) if set(args) == {"ratio"} and r.get("kv_bits", 16) == 16 else None
+    if r.get("kv_bits", 16) != 16:
+        return None
+    if r["policy"] == "full" and not args:
+        return 0.0, "ours"
+    prefill_only = args.pop("decode_evict", None) in ("false", "0")
+    return (float(args["ratio"]), SIDES[prefill_only]) if set(args) == {"ratio"} else None
+
+
+def sides(records: Iterable[dict]) -> dict:
+    """{(method, ratio, protocol, task): {side: record}} over the finished records (sides: SIDES)."""
+    cells: dict = {}
+    for r in records:
+        found = side_of(r)
+        method = r["method"] if r.get("peer") else r["policy"]
+        if found is None or method not in PRESSES or r["status"] != "ok" or r.get("score") is None:
+            continue
+        ratio, side = found
+        cells.setdefault((method, ratio, r.get("protocol") or "aware", r["task"]), {})[side] = r
+    return cells
+
+
+def sides_present(cells: dict) -> list[str]:
+    """SIDES in order, the decode_evict=false one only where some record has it."""
+    return [s for s in SIDES if s != SIDES[1] or any(SIDES[1] in pair for pair in cells.values())]
 
 
 def paired(records: Iterable[dict]) -> tuple[list[str], list[list]]:
     """(columns, rows) with our score and kvpress's for each (method, ratio, protocol, task), ours from
-    rows `NAME:ratio=r` (or bare full), theirs from the peer; a side without a cell shows '-'."""
+    rows `NAME:ratio=r` (or bare full; a column for decode_evict=false where run), theirs from the peer; a side
+    without a cell shows '-'."""
     cells = sides(records)
-    order = list(PRESSES)
-    rows = [[m, f"{ratio:g}", protocol, task, _score(pair.get("ours")), _score(pair.get("kvpress"))]
+    order, present = list(PRESSES), sides_present(cells)
+    rows = [[m, f"{ratio:g}", protocol, task] + [_score(pair.get(side)) for side in present]
             for (m, ratio, protocol, task), pair in sorted(cells.items(), key=lambda kv: (
                 kv[0][3], kv[0][2], order.index(kv[0][0]), kv[0][1]))]
-    return ["method", "ratio", "protocol", "task", "ours", "kvpress"], rows
-
-
-def sides(records: Iterable[dict]) -> dict:
-    """{(method, ratio, protocol, task): {"ours": record, "kvpress": record}} over the finished records."""
-    cells: dict = {}
-    for r in records:
-        ratio = ratio_of(r)
-        method = r["method"] if r.get("peer") else r["policy"]
-        if ratio is None or method not in PRESSES or r["status"] != "ok" or r.get("score") is None:
-            continue
-        key = (method, ratio, r.get("protocol") or "aware", r["task"])
-        cells.setdefault(key, {})["kvpress" if r.get("peer") else "ours"] = r
-    return cells
+    return ["method", "ratio", "protocol", "task"] + present, rows
 
 
 def _score(r: Optional[dict]) -> str:
@@ -280,14 +293,14 @@ def markdown(records: list[dict]) -> str:
 
 
 def doc_table(records: list[dict], tasks: list[str]) -> tuple[list[str], list[list]]:
-    """(columns, rows) for docs/results.md: one row per (method, ratio, protocol), per task ours | kvpress."""
+    """(columns, rows) for docs/results.md: one row per (method, ratio, protocol, side), a column per task."""
     cells = sides(records)
     keys = sorted({k[:3] for k in cells}, key=lambda k: (k[2], list(PRESSES).index(k[0]), k[1]))
-    columns = ["method", "ratio", "protocol"] + [f"{t} {side}" for t in tasks for side in ("ours", "kvpress")]
-    rows = [[m, f"{ratio:g}", protocol] + [_score(cells.get((m, ratio, protocol, t), {}).get(side))
-                                           for t in tasks for side in ("ours", "kvpress")]
-            for m, ratio, protocol in keys]
-    return columns, rows
+    rows = [[m, f"{ratio:g}", protocol, side] + [_score(cells.get((m, ratio, protocol, t), {}).get(side))
+                                                 for t in tasks]
+            for m, ratio, protocol in keys for side in sides_present(cells)
+            if any(side in cells.get((m, ratio, protocol, t), {}) for t in tasks)]
+    return ["method", "ratio", "protocol", "side"] + tasks, rows
 
 
 def read_records(path: Path) -> list[dict]:
@@ -309,11 +322,14 @@ def main(argv=None) -> int:
     p.add_argument("--machine", required=True, help="the machine, as free text")
     p.add_argument("--notes", default="")
     p.add_argument("--title", default="Both protocols: ours beside kvpress at the same compression ratios")
+    p.add_argument("--order", type=int, default=2, help="the table's place in its section")
+    p.add_argument("--tasks", help="the task columns, comma-separated (default: every task of the runs)")
     args = p.parse_args(argv)
     records = [r for path in args.run for r in read_records(Path(path))]
-    columns, rows = doc_table(records, list(dict.fromkeys(r["task"] for r in records)))
+    tasks = args.tasks.split(",") if args.tasks else list(dict.fromkeys(r["task"] for r in records))
+    columns, rows = doc_table(records, tasks)
     common.write_json(args.out, {"topic": "kvpress", "section": "13. Accuracy table", "title": args.title,
-                                 "order": 2, "size": "full", "command": args.command, "date": args.date,
+                                 "order": args.order, "size": "full", "command": args.command, "date": args.date,
                                  "machine": {"recorded": args.machine}, "columns": columns, "rows": rows,
                                  "notes": args.notes})
     return 0

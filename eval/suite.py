@@ -261,7 +261,8 @@ def task_params(task: str, o: argparse.Namespace) -> dict:
         return {"data": str(longbench.resolve_data(arg)), "limit": o.limit, "max_context": o.max_context,
                 "max_new_tokens": o.max_new_tokens}
     if kind == "ruler_synth":
-        return {"length": o.ruler_length, "samples": o.ruler_samples, "seed": 0, "chat": True}
+        cap = {"max_new_tokens": o.max_new_tokens} if o.max_new_tokens else {}   # absent: older cells resume
+        return {"length": o.ruler_length, "samples": o.ruler_samples, "seed": 0, "chat": True, **cap}
     return {"data": str(Path(arg).resolve()), "limit": o.limit, "max_new_tokens": o.max_new_tokens}
 
 
@@ -409,7 +410,8 @@ def run_peers(ctx: Context, tasks: list[str], checkpoint: str, dtype: str) -> li
         for protocol in o.protocols:
             metric, items = peer_items(ctx, task, protocol)
             records += kvpress_peer.run(ctx.out, o.kvpress_python, checkpoint, dtype.removeprefix("torch."), task,
-                                        task_params(task, o), protocol, metric, items, o.peer_pairs)
+                                        task_params(task, o), protocol, metric, items, o.peer_pairs,
+                                        ctx.loaded.device.type)
     return records
 
 
@@ -588,7 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=str(common.DEFAULT_CHECKPOINT), help="default: %(default)s")
     p.add_argument("--preset", choices=sorted(PRESETS), help="policies, tasks and sizes (flags override)")
     p.add_argument("--policies", action="append", help="policy specs NAME[@LABEL][:k=v,...] separated by ';', "
-                                                        "or the flag repeated (see above)")
+                                                        "or the flag repeated (see above); none with --peers: "
+                                                        "kvpress's rows alone")
     p.add_argument("--tasks", help="needle,passkey,perplexity,agreement,proximal,longbench:NAME|PATH,ruler:PATH")
     p.add_argument("--kv-bits", help="comma-separated KV storage bits for every policy without kv_bits= (default 16)")
     p.add_argument("--out", required=True, help="output folder (finished cells are kept here and not redone)")
@@ -601,7 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--samples", type=int, help="perplexity, agreement and proximal windows")
     g.add_argument("--limit", type=int, help="LongBench/RULER rows (default: all)")
     g.add_argument("--max-context", type=int, help="LongBench prompt budget (default: context - generation length)")
-    g.add_argument("--max-new-tokens", type=int, help="LongBench/RULER generation length (default: the dataset's)")
+    g.add_argument("--max-new-tokens", type=int, help="LongBench/RULER generation length (default: the dataset's); "
+                                                                "ruler_synth: a cap on RULER's per-task lengths")
     g.add_argument("--proximal", help="proximal sizes for the proximal task")
     g.add_argument("--ruler-length", type=int, help="ruler_synth: tokens of prompt + generation (default 4096)")
     g.add_argument("--ruler-samples", type=int, help="ruler_synth: rows per task (default 10)")
@@ -634,6 +638,8 @@ def resolve_options(o: argparse.Namespace) -> argparse.Namespace:
             setattr(o, key, preset.get(key, default))
     for key in ("policies", "tasks"):
         if getattr(o, key) is None:
+            if key == "policies" and o.peers and key not in preset:
+                continue                        # kvpress's rows alone
             if key not in preset:
                 raise UsageError(f"--{key} is required without --preset")
             setattr(o, key, preset[key])
@@ -713,13 +719,17 @@ def prepare(ctx: Context, tasks: list[str]) -> None:
             ctx.cache["rows", t] = len(rows)
         elif kind == "ruler_synth":
             common.check_fits(loaded, o.ruler_length, f"{t}: --ruler-length")
-            ctx.cache["synth", t] = ruler_synth.generate(loaded.tokenizer, arg, o.ruler_length, o.ruler_samples)
+            rows = ruler_synth.generate(loaded.tokenizer, arg, o.ruler_length, o.ruler_samples)
+            if o.max_new_tokens:     # a cap on RULER's per-task generation lengths; the prompts stay the same
+                rows = [{**r, "max_new_tokens": min(r["max_new_tokens"], o.max_new_tokens)} for r in rows]
+            ctx.cache["synth", t] = rows
             ctx.cache["rows", t] = len(ctx.cache["synth", t])
 
 
 def run(o: argparse.Namespace) -> int:
     o = resolve_options(o)
-    specs, tasks = parse_policies(o.policies), parse_tasks(o.tasks)
+    tasks = parse_tasks(o.tasks)
+    specs = [] if o.peers and not o.policies else parse_policies(o.policies)   # peers alone: kvpress's rows only
     if o.peers:
         if not any(t.partition(":")[0] in PEER_TASKS for t in tasks):
             raise UsageError(f"--peers kvpress runs the tasks {', '.join(PEER_TASKS)}; --tasks has none of them")

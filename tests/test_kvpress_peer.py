@@ -8,6 +8,9 @@ import pytest
 
 from eval import kvpress_peer, suite
 from eval.kvpress_peer import Item
+from tests import test_eval
+
+tiny_loaded = test_eval.tiny_loaded
 
 
 def ours(policy, args, score, protocol="agnostic", task="needle"):
@@ -62,8 +65,14 @@ def test_run_scores_pairs_and_resumes_with_a_fake_side(tmp_path, monkeypatch):
                     ["knorm", "0.5", "agnostic", "needle", "1/2", "-"],
                     ["snapkv", "0.5", "aware", "needle", "2/2", "-"]]
     columns, rows = kvpress_peer.doc_table(mine + records, ["needle"])
-    assert columns == ["method", "ratio", "protocol", "needle ours", "needle kvpress"]
-    assert rows[:2] == [["full", "0", "agnostic", "2/2", "1/2"], ["snapkv", "0.5", "agnostic", "1/2", "0/2"]]
+    assert columns == ["method", "ratio", "protocol", "side", "needle"]
+    assert rows[:4] == [["full", "0", "agnostic", "ours", "2/2"], ["full", "0", "agnostic", "kvpress", "1/2"],
+                        ["snapkv", "0.5", "agnostic", "ours", "1/2"], ["snapkv", "0.5", "agnostic", "kvpress", "0/2"]]
+    prefill_only = ours("knorm", "ratio=0.5,decode_evict=false", 0.0)   # kvpress's rule: a column of its own
+    columns, rows = kvpress_peer.paired(mine + records + [prefill_only])
+    assert columns[4:] == ["ours", "ours decode_evict=false", "kvpress"]
+    assert ["knorm", "0.5", "agnostic", "needle", "1/2", "0/2", "-"] in rows
+    assert kvpress_peer.side_of(ours("knorm", "ratio=0.5,decode_evict=true", 0.0)) == (0.5, "ours")   # the default
 
 
 def test_a_failing_side_gives_error_records(tmp_path, monkeypatch):
@@ -96,6 +105,25 @@ def test_peers_without_kvpress_or_with_bad_options_is_one_line(argv, message, tm
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
     if not argv:
         assert "pip install -e '.[kvpress]'" in err
+
+
+def test_peers_alone_capped_ruler_rows_on_the_suites_device(monkeypatch, tiny_loaded, tmp_path, capsys):
+    """--peers without --policies runs kvpress's rows alone; --max-new-tokens caps the RULER-format rows'
+    generation lengths (the prompts unchanged) on both sides; the child gets the suite's device."""
+    calls = []
+    monkeypatch.setattr(suite.common, "load", lambda args: tiny_loaded)
+    monkeypatch.setattr(kvpress_peer, "check_available", lambda python, checkpoint: None)
+    monkeypatch.setattr(kvpress_peer, "run_side", fake_side({"full": "no"}, calls))
+    out = tmp_path / "run"
+    argv = ["--tasks", "ruler_synth:niah_single_1", "--ruler-length", "400", "--ruler-samples", "2", "--protocol",
+            "agnostic", "--peers", "kvpress", "--peer-presses", "full", "--no-plot", "--quiet", "--out", str(out)]
+    assert suite.main(argv + ["--max-new-tokens", "5"]) == 0, capsys.readouterr().err
+    [job] = calls
+    assert job["device"] == "cpu" and [r["max_new_tokens"] for r in job["requests"]] == [5, 5]
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    assert [c["row"] for c in cells] == ["kvpress:full agnostic"] and cells[0]["params"]["max_new_tokens"] == 5
+    assert suite.main(argv) == 0 and [r["max_new_tokens"] for r in calls[1]["requests"]] == [128, 128]
+    assert calls[1]["requests"][0]["context"] == job["requests"][0]["context"]
 
 
 def test_peers_need_a_hf_checkpoint(tmp_path):
@@ -134,7 +162,11 @@ def test_main_writes_the_docs_table_from_cells(tmp_path, monkeypatch):
                               "--machine", "m"]) == 0
     table = json.loads(out.read_text())
     assert table["section"] == "13. Accuracy table" and table["machine"] == {"recorded": "m"}
-    assert table["rows"] == [["knorm", "0.5", "agnostic", "2/2", "1/2"]]
+    assert table["rows"] == [["knorm", "0.5", "agnostic", "ours", "2/2"], ["knorm", "0.5", "agnostic", "kvpress", "1/2"]]
+    assert kvpress_peer.main([str(tmp_path / "cells"), "--out", str(out), "--command", "c", "--date", "d",
+                              "--machine", "m", "--tasks", "needle,passkey", "--order", "3"]) == 0
+    table = json.loads(out.read_text())
+    assert table["order"] == 3 and table["columns"][-2:] == ["needle", "passkey"] and table["rows"][0][-1] == "-"
 
 
 def test_a_press_that_fails_alone_is_an_error_row(tmp_path, monkeypatch):
