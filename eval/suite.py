@@ -154,7 +154,10 @@ class PolicySpec:
 
 def parse_policies(texts) -> list[PolicySpec]:
     """'full; snapkv:budget=256,obs_window=16; hshare@a:preset=long' (or the values of a repeated
-    --policies) -> specs, the argument kv_bits=N taken out (see the module doc)."""
+    --policies) -> specs, the argument kv_bits=N taken out (see the module doc); None (no --policies, which
+    resolve_options allows with --peers only) -> none: kvpress's rows alone."""
+    if texts is None:
+        return []
     specs = []
     for text in [texts] if isinstance(texts, str) else texts:
         for item in filter(str.strip, text.split(";")):
@@ -729,7 +732,7 @@ def prepare(ctx: Context, tasks: list[str]) -> None:
 def run(o: argparse.Namespace) -> int:
     o = resolve_options(o)
     tasks = parse_tasks(o.tasks)
-    specs = [] if o.peers and not o.policies else parse_policies(o.policies)   # peers alone: kvpress's rows only
+    specs = parse_policies(o.policies)
     if o.peers:
         if not any(t.partition(":")[0] in PEER_TASKS for t in tasks):
             raise UsageError(f"--peers kvpress runs the tasks {', '.join(PEER_TASKS)}; --tasks has none of them")
