@@ -228,21 +228,21 @@ def failed(method: str, ratio: float, protocol: str, task: str, params: dict, er
 
 # --------------------------------------------------------------------------- pairing
 
-SIDES = ("ours", "ours decode_evict=false", "kvpress")   # our rows NAME:ratio=r, with decode_evict=false, kvpress's
+SIDES = OURS, PREFILL_ONLY, KVPRESS = "ours", "ours decode_evict=false", "kvpress"   # table order
 
 
 def side_of(r: dict) -> Optional[tuple[float, str]]:
     """(ratio, side) of a record: kvpress's; ours from `NAME:ratio=r` (0 for the bare full cache), or with
     decode_evict=false too (compressed at prefill only: kvpress's rule); None for any other of our rows."""
     if r.get("peer"):
-        return r["ratio"], "kvpress"
+        return r["ratio"], KVPRESS
     args = dict(kv.split("=", 1) for kv in (r.get("policy_args") or "").split(",") if "=" in kv)
     if r.get("kv_bits", 16) != 16:
         return None
     if r["policy"] == "full" and not args:
-        return 0.0, "ours"
-    prefill_only = args.pop("decode_evict", None) in ("false", "0")
-    return (float(args["ratio"]), SIDES[prefill_only]) if set(args) == {"ratio"} else None
+        return 0.0, OURS
+    side = PREFILL_ONLY if args.pop("decode_evict", None) in ("false", "0") else OURS
+    return (float(args["ratio"]), side) if set(args) == {"ratio"} else None
 
 
 def sides(records: Iterable[dict]) -> dict:
@@ -259,8 +259,8 @@ def sides(records: Iterable[dict]) -> dict:
 
 
 def sides_present(cells: dict) -> list[str]:
-    """SIDES in order, the decode_evict=false one only where some record has it."""
-    return [s for s in SIDES if s != SIDES[1] or any(SIDES[1] in pair for pair in cells.values())]
+    """SIDES in order, PREFILL_ONLY only where some record has it."""
+    return [s for s in SIDES if s != PREFILL_ONLY or any(PREFILL_ONLY in pair for pair in cells.values())]
 
 
 def paired(records: Iterable[dict]) -> tuple[list[str], list[list]]:

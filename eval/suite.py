@@ -725,14 +725,12 @@ def prepare(ctx: Context, tasks: list[str]) -> None:
             rows = ruler_synth.generate(loaded.tokenizer, arg, o.ruler_length, o.ruler_samples)
             if o.max_new_tokens:     # a cap on RULER's per-task generation lengths; the prompts stay the same
                 rows = [{**r, "max_new_tokens": min(r["max_new_tokens"], o.max_new_tokens)} for r in rows]
-            ctx.cache["synth", t] = rows
-            ctx.cache["rows", t] = len(ctx.cache["synth", t])
+            ctx.cache["synth", t], ctx.cache["rows", t] = rows, len(rows)
 
 
 def run(o: argparse.Namespace) -> int:
     o = resolve_options(o)
-    tasks = parse_tasks(o.tasks)
-    specs = parse_policies(o.policies)
+    specs, tasks = parse_policies(o.policies), parse_tasks(o.tasks)
     if o.peers:
         if not any(t.partition(":")[0] in PEER_TASKS for t in tasks):
             raise UsageError(f"--peers kvpress runs the tasks {', '.join(PEER_TASKS)}; --tasks has none of them")

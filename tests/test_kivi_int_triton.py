@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.test_kivi_kernels import random_store  # noqa: E402
+from tests.test_kivi_kernels import buffers_on, random_store  # noqa: E402
 
 import kernels.kivi_int_triton as kit  # noqa: E402
-from kernels.kivi_attention import KIVIBuffers, kivi_attention, kivi_attention_torch, ring_flags  # noqa: E402
+from kernels.kivi_attention import kivi_attention, kivi_attention_torch, ring_flags  # noqa: E402
 from kernels.kivi_int import kivi_attention_int_triton_torch  # noqa: E402
 
 TOL = 1e-4
@@ -36,10 +36,9 @@ def case_id(case) -> str:
 def error(q, store, pos, visible, now, n, splits, device="cpu") -> float:
     """|kernel - twin|: the twin on the CPU, the kernel on `device` (CPU: the interpreter)."""
     ref = kivi_attention_int_triton_torch(q, store.buffers, pos, visible, now, n)
-    buf = store.buffers
     to = (lambda t: None if t is None else t.to(device))
-    out = kit.kivi_attention_int_triton(to(q), KIVIBuffers(*map(to, buf[:8]), buf.bits, buf.group), to(pos),
-                                        to(visible), to(now), n, n_splits=splits)
+    out = kit.kivi_attention_int_triton(to(q), buffers_on(store.buffers, device), to(pos), to(visible), to(now), n,
+                                        n_splits=splits)
     return (out.cpu() - ref).abs().max().item()
 
 
@@ -137,13 +136,13 @@ def test_rejects_what_it_cannot_read():
         kit.kivi_attention_int_triton(torch.randn(1, 1, 16), store.buffers, pos, None, now, 40)
 
 
-if __name__ == "__main__" and "--triton-cases" in sys.argv:
-    _main_triton_cases()
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the script itself")
 def test_the_gpu_timing_script_refuses_without_cuda(capsys):
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_kivi_triton
     assert bench_kivi_triton.main([]) == 2
     assert "CUDA GPU" in capsys.readouterr().err
+
+
+if __name__ == "__main__" and "--triton-cases" in sys.argv:
+    _main_triton_cases()

@@ -170,11 +170,16 @@ def test_cpp_writes_equal_torch_bit_for_bit(bits, D, G, R):
     assert all(torch.equal(a, b) for a, b in zip(store.buffers[:8], twin.buffers[:8]))
 
 
+def buffers_on(buf, device: str):
+    """KIVIBuffers `buf` with its tensors moved to `device` (strides kept)."""
+    from kernels.kivi_attention import KIVIBuffers
+    return KIVIBuffers(*(t.to(device) for t in buf[:8]), buf.bits, buf.group)
+
+
 def triton_worst_error(device: str) -> float:
     """The largest |Triton - twin| over dense and sparse reads (lists per KV head and per query head), each
     with and without visibility, several splits; the stores are written on the CPU, then moved to `device`
     (strides kept; CPU: the kernel runs under the interpreter)."""
-    from kernels.kivi_attention import KIVIBuffers
     from kernels.kivi_triton import kivi_attention_triton
     worst = 0.0
     for i, (bits, D, G, R, n, splits) in enumerate([(4, 64, 32, 128, 200, 2), (2, 64, 16, 32, 77, 1),
@@ -187,7 +192,7 @@ def triton_worst_error(device: str) -> float:
             idx = torch.stack([torch.randperm(n, generator=g)[:37] for _ in range(2 * Hidx)]).view(2, Hidx, 37)
             lists[Hidx] = idx, torch.rand(2, Hidx, 37, generator=g) > 0.2
         buf = store.buffers
-        dev = KIVIBuffers(*(t.to(device) for t in buf[:8]), buf.bits, buf.group)
+        dev = buffers_on(buf, device)
         to = (lambda t: None if t is None else t.to(device))
         for visible in (vis, None):
             for idx, valid in (None, None), *lists.values():
