@@ -139,6 +139,7 @@ class SlotStore:
         self.v_min = torch.zeros(B, H, D // G, C, dtype=dtype, **z).transpose(-1, -2)
         self.k_ring = torch.zeros(B, H, R, D, dtype=dtype, **z)
         self.v_ring = torch.zeros(B, H, R, D, dtype=dtype, **z)
+        self.slot_words: Optional[tuple[Tensor, Tensor]] = None     # keep_slot_major
         if backend in ("auto", "cpp") and self.k_ring.device.type == "cpu":
             cpu_kernels_available()        # build now, on the host: never inside a compiled region,
             kivi_arith_default()           # and read KVC_KIVI_ARITH (the attention's arithmetic) there too
@@ -155,6 +156,27 @@ class SlotStore:
     def buffers(self) -> KIVIBuffers:
         return KIVIBuffers(self.k_packed, self.k_scale, self.k_min, self.v_packed, self.v_scale, self.v_min,
                            self.k_ring, self.v_ring, self.bits, self.group)
+
+    @property
+    def reader_buffers(self) -> KIVIBuffers:
+        """`buffers` with the slot-major words when kept (`keep_slot_major`): what sparse reads take."""
+        if self.slot_words is None:
+            return self.buffers
+        return self.buffers._replace(k_packed=self.slot_words[0], v_packed=self.slot_words[1])
+
+    def keep_slot_major(self) -> None:
+        """Keep a slot-major copy of the packed words from now on (k, v [B, H, C, W] contiguous; every write
+        refreshes the slots it touched): a sparse read of one slot is then one contiguous read of its W
+        words, where the token-contiguous words cost a cache line per word row (dense reads keep using
+        those).  Idempotent."""
+        if self.slot_words is None:
+            self.slot_words = (self.k_packed.contiguous(), self.v_packed.contiguous())
+
+    def refresh_slot_major(self, row: int) -> None:
+        """Row `row` of the slot-major copy from the words (after the row's buffers were copied in whole)."""
+        if self.slot_words is not None:
+            self.slot_words[0][row].copy_(self.k_packed[row])
+            self.slot_words[1][row].copy_(self.v_packed[row])
 
     def _cpp(self, k: Tensor) -> bool:
         """Whether the C++ write ops take this store (fp32 CPU buffers, D / G <= 16, 16 | D <= 128, G <= 64)."""
@@ -190,6 +212,11 @@ class SlotStore:
             kivi_write_range_cpu(self.buffers, start, k, v, pos, now)
         else:
             self.write_range_torch(start, k, v, pos, now)
+        if self.slot_words is not None:
+            G, end = self.group, start + k.shape[2]
+            a, b = start // G * G, -(-end // G) * G
+            self.slot_words[0][:, :, a:b] = self.k_packed[:, :, a:b]
+            self.slot_words[1][:, :, start:end] = self.v_packed[:, :, start:end]
 
     def write_range_torch(self, start: int, k: Tensor, v: Tensor, pos: Tensor, now: Tensor) -> None:
         """`write_range` in torch ops (the reference, and the path on other devices and dtypes)."""
@@ -227,6 +254,13 @@ class SlotStore:
             kivi_write_cpu(self.buffers, slot, k, v, pos, now, where)
         else:
             self.write_torch(slot, k, v, pos, now, where)
+        if self.slot_words is not None:                 # the slot's key group and its value
+            G, W = self.group, self.k_packed.shape[-1]
+            group = (slot // G * G)[..., None] + torch.arange(G, device=slot.device)          # [B, H, G]
+            for copy, words, at in ((self.slot_words[0], self.k_packed, group), (self.slot_words[1], self.v_packed,
+                                                                                 slot[..., None])):
+                at = at[..., None].expand(-1, -1, -1, W)
+                copy.scatter_(2, at, words.gather(2, at))
 
     def write_torch(self, slot: Tensor, k: Tensor, v: Tensor, pos: Tensor, now: Tensor,
                     where: Optional[Tensor] = None) -> None:
@@ -336,18 +370,19 @@ class SlotStore:
                 + (row(self.k_scale) + row(self.k_min)) // self.group)
 
     def nbytes(self, n: Optional[int] = None) -> int:
-        """Bytes of every buffer, or of what holds slots [0, n): their packed words, scales and
-        minimums (keys: whole groups) and min(n, R) ring rows of K and V."""
+        """Bytes of every buffer, or of what holds slots [0, n): their packed words (and slot-major copies),
+        scales and minimums (keys: whole groups) and min(n, R) ring rows of K and V."""
         bufs = (self.k_packed, self.k_scale, self.k_min, self.v_packed, self.v_scale, self.v_min,
-                self.k_ring, self.v_ring)
+                self.k_ring, self.v_ring) + (self.slot_words or ())
         if n is None:
             return sum(t.numel() * t.element_size() for t in bufs)
 
         def rows(t: Tensor, r: int) -> int:
             return t[:, :, :r].numel() * t.element_size()
         G, ng = self.group, -(-n // self.group)
+        copies = 0 if self.slot_words is None else rows(self.slot_words[0], ng * G) + rows(self.slot_words[1], n)
         return (rows(self.k_packed, ng * G) + rows(self.k_scale, ng) + rows(self.k_min, ng) + rows(self.v_packed, n)
-                + rows(self.v_scale, n) + rows(self.v_min, n) + 2 * rows(self.k_ring, min(n, self.residual)))
+                + rows(self.v_scale, n) + rows(self.v_min, n) + 2 * rows(self.k_ring, min(n, self.residual)) + copies)
 
 
 # ------------------------------------------------------------------------------------ policies

@@ -98,6 +98,19 @@ class InnerStorage:
         slot = self.inner.store(layer, k, v)
         return slot[:, None].expand(-1, k.shape[1]) if isinstance(slot, Tensor) and slot.dim() == 1 else slot
 
+    def keep_slot_major(self, layers: int, row: Optional[int] = None) -> None:
+        """Packed slots on the CPU: have every layer's SlotStore keep its words slot-major too (what `attend`
+        reads: one contiguous read per selected slot; SlotStore.keep_slot_major), and refresh `row`'s copy
+        (after the row was adopted: its words were copied in whole)."""
+        if not self.packed:
+            return
+        for layer in range(layers):
+            store = self.inner.kv_store(layer)[0]
+            if store.k_packed.device.type == "cpu":
+                store.keep_slot_major()
+                if row is not None:
+                    store.refresh_slot_major(row)
+
     def positions(self, layer: int) -> tuple[Tensor, Tensor]:
         """(visible [B, 1 or H_kv, S], pos [B, 1 or H_kv, S]) of the slots readable now."""
         inner = self.inner
@@ -115,7 +128,8 @@ class InnerStorage:
         inner = self.inner
         if self.packed:
             store, pos, now = inner.kv_store(layer)
-            return kivi_attention(q, store.buffers, pos, None, now, pos.shape[2], None, idx, valid, backend=backend)
+            return kivi_attention(q, store.reader_buffers, pos, None, now, pos.shape[2], None, idx, valid,
+                                  backend=backend)
         if self.uniform:
             n = inner.n_filled
             k, v = inner.k[layer][:, :, :n], inner.v[layer][:, :, :n]
@@ -356,6 +370,7 @@ class SparseReader(HeadAgg):
             return
         for layer in range(self.args.n_layers):
             self.build(layer)
+        self.storage_.keep_slot_major(self.args.n_layers)
         self.built = True
 
     def before_decode_step(self, step: int) -> None:
@@ -384,6 +399,7 @@ class SparseReader(HeadAgg):
         if self.admission != "row":
             raise ValueError(f"{self.name} admits whole batches (admission 'batch'): rows cannot join a running batch")
         self.inner.adopt(row, other.inner, other_row)
+        self.storage_.keep_slot_major(self.args.n_layers, row)
         if not self.built:
             self.adopt_decisions(other)
             for layer in range(self.args.n_layers):

@@ -169,11 +169,13 @@ def kivi_attention_torch(q: Tensor, buf: KIVIBuffers, pos: Tensor, visible: Opti
 
 
 def cpp_supported(q: Tensor, buf: KIVIBuffers, dense: bool) -> bool:
-    """Whether the C++ op takes this call (fp32 CPU, D 64/128, G % 8 == 0 (dense: % 16), D / G <= 16)."""
+    """Whether the C++ op takes this call (fp32 CPU, D 64/128, G % 8 == 0 (dense: % 16), D / G <= 16, words
+    token-contiguous or, for sparse reads, slot-major: cache.quantized.SlotStore.reader_buffers)."""
     D, G = q.shape[-1], buf.group
+    kp = buf.k_packed
     return (q.device.type == "cpu" and q.dtype == buf.k_scale.dtype == buf.k_ring.dtype == torch.float32
             and D in (64, 128) and G % (16 if dense else 8) == 0 and D % G == 0 and D // G <= 16
-            and buf.k_packed.stride(2) == 1)
+            and (kp.stride(2) == 1 or (not dense and kp.is_contiguous())))
 
 
 def kivi_attention(q: Tensor, buf: KIVIBuffers, pos: Tensor, visible: Optional[Tensor], now: Tensor, n: int,

@@ -20,7 +20,7 @@ Values (scale s_v, minimum m_v [B, H, ne, NCG], per token over G channels); slot
 the ring contribute e_t v_ring in fp32 and take e_t = 0 below:
     pv  = e_t * s_v[t, c]                                       [B, H, Gq, ne, NCG]  fp32 >= 0
     per (query row, slot group, channel group, lane block: the slots t of the group with t mod 16 in
-    [4 blk, 4 blk + 4), G / 4 slots): b = max_t pv / 255, pw = round(pv * 255 / max_t pv)   uint8
+    [4 blk, 4 blk + 4), G / 4 slots): b = max_t pv * fp32(1 / 255), pw = round(pv * 255 / max_t pv)  uint8
     V_d = sum_{groups, blocks} b[c(d)] * sum_{t in block} pw[t, c(d)] cv[t, d]   (inner sums int32)
     out = (V + sum_t e_t m_v[t, c(d)] + sum_ring e_t v_ring[t]) / l
 The products are u8 x s8 (codes x int8 query; u8 weights x codes): AVX-512 VNNI's vpdpbusd sums four
@@ -151,7 +151,7 @@ def int_values(e: Tensor, buf: KIVIBuffers, ne: int) -> Tensor:
     pw = (pv * _inverse(pmax, WMAX)).round()
     cv = unpack(buf.v_packed[:, :, :ne], bits, -1).view(B, H, 1, ng, VG, 4, 4, -1, G).double()
     sums = (pw.double()[..., None] * cv).sum((4, 6))                              # [B, H, Gq, ng, 4, NCG, G] exact
-    out = (sums * (pmax / WMAX).double()[:, :, :, :, 0, :, 0, :, None]).sum((3, 4))  # [B, H, Gq, NCG, G]
+    out = (sums * (pmax * _f32(1.0 / WMAX)).double()[:, :, :, :, 0, :, 0, :, None]).sum((3, 4))  # [B, H, Gq, NCG, G]
     minimums = (e.double()[..., None] * vm.double()[:, :, None]).sum(3)            # [B, H, Gq, NCG]
     return (out + minimums[..., None]).flatten(-2)
 

@@ -57,7 +57,7 @@ constexpr int64_t AHEAD_SLOTS = 256;   // dense path: slots ahead (1 KiB of one 
 
 // one (batch row, KV head) of the storage: pointers and element strides of its eight buffers
 struct Row {
-  int32_t* kp; int64_t kp_t, kp_w;     // key word w of slot t: kp[t * kp_t + w * kp_w] (kp_t == 1 when read)
+  int32_t* kp; int64_t kp_t, kp_w;     // key word w of slot t: kp[t * kp_t + w * kp_w] (dense reads: kp_t == 1)
   float* ks; float* km; int64_t k_g;   // key scale/min of group g, channel d: ks[g * k_g + d]
   int32_t* vp; int64_t vp_t, vp_w;
   float* vs; float* vm; int64_t v_t, v_c;          // value scale/min of slot t, channel group c: vs[t * v_t + c * v_c]
@@ -178,21 +178,29 @@ static int fold_group(const float* q, const Row& r, int64_t grp, Folded& f) {
   return i;
 }
 
+// whether the 16 slots from t are all visible and out of the value ring (pos <= lo)
+static inline bool plain16(const Row& r, int64_t t, int64_t lo) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i l = _mm512_set1_epi64(lo);
+  if (_mm512_cmpgt_epi64_mask(_mm512_loadu_si512(r.pos + t), l) | _mm512_cmpgt_epi64_mask(_mm512_loadu_si512(r.pos + t + 8), l))
+    return false;
+  return !r.vis || !_mm_cmpeq_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.vis + t)), _mm_setzero_si128());
+#else
+  int any = 0;
+  for (int l = 0; l < L; ++l) any |= r.pos[t + l] > lo;
+  if (r.vis)
+    for (int l = 0; l < L; ++l) any |= !r.vis[t + l];
+  return !any;
+#endif
+}
+
 // slots [t, t + 16) after their packed scores (s[g * npad + t]): -inf past n or invisible; ring
 // slots go to hits, those in the key residual get their scores from the exact ring keys
 template <int GB, int D>
 static void mask_ring(const float* q, const Row& r, int64_t n, int64_t t, float* s, int64_t npad,
                       std::vector<RingHit>& hits) {
   const int64_t lo = std::max<int64_t>(r.now - r.R, -1);     // ring_v(p) <=> p > lo
-  bool slow = t + L > n;
-  if (!slow) {
-    int any = 0;
-    for (int l = 0; l < L; ++l) any |= r.pos[t + l] > lo;
-    if (r.vis)
-      for (int l = 0; l < L; ++l) any |= !r.vis[t + l];
-    slow = any;
-  }
-  if (!slow) return;
+  if (t + L <= n && plain16(r, t, lo)) return;
   for (int64_t u = t; u < t + L; ++u) {
     if (u >= n || (r.vis && !r.vis[u])) {
       for (int g = 0; g < GB; ++g) s[g * npad + u] = -INFINITY;
@@ -432,14 +440,15 @@ template <> struct IV<ARITH_VNNI> {
   IV dot(IV u8, IV s8) const { return {_mm512_dpbusd_epi32(x, u8.x, s8.x)}; }
   v16 to_float() const { const __m512 f = _mm512_cvtepi32_ps(x); return as_v16(&f); }
   static IV round(v16 f) { __m512 m; std::memcpy(&m, &f, 64); return {_mm512_cvtps_epi32(m)}; }
-  // the low bytes of the lanes of r[0 .. n) (n <= 4): lane l of r[j] -> byte 16 j + l (in registers)
-  static v64b low_bytes(const IV* r, int n) {
-    __m512i b = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(r[0].x));
-    if (n > 1) b = _mm512_inserti32x4(b, _mm512_cvtepi32_epi8(r[1].x), 1);
-    if (n > 2) b = _mm512_inserti32x4(b, _mm512_cvtepi32_epi8(r[2].x), 2);
-    if (n > 3) b = _mm512_inserti32x4(b, _mm512_cvtepi32_epi8(r[3].x), 3);
+  // the lanes of r[0 .. 4) as 64 bytes (int8 with SIGNED, else uint8; values in range), lane l of r[k]
+  // at byte 16 (l / 4) + 4 k + l % 4 (pack_pos): the packs work within 128-bit blocks
+  template <bool SIGNED>
+  static v64b pack4(const IV* r) {
+    const __m512i a = SIGNED ? _mm512_packs_epi32(r[0].x, r[1].x) : _mm512_packus_epi32(r[0].x, r[1].x);
+    const __m512i b = SIGNED ? _mm512_packs_epi32(r[2].x, r[3].x) : _mm512_packus_epi32(r[2].x, r[3].x);
+    const __m512i c = SIGNED ? _mm512_packs_epi16(a, b) : _mm512_packus_epi16(a, b);
     v64b out;
-    std::memcpy(&out, &b, 64);
+    std::memcpy(&out, &c, 64);
     return out;
   }
 };
@@ -474,14 +483,18 @@ template <> struct IV<ARITH_AVX2> {
     std::memcpy(m, &f, 64);
     return {_mm256_cvtps_epi32(m[0]), _mm256_cvtps_epi32(m[1])};
   }
-  static v64b low_bytes(const IV* r, int n) {
-    v64b out = {};
-    for (int j = 0; j < n; ++j) {
-      int32_t t[16];
-      std::memcpy(t, &r[j].lo, 32);
-      std::memcpy(t + 8, &r[j].hi, 32);
-      for (int l = 0; l < 16; ++l) out[16 * j + l] = (uint8_t)t[l];
+  template <bool SIGNED>                                   // as IV<ARITH_VNNI>::pack4, per 256-bit half
+  static v64b pack4(const IV* r) {
+    __m256i h[2];
+    for (int k = 0; k < 2; ++k) {
+      const __m256i x0 = k ? r[0].hi : r[0].lo, x1 = k ? r[1].hi : r[1].lo;
+      const __m256i x2 = k ? r[2].hi : r[2].lo, x3 = k ? r[3].hi : r[3].lo;
+      const __m256i a = SIGNED ? _mm256_packs_epi32(x0, x1) : _mm256_packus_epi32(x0, x1);
+      const __m256i b = SIGNED ? _mm256_packs_epi32(x2, x3) : _mm256_packus_epi32(x2, x3);
+      h[k] = SIGNED ? _mm256_packs_epi16(a, b) : _mm256_packus_epi16(a, b);
     }
+    v64b out;
+    std::memcpy(&out, h, 64);
     return out;
   }
 };
@@ -494,6 +507,9 @@ static inline IV<ISA> from_bytes(v64b b) {                     // 64 bytes as 16
   return x;
 }
 
+// where IV::pack4 puts lane l of its source k
+constexpr int pack_pos(int k, int l) { return 16 * (l / 4) + 4 * k + l % 4; }
+
 template <int BITS> constexpr int32_t code_mask() { return BITS == 4 ? 0x0F0F0F0F : 0x03030303; }
 
 // byte (4 i + m) of each 16-byte block <- byte (4 m + i): (4 slots x 4 planes) -> (4 planes x 4 slots)
@@ -504,6 +520,20 @@ static inline IV<ISA> transpose_pattern() {
   return IV<ISA>::load(p);
 }
 
+// lane 4 b of the result: op over the 16 lanes of x[b] (b < GB <= 4), in cpu_vec.h hsum's tree order
+// (lanes l and l + 8, then + 4, + 2, + 1), so a sum equals hsum(x[b]) bit for bit
+template <int GB, typename Op>
+static inline v16 reduce4(const v16* x, Op op) {
+  const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, hi8 = lo8 + 8;
+  const v16i lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}, hi4 = lo4 + 4;
+  const v16 p0 = op(__builtin_shuffle(x[0], x[std::min(1, GB - 1)], lo8), __builtin_shuffle(x[0], x[std::min(1, GB - 1)], hi8));
+  const v16 p1 = GB > 2 ? op(__builtin_shuffle(x[std::min(2, GB - 1)], x[GB - 1], lo8),
+                             __builtin_shuffle(x[std::min(2, GB - 1)], x[GB - 1], hi8)) : p0;
+  v16 y = op(__builtin_shuffle(p0, p1, lo4), __builtin_shuffle(p0, p1, hi4));   // lanes 4 b .. 4 b + 3: row b
+  y = op(y, __builtin_shuffle(y, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  return op(y, __builtin_shuffle(y, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+}
+
 // one key group folded into GB query rows: qw[g][w * E + sh] = the int8 bytes k = 0..3 of
 // round(q s_k * 127 / max|q s_k|) for channels (E k + sh) W + w; a[g] = max|q s_k| / 127; z[g] = q . m_k
 template <int BITS, int GB, int D>
@@ -512,11 +542,11 @@ struct IntFold {
   int64_t grp = -1;
   alignas(64) int32_t qw[GB][D / 4];
   float a[GB], z[GB];
-  v64b perm[NB];                       // byte i of qw <- byte perm[i] of the channel-order int8 query
+  v64b perm[NB];                       // byte i of qw <- byte perm[i] of the packed int8 query (IV::pack4)
   IntFold() {
     for (int i = 0; i < D; ++i) {      // i = (w E + sh) 4 + k
-      const int k = i % 4, w = i / 4 / E, sh = i / 4 % E;
-      perm[i / 64][i % 64] = (uint8_t)((E * k + sh) * W + w);
+      const int k = i % 4, w = i / 4 / E, sh = i / 4 % E, ch = (E * k + sh) * W + w;
+      perm[i / 64][i % 64] = (uint8_t)(64 * (ch / 64) + pack_pos(ch / 16 % 4, ch % 16));
     }
   }
   template <int ISA>
@@ -524,20 +554,29 @@ struct IntFold {
     if (g == grp) return;
     grp = g;
     const float* ks = r.ks + g * r.k_g;
+    const float* km = r.km + g * r.k_g;
+    v16 qs[GB][D / L], mx[GB], zs[GB];
     for (int b = 0; b < GB; ++b) {
-      v16 qs[D / L], mx = {};
+      mx[b] = zs[b] = v16{};
       for (int c = 0; c < D / L; ++c) {
-        qs[c] = load16(q + b * D + c * L) * load16(ks + c * L);
-        const v16 ab = qs[c] < 0.f ? -qs[c] : qs[c];
-        mx = ab > mx ? ab : mx;
+        const v16 qv = load16(q + b * D + c * L);
+        qs[b][c] = qv * load16(ks + c * L);
+        const v16 ab = qs[b][c] < 0.f ? -qs[b][c] : qs[b][c];
+        mx[b] = ab > mx[b] ? ab : mx[b];
+        zs[b] += qv * load16(km + c * L);
       }
-      const float amax = hmax(mx);
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      a[b] = amax / 127.f;
+    }
+    const v16 zero = {}, one = zero + 1.f;
+    const v16 amax = reduce4<GB>(mx, [](v16 x, v16 y) { return y > x ? y : x; });   // lane 4 b: row b
+    const v16 zb = reduce4<GB>(zs, [](v16 x, v16 y) { return x + y; });
+    const v16 inv = amax > zero ? 127.f / (amax > zero ? amax : one) : zero, ab = amax / 127.f;
+    for (int b = 0; b < GB; ++b) {
+      a[b] = ab[4 * b];
+      z[b] = zb[4 * b];
       IV<ISA> qi[D / L];
-      for (int c = 0; c < D / L; ++c) qi[c] = IV<ISA>::round(qs[c] * inv);
+      for (int c = 0; c < D / L; ++c) qi[c] = IV<ISA>::round(qs[b][c] * inv[4 * b]);
       v64b src[NB], dst[NB];
-      for (int k = 0; k < NB; ++k) src[k] = IV<ISA>::low_bytes(qi + 4 * k, 4);
+      for (int k = 0; k < NB; ++k) src[k] = IV<ISA>::template pack4<true>(qi + 4 * k);
       if constexpr (NB == 1) {
         dst[0] = __builtin_shuffle(src[0], perm[0]);
       } else {
@@ -545,7 +584,6 @@ struct IntFold {
         dst[1] = __builtin_shuffle(src[0], src[1], perm[1]);
       }
       std::memcpy(qw[b], dst, D);
-      z[b] = dot(q + b * D, r.km + g * r.k_g, D);
     }
   }
 };
@@ -623,29 +661,49 @@ static void dense_scores_int(const float* q, const Row& r, int64_t n, int64_t np
 
 constexpr int64_t CHI = 256;           // integer value chunk: slots whose u8 weights stay in L1
 
-// lane tables of the transposed value layout, shift sh: lane (blk, i) = 4 blk + i holds channel plane
-// E i + sh of slots 4 blk .. 4 blk + 3; wsel: its 4 weight bytes, cidx: its channel group c
-template <int BITS, int D>
+// lane tables of the value pass, G slots a group (VG = G / 16 vectors), NCG = D / G channel groups.
+// The transposed layout, shift sh: lane l = (blk, i) = 4 blk + i holds channel plane E i + sh of the
+// slots 4 blk .. 4 blk + 3 (of each 16), channel group c(l) = (E i + sh) W / G.  The block maxima of
+// a (row, slot group) are packed 4 channel groups a vector: lane 4 c' + blk of vector c / 4 (c' = c % 4).
+//   wsel: byte 4 l + m of the weights' bytes (slot 4 blk + m, channel group c(l)): with NCG <= 2 byte
+//         4 (4 blk + m) of the int32 codes of group c (two sources of 64 bytes), else where IV::pack4 of
+//         groups 4 (c / 4) .. puts it
+//   bsel: lane l <- lane 4 c(l) + blk of the packed scales (two sources: vectors 0 and NQ - 1)
+//   isel: per channel group c, lane l <- lane 4 c' + l / 4 (its inverse maxima by slot lane)
+template <int BITS, int D, int G>
 struct ValueLanes {
-  static constexpr int E = 8 / BITS, W = D * BITS / 32;
-  v64b wsel[E];                        // byte 4 l + m <- byte c 16 + 4 blk + m of the weights' bytes (c * 16 + slot)
-  v16i cidx[E];
-  explicit ValueLanes(int G) {
+  static constexpr int E = 8 / BITS, W = D * BITS / 32, NCG = D / G, VG = G / L, NQ = (NCG + 3) / 4;
+  static_assert(G % L == 0 && NCG <= 8, "ValueLanes: G % 16 == 0, D / G <= 8");
+  v64b wsel[E];
+  v16i bsel[E], isel[NCG];
+  ValueLanes() {
     for (int sh = 0; sh < E; ++sh)
       for (int l = 0; l < 16; ++l) {
         const int blk = l / 4, i = l % 4, c = (E * i + sh) * W / G;
-        for (int m = 0; m < 4; ++m) wsel[sh][4 * l + m] = (uint8_t)(c * 16 + 4 * blk + m);
-        cidx[sh][l] = c;
+        for (int m = 0; m < 4; ++m)
+          wsel[sh][4 * l + m] = (uint8_t)(NCG <= 2 ? 64 * c + 4 * (4 * blk + m) : 64 * (c / 4) + pack_pos(c % 4, 4 * blk + m));
+        bsel[sh][l] = 4 * c + blk;
       }
+    for (int c = 0; c < NCG; ++c)
+      for (int l = 0; l < 16; ++l) isel[c][l] = 4 * (c % 4) + l / 4;
   }
 };
 
-// each lane: the largest of its 4-lane block (lanes 4 blk .. 4 blk + 3)
-static inline v16 block_max(v16 x) {
-  v16 y = __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  x = y > x ? y : x;
-  y = __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+// lane k < 8: max of a's lanes 2k, 2k + 1; lane 8 + k: of b's
+static inline v16 pair_max(v16 a, v16 b) {
+  const v16 x = __builtin_shuffle(a, b, (v16i){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30});
+  const v16 y = __builtin_shuffle(a, b, (v16i){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
   return y > x ? y : x;
+}
+
+// the block maxima of mx[c] (lane by slot lane, c < NCG) packed: lane 4 c' + blk of q[c / 4] = the
+// largest of lanes 4 blk .. 4 blk + 3 of mx[c]
+template <int NCG>
+static inline void packed_block_max(const v16* mx, v16* q) {
+  constexpr int NP = (NCG + 1) / 2;
+  v16 p[4];
+  for (int k = 0; k < NP; ++k) p[k] = pair_max(mx[2 * k], mx[std::min(2 * k + 1, NCG - 1)]);
+  for (int k = 0; k < (NP + 1) / 2; ++k) q[k] = pair_max(p[2 * k], p[std::min(2 * k + 1, NP - 1)]);
 }
 
 // weights of the chunk [t0, t0 + len) (whole slot groups): e = exp(s - m) summed into lsum, zc[g * NCG + c]
@@ -653,45 +711,51 @@ static inline v16 block_max(v16 x) {
 // t % 16 in [4 blk, 4 blk + 4), which the value pass sums in one int32 lane) the u8 weights
 // round(e s_v * 255 / max) in the value pass's layout, wq[(v GB + g) E + sh] (v: the chunk's 16-slot
 // vector), and their scales bq[(j GB + g) E + sh] (lane (blk, i): max / 255 of its block and channel group)
-template <int ISA, int BITS, int GB, int D>
+template <int ISA, int BITS, int GB, int D, int G>
 static void chunk_weights_int(const Row& r, const float* s, int64_t npad, const float* m, int64_t t0, int64_t len,
-                              const ValueLanes<BITS, D>& vl, IV<ISA>* wq, v16* bq, v16* lsum, v16* zc) {
+                              const ValueLanes<BITS, D, G>& vl, IV<ISA>* wq, v16* bq, v16* lsum, v16* zc) {
   using V = IV<ISA>;
-  constexpr int E = 8 / BITS;
-  const int G = r.G, VG = G / L, NCG = D / G;
-  const int64_t ngc = len / G;
-  for (int64_t j = 0; j < ngc; ++j) {
+  using VL = ValueLanes<BITS, D, G>;
+  constexpr int E = VL::E, VG = VL::VG, NCG = VL::NCG, NQ = VL::NQ;
+  const v16 zero = {}, one = zero + 1.f;
+  for (int64_t j = 0; j < len / G; ++j) {
     const int64_t tj = t0 + j * G;
     for (int g = 0; g < GB; ++g) {
-      v16 pv[8], mx[8];                                       // NCG * VG = D / 16 <= 8
-      for (int c = 0; c < NCG; ++c) mx[c] = v16{};
+      v16 pv[NCG][VG], mx[NCG] = {};
       for (int v = 0; v < VG; ++v) {
         const int64_t t = tj + v * L;
         const v16 e = vexp(load16(s + g * npad + t) - m[g]);
         lsum[g] += e;
         for (int c = 0; c < NCG; ++c) {
-          const v16 p = e * load16(r.vs + c * r.v_c + t);
-          pv[c * VG + v] = p;
-          mx[c] = p > mx[c] ? p : mx[c];
+          if (g == 0) {
+            __builtin_prefetch(r.vs + c * r.v_c + t + AHEAD_SLOTS);
+            __builtin_prefetch(r.vm + c * r.v_c + t + AHEAD_SLOTS);
+          }
+          pv[c][v] = e * load16(r.vs + c * r.v_c + t);
+          mx[c] = pv[c][v] > mx[c] ? pv[c][v] : mx[c];
           zc[g * NCG + c] += e * load16(r.vm + c * r.v_c + t);
         }
       }
-      v16 bt[8], inv[8];                                      // per channel group, lanes by block
-      const v16 zero = {}, one = zero + 1.f;
-      for (int c = 0; c < NCG; ++c) {
-        const v16 pmax = block_max(mx[c]);
-        inv[c] = pmax > zero ? 255.f / (pmax > zero ? pmax : one) : zero;
-        bt[c] = pmax / 255.f;
+      v16 pmax[NQ], inv[NQ], bt[NQ];                          // packed block maxima (ValueLanes)
+      packed_block_max<NCG>(mx, pmax);
+      for (int k = 0; k < NQ; ++k) {
+        inv[k] = pmax[k] > zero ? 255.f / (pmax[k] > zero ? pmax[k] : one) : zero;
+        bt[k] = pmax[k] * (1.f / 255.f);
       }
-      for (int sh = 0; sh < E; ++sh) {
-        v16 b = bt[0];
-        for (int c = 1; c < NCG; ++c) b = vl.cidx[sh] == c ? bt[c] : b;
-        bq[(j * GB + g) * E + sh] = b;
-      }
-      for (int v = 0; v < VG; ++v) {                          // the weights' bytes c * 16 + slot, in registers
-        V rc[8];
-        for (int c = 0; c < NCG; ++c) rc[c] = V::round(pv[c * VG + v] * inv[c]);
-        const v64b lo = V::low_bytes(rc, std::min(NCG, 4)), hi = NCG > 4 ? V::low_bytes(rc + 4, NCG - 4) : lo;
+      for (int sh = 0; sh < E; ++sh) bq[(j * GB + g) * E + sh] = __builtin_shuffle(bt[0], bt[NQ - 1], vl.bsel[sh]);
+      for (int v = 0; v < VG; ++v) {
+        V rc[NCG];
+        for (int c = 0; c < NCG; ++c) rc[c] = V::round(pv[c][v] * __builtin_shuffle(inv[c / 4], vl.isel[c]));
+        v64b lo, hi;
+        if constexpr (NCG <= 2) {                             // the int32 codes' bytes, two sources
+          std::memcpy(&lo, &rc[0], 64);
+          std::memcpy(&hi, &rc[NCG - 1], 64);
+        } else {
+          V r4[8];
+          for (int c = 0; c < 8; ++c) r4[c] = rc[std::min(c, NCG - 1)];
+          lo = V::template pack4<false>(r4);
+          hi = V::template pack4<false>(r4 + 4);
+        }
         for (int sh = 0; sh < E; ++sh)
           wq[((j * VG + v) * GB + g) * E + sh] = from_bytes<ISA>(__builtin_shuffle(lo, hi, vl.wsel[sh]));
       }
@@ -700,29 +764,28 @@ static void chunk_weights_int(const Row& r, const float* s, int64_t npad, const 
 }
 
 // acc[g * D + d] += the chunk's packed values weighted by the u8 weights of chunk_weights_int (not inlined,
-// as int_sweep)
-template <int ISA, int BITS, int GB, int D>
-__attribute__((noinline)) static void chunk_values_int(const Row& r, int64_t t0, int64_t len, const IV<ISA>* wq, const v16* bq, float* acc) {
+// as int_sweep).  The byte transpose commutes with the per-byte shift and mask, so it runs once a word
+template <int ISA, int BITS, int GB, int D, int G>
+__attribute__((noinline)) static void chunk_values_int(const Row& r, int64_t t0, int64_t len, const IV<ISA>* wq,
+                                                       const v16* bq, float* acc) {
   using V = IV<ISA>;
-  constexpr int E = 8 / BITS, W = D * BITS / 32;
-  const int VG = r.G / L;
-  const int64_t ngc = len / r.G;
+  constexpr int E = 8 / BITS, W = D * BITS / 32, VG = G / L;
   const V mask = V::set1(code_mask<BITS>()), tr = transpose_pattern<ISA>();
   for (int w = 0; w < W; ++w) {
     const int32_t* vw = r.vp + w * r.vp_w + t0;
     v16 fa[GB][E] = {};
-    for (int64_t j = 0; j < ngc; ++j) {
+    for (int64_t j = 0; j < len / G; ++j) {
       V ia[GB][E];
       for (int g = 0; g < GB; ++g)
         for (int sh = 0; sh < E; ++sh) ia[g][sh] = V::zero();
       for (int v = 0; v < VG; ++v) {
         const int64_t vi = j * VG + v;
         __builtin_prefetch(vw + vi * L + AHEAD_SLOTS);
-        const V x = V::load(vw + vi * L);
+        const V x = V::load(vw + vi * L).bytes(tr);
         const V* wv = wq + vi * GB * E;
 #pragma GCC unroll 4
         for (int sh = 0; sh < E; ++sh) {
-          const V c = (x.srl(BITS * sh) & mask).bytes(tr);
+          const V c = x.srl(BITS * sh) & mask;
           for (int g = 0; g < GB; ++g) ia[g][sh] = ia[g][sh].dot(wv[g * E + sh], c);
         }
       }
@@ -736,10 +799,9 @@ __attribute__((noinline)) static void chunk_values_int(const Row& r, int64_t t0,
   }
 }
 
-template <int ISA, int BITS, int GB, int D>
+template <int ISA, int BITS, int GB, int D, int G>
 static void dense_rows_int(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
-  constexpr int E = 8 / BITS;
-  const int G = r.G, NCG = D / G;
+  constexpr int E = 8 / BITS, NCG = D / G;
   const int64_t npad = (n + G - 1) / G * G;                  // whole slot groups
   work.resize(GB * npad + GB * D);
   float* s = work.data();
@@ -750,14 +812,14 @@ static void dense_rows_int(const float* q, const Row& r, int64_t n, std::vector<
   dense_scores_int<ISA, BITS, GB, D>(q, r, n, npad, s, m, hits);
   std::vector<float> ring_p;
   take_ring_weights<GB>(hits, s, npad, m, ring_p, lring);
-  const ValueLanes<BITS, D> vl(G);
+  const ValueLanes<BITS, D, G> vl;
   std::vector<IV<ISA>> wq(GB * E * (CHI / L));
   std::vector<v16> bq(GB * E * (CHI / G));
-  v16 lsum[GB] = {}, zc[GB * 8] = {};
+  v16 lsum[GB] = {}, zc[GB * NCG] = {};
   for (int64_t t0 = 0; t0 < npad; t0 += CHI) {
     const int64_t len = std::min(CHI, npad - t0);
-    chunk_weights_int<ISA, BITS, GB, D>(r, s, npad, m, t0, len, vl, wq.data(), bq.data(), lsum, zc);
-    chunk_values_int<ISA, BITS, GB, D>(r, t0, len, wq.data(), bq.data(), acc);
+    chunk_weights_int<ISA, BITS, GB, D, G>(r, s, npad, m, t0, len, vl, wq.data(), bq.data(), lsum, zc);
+    chunk_values_int<ISA, BITS, GB, D, G>(r, t0, len, wq.data(), bq.data(), acc);
   }
   for (int g = 0; g < GB; ++g) {
     float* og = out + g * D;
@@ -766,10 +828,20 @@ static void dense_rows_int(const float* q, const Row& r, int64_t n, std::vector<
   }
 }
 
+// D and G as template parameters (G % 16 == 0 and G | D: the op and SlotStore check)
 template <int ISA, int BITS, int GB>
 static void dense_rows_int_d(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
-  if (r.D == 64) dense_rows_int<ISA, BITS, GB, 64>(q, r, n, work, out);
-  else dense_rows_int<ISA, BITS, GB, 128>(q, r, n, work, out);
+  switch (r.D * 1000 + r.G) {
+    case 64016: return dense_rows_int<ISA, BITS, GB, 64, 16>(q, r, n, work, out);
+    case 64032: return dense_rows_int<ISA, BITS, GB, 64, 32>(q, r, n, work, out);
+    case 64064: return dense_rows_int<ISA, BITS, GB, 64, 64>(q, r, n, work, out);
+    case 128016: return dense_rows_int<ISA, BITS, GB, 128, 16>(q, r, n, work, out);
+    case 128032: return dense_rows_int<ISA, BITS, GB, 128, 32>(q, r, n, work, out);
+    case 128064: return dense_rows_int<ISA, BITS, GB, 128, 64>(q, r, n, work, out);
+    case 128128: return dense_rows_int<ISA, BITS, GB, 128, 128>(q, r, n, work, out);
+  }
+  TORCH_CHECK(false, "kvc::kivi_attention: integer arithmetic needs D 64 or 128 and G 16, 32, 64 or D, got D ", r.D,
+              ", G ", r.G);
 }
 
 // the integer dense read in the arithmetic r.arith names (built: checked by the op)
@@ -867,7 +939,8 @@ struct SlotLanes {
   v16i wix[NW];                        // word vector k, lane l: offset of word (16k + l) % W
   v16i shift[DV];                      // vector c, lane l: shift of channel 16c + l
   v16i vix[DV];                        // vector c, lane l: offset of channel 16c + l's value scale
-  SlotLanes(const Row& r) {
+  int64_t step;                        // slot stride of the words (1: token-contiguous; W: slot-major)
+  SlotLanes(const Row& r) : step(r.kp_t) {
     for (int k = 0; k < NW; ++k)
       for (int l = 0; l < L; ++l) wix[k][l] = (int)(((k * L + l) % W) * r.kp_w);
     for (int c = 0; c < DV; ++c)
@@ -879,7 +952,7 @@ struct SlotLanes {
   // the D codes of slot t of words p (k_packed or v_packed), channel order, as floats
   void codes_of(const int32_t* p, int64_t t, v16* out) const {
     v16i wv[NW];
-    for (int k = 0; k < NW; ++k) wv[k] = slot_words<std::min(W, L)>(p + t, wix[k]);
+    for (int k = 0; k < NW; ++k) wv[k] = slot_words<std::min(W, L)>(p + t * step, wix[k]);
     for (int c = 0; c < DV; ++c) out[c] = codes<BITS>(wv[c % NW], shift[c]);
   }
   // the value scale (row vs) or minimum (row vm) of slot t for the channels of vector c: one
@@ -894,22 +967,26 @@ static inline bool readable(const Row& r, const int64_t* il, const bool* vl, int
   return (!vl || vl[i]) && (!r.vis || r.vis[il[i]]);
 }
 
-static inline void prefetch_lines(const void* p, int64_t bytes) {
+// always_inline, here and in prefetch_ahead: GCC's IPA takes a function whose only effects are prefetches
+// for pure and deletes its calls (the sparse path ran without a single prefetch until 2026-11-26)
+__attribute__((always_inline)) static inline void prefetch_lines(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)p + o);
 }
 
-// prefetches for the entry AHEAD on: its words (one line per word row) when it starts a new line of
-// 16 slots, and, for keys, its group's scale and minimum when it starts a new group; for values, its
-// scales and minimums (one line per value group)
+// prefetches for the entry AHEAD on: its words (slot-major: the slot's own line; token-contiguous: one
+// line per word row when it starts a new line of 16 slots), and, for keys, its group's scale and
+// minimum when it starts a new group; for values, its scales and minimums (one line per value group)
 template <int BITS, int D, bool KEYS>
-static inline void prefetch_ahead(const Row& r, const SlotLanes<BITS, D>& ln, const int64_t* il,
+__attribute__((always_inline)) static inline void prefetch_ahead(const Row& r, const SlotLanes<BITS, D>& ln, const int64_t* il,
                                   const bool* vl, int64_t i, int64_t N) {
   const int64_t a = i + AHEAD;
   if (a >= N || (vl && !vl[a])) return;
   const int64_t t = il[a], before = il[a - 1];
+  const int32_t* p = KEYS ? r.kp : r.vp;
+  if (ln.step > 1) prefetch_lines(p + t * ln.step, ln.W * sizeof(int32_t));   // slot-major: the slot's own words
   if ((t >> 4) != (before >> 4)) {
-    const int32_t* p = KEYS ? r.kp : r.vp;
-    for (int w = 0; w < ln.W; ++w) __builtin_prefetch(p + ln.wix[w / L][w % L] + t);
+    if (ln.step == 1)
+      for (int w = 0; w < ln.W; ++w) __builtin_prefetch(p + ln.wix[w / L][w % L] + t);
     if (!KEYS)
       for (int c = 0; c < D / r.G; ++c) {
         __builtin_prefetch(r.vs + c * r.v_c + t);
@@ -1086,14 +1163,16 @@ torch::Tensor kivi_attention(torch::Tensor q, torch::Tensor k_packed, torch::Ten
   const std::vector<torch::Tensor> bufs = {k_packed, k_scale, k_min, v_packed, v_scale, v_min, k_ring, v_ring};
   check_buffers(bufs, pos, now);
   TORCH_CHECK(q.dim() == 3 && q.dtype() == torch::kFloat, "kvc::kivi_attention: q must be fp32 [B, Hq, D]");
-  TORCH_CHECK(k_packed.stride(2) == 1 && v_scale.stride(2) == 1,
-              "kvc::kivi_attention: packed words and value scales must be token-contiguous");
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "kvc::kivi_attention: bits 2, 4 or 8");
   q = q.contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), H = k_packed.size(1), G = group, Gq = Hq / H;
   TORCH_CHECK(D == 64 || D == 128, "kvc::kivi_attention: head_dim 64 or 128");
   TORCH_CHECK(G % 8 == 0 && D % G == 0 && D / G <= 16, "kvc::kivi_attention: group must divide D, G % 8 == 0");
   const bool sparse = idx.numel() > 0;
+  const bool slot_major = k_packed.stride(3) == 1 && k_packed.stride(2) == k_packed.size(3);
+  TORCH_CHECK((k_packed.stride(2) == 1 || (sparse && slot_major)) && v_scale.stride(2) == 1,
+              "kvc::kivi_attention: packed words must be token-contiguous (or, for sparse reads, slot-major) and "
+              "value scales token-contiguous");
   TORCH_CHECK(sparse || G % L == 0, "kvc::kivi_attention: the dense path needs group % 16 == 0");
   const int64_t Hidx = sparse ? idx.size(1) : H, N = sparse ? idx.size(2) : 0;
   TORCH_CHECK(!sparse || D * bits / 32 * k_packed.stride(3) < INT32_MAX,
@@ -1343,3 +1422,4 @@ TORCH_LIBRARY_IMPL(kvc, CPU, m) {
   m.impl("kivi_write", &kivi_write);
   m.impl("kivi_write_range", &kivi_write_range);
 }
+

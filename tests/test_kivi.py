@@ -372,6 +372,8 @@ def test_sparse_readers_over_packed_storage(storage, reader, args, tmp_path):
     policy.record_reads = True
     got = greedy_logits(model, policy, tokens, pos)
     assert policy.storage_.packed and policy.describe()["inner"]["kv_bits"] == 4
+    stores = [policy.inner.kv_store(layer)[0] for layer in range(model.args.n_layers)]
+    assert all(s.slot_words is not None for s in stores)        # on the CPU the reads take slot-major words
     tail = getattr(policy, "a", 1) - 1               # hshare's reuse steps add the tokens since the select step
     assert all(12 <= len(head) <= 12 + tail for row in policy.read_positions(1) for head in row)
     wide = make_policy(name, sparse)

@@ -26,7 +26,7 @@ from model import grouped_attention  # noqa: E402
 
 ARITHS = ["vnni", "avx2"]
 CASES = [(bits, D, G, R) for bits in (4, 2)
-         for D, G, R in ((64, 32, 128), (64, 16, 32), (128, 32, 64), (64, 64, 64), (128, 128, 128))]
+         for D, G, R in ((64, 32, 128), (64, 16, 32), (128, 32, 64), (128, 16, 32), (64, 64, 64), (128, 128, 128))]
 
 
 def run_int(arith, q, store, pos, visible, now, n):

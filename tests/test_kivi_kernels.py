@@ -170,6 +170,45 @@ def test_cpp_writes_equal_torch_bit_for_bit(bits, D, G, R):
     assert all(torch.equal(a, b) for a, b in zip(store.buffers[:8], twin.buffers[:8]))
 
 
+@pytest.mark.parametrize("backend", [pytest.param("cpp", marks=cpp), "torch"])
+@pytest.mark.parametrize("bits,D,G,R", [(4, 64, 32, 64), (2, 128, 16, 32), (8, 64, 32, 32)])
+def test_slot_major_copy_follows_every_write_and_reads_the_same(backend, bits, D, G, R):
+    """SlotStore.keep_slot_major: after slot writes (old, residual and empty slots, `where` masks) and a
+    prompt chunk, through the C++ writes or the torch ones, the copy equals the words slot by slot, and a
+    sparse read of reader_buffers equals one of buffers (the C++ op reads the copy in place); a row copied
+    in whole is refreshed by refresh_slot_major."""
+    store, pos, now, g = random_store(2, 3, D, 70, bits, G, R, seed=bits, evict=True)
+    store.backend = backend
+    store.keep_slot_major()
+    B, H, S = pos.shape
+
+    def same_words():
+        return all(torch.equal(c, w.contiguous()) for c, w in zip(store.slot_words, (store.k_packed, store.v_packed)))
+    for step in range(12):
+        now = now + 1
+        slot = torch.randint(0, S, (B, H), generator=g)
+        pos.scatter_(2, slot[..., None], now[:, None, None].expand(B, H, 1))
+        k, v = torch.randn(2, B, H, 1, D, generator=g) * 3
+        store.write(slot, k, v, pos, now, torch.rand(B, H, generator=g) > 0.3 if step % 2 else None)
+        assert same_words()
+    start, T = 5, 40
+    pos[..., start:start + T] = torch.arange(start, start + T)
+    now = torch.full((B,), start + T - 1)
+    k, v = torch.randn(2, B, H, T, D, generator=g)
+    store.write_range(start, k, v, pos, now)
+    assert same_words()
+    assert store.reader_buffers.k_packed.is_contiguous() and store.buffers.k_packed.stride(2) == 1
+    q = torch.randn(B, 9, 1, D, generator=g)
+    idx = torch.stack([torch.randperm(S - 2 * G, generator=g)[:50].sort().values for _ in range(B * H)]).view(B, H, 50)
+    valid = torch.rand(B, H, 50, generator=g) > 0.1
+    ref = kivi_attention_torch(q, store.buffers, pos, None, now, S, idx=idx, valid=valid)
+    out = kivi_attention(q, store.reader_buffers, pos, None, now, S, idx=idx, valid=valid, backend=backend)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    store.k_packed[1].copy_(torch.randint_like(store.k_packed[1], 0, 2 ** 31 - 1))
+    store.refresh_slot_major(1)
+    assert same_words()
+
+
 def buffers_on(buf, device: str):
     """KIVIBuffers `buf` with its tensors moved to `device` (strides kept)."""
     from kernels.kivi_attention import KIVIBuffers
