@@ -250,10 +250,10 @@ class SlotStore:
         position); where [B, H] bool: write only there (elsewhere nothing changes, not even a
         requantization).  Requantizes the slot's key group (module docstring).  On fp32 CPU storage
         the C++ twin does it (kernels/kivi_kernels.cpp, bit for bit), else `write_torch`."""
-        if self._cpp(k):
-            kivi_write_cpu(self.buffers, slot, k, v, pos, now, where)
-        else:
-            self.write_torch(slot, k, v, pos, now, where)
+        if self._cpp(k):                                # (the C++ write refreshes the slot-major copy too)
+            kivi_write_cpu(self.buffers, slot, k, v, pos, now, where, self.slot_words)
+            return
+        self.write_torch(slot, k, v, pos, now, where)
         if self.slot_words is not None:                 # the slot's key group and its value
             G, W = self.group, self.k_packed.shape[-1]
             group = (slot // G * G)[..., None] + torch.arange(G, device=slot.device)          # [B, H, G]

@@ -381,14 +381,17 @@ def kivi_attention_cpu(q: Tensor, buf, pos: Tensor, visible: Optional[Tensor], n
 
 
 def kivi_write_cpu(buf, slot: Tensor, k: Tensor, v: Tensor, pos: Tensor, now: Tensor,
-                   where: Optional[Tensor] = None) -> None:
-    """The C++ twin of cache.quantized.SlotStore.write (bit for bit): k, v [B, H, 1, D] into slot [B, H]."""
+                   where: Optional[Tensor] = None, copies: Optional[tuple[Tensor, Tensor]] = None) -> None:
+    """The C++ twin of cache.quantized.SlotStore.write (bit for bit): k, v [B, H, 1, D] into slot [B, H];
+    copies: the store's slot-major words (SlotStore.keep_slot_major), written alongside."""
     B, H, _, D = k.shape
     no_where = torch.empty(0, dtype=torch.bool, device=k.device)
+    none = torch.empty(0, dtype=torch.int32, device=k.device)
+    k_copy, v_copy = copies if copies is not None else (none, none)
     torch.ops.kvc.kivi_write(buf.k_packed, buf.k_scale, buf.k_min, buf.v_packed, buf.v_scale, buf.v_min,
                              buf.k_ring, buf.v_ring, slot.long().contiguous(), k.reshape(B, H, D).float().contiguous(),
                              v.reshape(B, H, D).float().contiguous(), _unit_stride_rows(pos), now.contiguous(),
-                             no_where if where is None else where.contiguous(), buf.bits, buf.group)
+                             no_where if where is None else where.contiguous(), buf.bits, buf.group, k_copy, v_copy)
 
 
 def kivi_write_range_cpu(buf, start: int, k: Tensor, v: Tensor, pos: Tensor, now: Tensor) -> None:

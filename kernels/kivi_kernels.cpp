@@ -62,6 +62,7 @@ struct Row {
   int32_t* vp; int64_t vp_t, vp_w;
   float* vs; float* vm; int64_t v_t, v_c;          // value scale/min of slot t, channel group c: vs[t * v_t + c * v_c]
   float* kr; float* vr; int64_t r_row; // ring row r: kr + r * r_row
+  int32_t* kc = nullptr; int32_t* vc = nullptr;    // writes: slot-major copies of the words (word w of slot t: kc[t W + w])
   const int64_t* pos; const bool* vis;             // per slot (vis may be null)
   int64_t now, R, kfrom;                           // kfrom: first position of the key residual
   int bits, G, D;
@@ -1305,6 +1306,7 @@ static void requant_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_
   for (int i = 0; i < G; ++i) {                               // (v + magic) - magic rounds half to even
     if (!(counted >> i & 1)) {
       for (int w = 0; w < W; ++w) r.kp[(g0 + i) * r.kp_t + w * r.kp_w] = 0;
+      if (r.kc) std::fill(r.kc + (g0 + i) * W, r.kc + (g0 + i + 1) * W, 0);
       continue;
     }
     int32_t c[128];
@@ -1320,6 +1322,7 @@ static void requant_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_
     for (int j = 0; j < P; ++j)                               // word w holds channels j * W + w
       for (int w = 0; w < W; ++w) words[w] |= (uint32_t)c[j * W + w] << (bits * j);
     for (int w = 0; w < W; ++w) r.kp[(g0 + i) * r.kp_t + w * r.kp_w] = (int32_t)words[w];
+    if (r.kc) std::memcpy(r.kc + (g0 + i) * W, words, W * sizeof(int32_t));
   }
 }
 
@@ -1339,6 +1342,7 @@ static void write_value(const Row& r, int64_t t, int64_t S, const float* k, cons
     uint32_t word = 0;
     for (int j = 0; j < P; ++j) word |= code_of(v[j * W + w], qv[(j * W + w) / G], bits) << (bits * j);
     r.vp[t * r.vp_t + w * r.vp_w] = (int32_t)word;
+    if (r.vc) r.vc[t * W + w] = (int32_t)word;
   }
   const int64_t p = t < S ? r.pos[t] : -1;
   if (r.ring_v(p))
@@ -1363,10 +1367,14 @@ static void check_write(const std::vector<torch::Tensor>& bufs, const torch::Ten
 void kivi_write(torch::Tensor k_packed, torch::Tensor k_scale, torch::Tensor k_min, torch::Tensor v_packed,
                 torch::Tensor v_scale, torch::Tensor v_min, torch::Tensor k_ring, torch::Tensor v_ring,
                 torch::Tensor slot, torch::Tensor k, torch::Tensor v, torch::Tensor pos, torch::Tensor now,
-                torch::Tensor where, int64_t bits, int64_t group) {
+                torch::Tensor where, int64_t bits, int64_t group, torch::Tensor k_copy, torch::Tensor v_copy) {
   const std::vector<torch::Tensor> bufs = {k_packed, k_scale, k_min, v_packed, v_scale, v_min, k_ring, v_ring};
   check_write(bufs, pos, now, k, v, bits, group);
   TORCH_CHECK(k.dim() == 3 && slot.is_contiguous() && slot.dtype() == torch::kLong, "kvc::kivi_write: slot [B, H] long");
+  const bool copies = k_copy.numel() > 0;
+  TORCH_CHECK(!copies || (k_copy.is_contiguous() && v_copy.is_contiguous() && k_copy.sizes() == k_packed.sizes()
+                          && v_copy.sizes() == v_packed.sizes() && k_copy.dtype() == torch::kInt),
+              "kvc::kivi_write: slot-major copies must be contiguous int32 like the words (or empty)");
   const int64_t B = k.size(0), H = k.size(1), D = k.size(2), S = pos.size(2);
   const bool has_where = where.numel() > 0;
   TORCH_CHECK(!has_where || (where.is_contiguous() && where.dtype() == torch::kBool), "where must be bool [B, H]");
@@ -1375,7 +1383,11 @@ void kivi_write(torch::Tensor k_packed, torch::Tensor k_scale, torch::Tensor k_m
   at::parallel_for(0, B * H, 8, [&](int64_t begin, int64_t end) {
     for (int64_t rr = begin; rr < end; ++rr) {
       if (has_where && !where.data_ptr<bool>()[rr]) continue;
-      const Row r = row_at(bufs, pos, rr / H, rr % H, nowp[rr / H], (int)bits, (int)group);
+      Row r = row_at(bufs, pos, rr / H, rr % H, nowp[rr / H], (int)bits, (int)group);
+      if (copies) {
+        r.kc = row_of<int32_t>(k_copy, rr / H, rr % H);
+        r.vc = row_of<int32_t>(v_copy, rr / H, rr % H);
+      }
       const float* kr = k.data_ptr<float>() + rr * D;
       requant_group(r, sp[rr] / group * group, S, sp[rr], sp[rr] + 1, kr, true);
       write_value(r, sp[rr], S, kr, v.data_ptr<float>() + rr * D);
@@ -1411,7 +1423,7 @@ TORCH_LIBRARY_FRAGMENT(kvc, m) {
         "Tensor valid, SymInt n, int bits, int group, float scale, int arith=0) -> Tensor");
   m.def("kivi_write(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!) k_min, Tensor(d!) v_packed, "
         "Tensor(e!) v_scale, Tensor(f!) v_min, Tensor(g!) k_ring, Tensor(h!) v_ring, Tensor slot, Tensor k, "
-        "Tensor v, Tensor pos, Tensor now, Tensor where, int bits, int group) -> ()");
+        "Tensor v, Tensor pos, Tensor now, Tensor where, int bits, int group, Tensor(i!) k_copy, Tensor(j!) v_copy) -> ()");
   m.def("kivi_write_range(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!) k_min, Tensor(d!) v_packed, "
         "Tensor(e!) v_scale, Tensor(f!) v_min, Tensor(g!) k_ring, Tensor(h!) v_ring, SymInt start, Tensor k, "
         "Tensor v, Tensor pos, Tensor now, int bits, int group) -> ()");

@@ -15,6 +15,8 @@ stay in the 32 MiB L3 between its calls, as in a model's decode step).
   kivi4 / kivi2  kvc::kivi_attention (this checkout's build) over the packed storage, fp32 arithmetic
   kivi4 vnni ... the same op in integer arithmetic (dense only; kernels/kivi_int.py's scheme): "vnni"
                  (AVX-512 VNNI) or "avx2" as this CPU has; --arith avx2 forces the AVX2 path on a VNNI CPU
+  kivi4 slots    (sparse) the same op over the slot-major copy of the words the readers keep
+                 (SlotStore.keep_slot_major / reader_buffers)
   ... REV        the same op built from kernels/kivi_kernels.cpp and cpu_kernels.cpp (with their
                  headers) at git revision REV (--baseline), registered as kvc_old:: so that both run side by side
 Rounds are interleaved (round r times every op once; a sample is the mean of --inner calls); medians
@@ -169,13 +171,18 @@ def main(argv=None):
     calls = fp32_calls(layers, q, idx, valid, S, scale, args.baseline)
     nbytes = {name: 2 * B * H * S * D * 4 * share for name in calls}
     for bits in (int(b) for b in args.bits.split(",")):
-        stores = []
+        stores, slot_major = [], []
         for k, v in layers:
             store = SlotStore(B, H, D, S + G, bits, G, R, torch.float32)
             kivi_write_range_cpu(store.buffers, 0, k, v, pos, now)
             stores.append((q, *store.buffers[:8], pos, empty_b, now, idx, valid, S, bits, G, scale))
+            if not dense:
+                store.keep_slot_major()
+                slot_major.append((q, *store.reader_buffers[:8], pos, empty_b, now, idx, valid, S, bits, G, scale))
         read = sum(t.nbytes for t in stores[0][1:9]) * share
         calls[f"kivi{bits}"] = [(torch.ops.kvc.kivi_attention, c) for c in stores]
+        if slot_major:
+            calls[f"kivi{bits} slots"] = [(torch.ops.kvc.kivi_attention, c) for c in slot_major]
         if dense and arith != "fp32" and bits in (2, 4):
             calls[f"kivi{bits} {arith}"] = [(torch.ops.kvc.kivi_attention, (*c, ARITH[arith])) for c in stores]
         if args.baseline:

@@ -362,7 +362,7 @@ def test_bench_kivi_attention_runs(n_critical, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert f"N={n_critical or 'all'}" in lines[0] and "FMA peak" in lines[0] and "read rate" in lines[0]
     arith = kivi_int_arith()
-    names = ["fp32", "kivi4", "kivi2"]
+    names = ["fp32", "kivi4", "kivi4 slots", "kivi2", "kivi2 slots"] if n_critical else ["fp32", "kivi4", "kivi2"]
     if n_critical == 0 and arith != "fp32":
         names = ["fp32", "kivi4", f"kivi4 {arith}", "kivi2", f"kivi2 {arith}"]
     if n_critical == 0:
