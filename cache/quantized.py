@@ -70,7 +70,9 @@ Sparse readers (HShare, DS, Quest, alone or as STORAGE+READER) over packed stora
 packs the reader's storage policy, and the reader goes through `kv_store(layer) -> (store, pos, now)`
 (cache/sparse_read.py, `InnerStorage`): attention over the N selected slots is the same op as the
 storage's own (kernels.kivi_attention with idx: each selected row dequantized in registers with its
-own group's scale/minimum, residual ones from the ring), so it needs no dequantized cache or copy;
+own group's scale/minimum, residual ones from the ring), so it needs no dequantized cache; on the CPU the
+readers have each store keep a slot-major copy of its packed words (`keep_slot_major`, read through
+`reader_buffers`: one contiguous read per selected slot; every write refreshes it);
 `store.gather(idx, pos, now)` returns the full-precision K/V of selected slots (Quest's page updates);
 `store.dequantized(pos, now, n)` builds the label cache / page bounds once after prefill; the new
 token's key arrives unquantized in decode (labels and page bounds update from it / from `gather`).
