@@ -105,8 +105,8 @@ class InnerStorage:
         if not self.packed:
             return
         for layer in range(layers):
-            store = self.inner.kv_store(layer)[0]
-            if store.k_packed.device.type == "cpu":
+            store = self.inner.stores[layer] if self.uniform else self.inner.slots.k[layer]
+            if store is not None and store.k_packed.device.type == "cpu":
                 store.keep_slot_major()
                 if row is not None:
                     store.refresh_slot_major(row)

@@ -755,7 +755,7 @@ static void chunk_weights_int(const Row& r, const float* s, int64_t npad, const 
           V r4[8];
           for (int c = 0; c < 8; ++c) r4[c] = rc[std::min(c, NCG - 1)];
           lo = V::template pack4<false>(r4);
-          hi = V::template pack4<false>(r4 + 4);
+          hi = NCG > 4 ? V::template pack4<false>(r4 + 4) : lo;
         }
         for (int sh = 0; sh < E; ++sh)
           wq[((j * VG + v) * GB + g) * E + sh] = from_bytes<ISA>(__builtin_shuffle(lo, hi, vl.wsel[sh]));
@@ -1434,4 +1434,3 @@ TORCH_LIBRARY_IMPL(kvc, CPU, m) {
   m.impl("kivi_write", &kivi_write);
   m.impl("kivi_write_range", &kivi_write_range);
 }
-
