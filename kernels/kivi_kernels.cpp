@@ -141,6 +141,13 @@ static float dot(const float* a, const float* b, int D) {
   return hsum(acc);
 }
 
+// always_inline, here and in prefetch_ahead and DenseAhead: GCC's IPA takes a function whose only effects
+// are prefetches for pure and deletes its calls (the sparse path ran without a single prefetch until
+// 2026-11-26)
+__attribute__((always_inline)) static inline void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)p + o);
+}
+
 // ------------------------------------------------------------------------------------ dense path
 // Two passes per (batch row, KV head) and block of GB query rows, D a template parameter (channel
 // offsets j * W become immediates).  Scores: 32 slots at a time, all W word rows of those slots,
@@ -214,6 +221,28 @@ static void mask_ring(const float* q, const Row& r, int64_t n, int64_t t, float*
   }
 }
 
+// Dense path: what the score sweep reads outside its word rows (those it prefetches itself), fetched a
+// little each 32-slot block so that the misses overlap the sweep: the key scales and minimums of the
+// groups AHEAD_SLOTS on (fold_group, IntFold::enter), and the ring rows of the newest R positions (the
+// key residual's keys and every value row), which mask_ring and finish_rows read after the sweep
+struct DenseAhead {
+  static constexpr int RING_LINES = 8;                        // ring lines a block: 1024 by slot 4096
+  const Row& r;
+  int64_t p, line = 0;                                        // ring position being fetched, its next line
+  explicit DenseAhead(const Row& row) : r(row), p(std::max<int64_t>(row.now - row.R + 1, 0)) {}
+  __attribute__((always_inline)) inline void block(int64_t t0, int64_t n) {
+    for (int64_t t = t0 + AHEAD_SLOTS; t < std::min(t0 + AHEAD_SLOTS + 2 * L, n); t += r.G) {
+      prefetch_lines(r.ks + t / r.G * r.k_g, r.D * sizeof(float));
+      prefetch_lines(r.km + t / r.G * r.k_g, r.D * sizeof(float));
+    }
+    const int64_t per_row = r.D * (int64_t)sizeof(float) / 64;  // lines: the value row, then the key row
+    for (int i = 0; i < RING_LINES && p <= r.now; ++i) {
+      __builtin_prefetch((line < per_row ? r.vr : r.kr) + (p % r.R) * r.r_row + line % per_row * 16);
+      if (++line == (r.ring_k(p) ? 2 * per_row : per_row)) line = 0, ++p;
+    }
+  }
+};
+
 // scores of NV vectors of 16 slots from t0 into s, masked, their maximum folded into mv
 template <int BITS, int GB, int D, int NV>
 static void score_block(const float* q, const Row& r, int64_t n, int64_t t0, Folded& f, float* s, int64_t npad,
@@ -259,7 +288,11 @@ static void dense_scores(const float* q, const Row& r, int64_t n, int64_t npad, 
   v16 mv[GB];
   for (int g = 0; g < GB; ++g) mv[g] = bcast(-INFINITY);
   int64_t t = 0;
-  for (; t + 2 * L <= npad; t += 2 * L) score_block<BITS, GB, D, 2>(q, r, n, t, f, s, npad, mv, hits);
+  DenseAhead ahead(r);
+  for (; t + 2 * L <= npad; t += 2 * L) {
+    ahead.block(t, n);
+    score_block<BITS, GB, D, 2>(q, r, n, t, f, s, npad, mv, hits);
+  }
   if (t < npad) score_block<BITS, GB, D, 1>(q, r, n, t, f, s, npad, mv, hits);
   for (int g = 0; g < GB; ++g) {
     float mg = -INFINITY;
@@ -344,17 +377,26 @@ static void take_ring_weights(const std::vector<RingHit>& hits, float* s, int64_
   }
 }
 
-// og[d] (query row g's packed part) plus the ring rows' weighted values, divided by the weights' sum l
+// out[g * D + d] (query row g's packed part) plus the ring rows' weighted values, divided by the weights'
+// sums l[g]; hit by hit, so each ring row is read once for the GB query rows
 template <int GB, int D>
-static void finish_row(const Row& r, const std::vector<RingHit>& hits, const std::vector<float>& ring_p, int g,
-                       float l, float* og) {
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  const float* rp = ring_p.data() + g * (ring_p.size() / GB);
-  v16 acc[D / L];
-  for (int c = 0; c < D / L; ++c) acc[c] = load16(og + c * L);
-  for (size_t i = 0; i < hits.size(); ++i)
-    for (int c = 0; c < D / L; ++c) acc[c] += rp[i] * load16(r.vr + hits[i].row * r.r_row + c * L);
-  for (int c = 0; c < D / L; ++c) store16(og + c * L, acc[c] * inv);
+static void finish_rows(const Row& r, const std::vector<RingHit>& hits, const std::vector<float>& ring_p,
+                        const float* l, float* out) {
+  const size_t np = ring_p.size() / GB;
+  v16 acc[GB][D / L];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < D / L; ++c) acc[g][c] = load16(out + g * D + c * L);
+  for (size_t i = 0; i < hits.size(); ++i) {
+    const float* vrow = r.vr + hits[i].row * r.r_row;
+    for (int c = 0; c < D / L; ++c) {
+      const v16 x = load16(vrow + c * L);
+      for (int g = 0; g < GB; ++g) acc[g][c] += ring_p[g * np + i] * x;
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    for (int c = 0; c < D / L; ++c) store16(out + g * D + c * L, acc[g][c] * inv);
+  }
 }
 
 template <int BITS, int GB, int D>
@@ -378,11 +420,13 @@ static void dense_rows(const float* q, const Row& r, int64_t n, std::vector<floa
     chunk_weights<GB>(r, s, npad, m, t0, len, NCG, pv, lsum, zc);
     chunk_values<BITS, GB, D>(r, t0, len, pv, acc);
   }
+  float l[GB];
   for (int g = 0; g < GB; ++g) {
     float* og = out + g * D;
     for (int d = 0; d < D; ++d) og[d] = hsum(acc[g * D + d]) + hsum(zc[g * NCG + d / r.G]);
-    finish_row<GB, D>(r, hits, ring_p, g, hsum(lsum[g]) + lring[g], og);
+    l[g] = hsum(lsum[g]) + lring[g];
   }
+  finish_rows<GB, D>(r, hits, ring_p, l, out);
 }
 
 // ------------------------------------------------------------------------------------ integer dense path
@@ -651,7 +695,11 @@ static void dense_scores_int(const float* q, const Row& r, int64_t n, int64_t np
   v16 mv[GB];
   for (int g = 0; g < GB; ++g) mv[g] = bcast(-INFINITY);
   int64_t t = 0;
-  for (; t + 2 * L <= npad; t += 2 * L) score_block_int<ISA, BITS, GB, D, 2>(q, r, n, t, f, s, npad, mv, hits);
+  DenseAhead ahead(r);
+  for (; t + 2 * L <= npad; t += 2 * L) {
+    ahead.block(t, n);
+    score_block_int<ISA, BITS, GB, D, 2>(q, r, n, t, f, s, npad, mv, hits);
+  }
   if (t < npad) score_block_int<ISA, BITS, GB, D, 1>(q, r, n, t, f, s, npad, mv, hits);
   for (int g = 0; g < GB; ++g) {
     float mg = -INFINITY;
@@ -822,11 +870,13 @@ static void dense_rows_int(const float* q, const Row& r, int64_t n, std::vector<
     chunk_weights_int<ISA, BITS, GB, D, G>(r, s, npad, m, t0, len, vl, wq.data(), bq.data(), lsum, zc);
     chunk_values_int<ISA, BITS, GB, D, G>(r, t0, len, wq.data(), bq.data(), acc);
   }
+  float l[GB];
   for (int g = 0; g < GB; ++g) {
     float* og = out + g * D;
     for (int d = 0; d < D; ++d) og[d] = acc[g * D + d] + hsum(zc[g * NCG + d / G]);
-    finish_row<GB, D>(r, hits, ring_p, g, hsum(lsum[g]) + lring[g], og);
+    l[g] = hsum(lsum[g]) + lring[g];
   }
+  finish_rows<GB, D>(r, hits, ring_p, l, out);
 }
 
 // D and G as template parameters (G % 16 == 0 and G | D: the op and SlotStore check)
@@ -966,12 +1016,6 @@ struct SlotLanes {
 // whether entry i is read: valid, and visible
 static inline bool readable(const Row& r, const int64_t* il, const bool* vl, int64_t i) {
   return (!vl || vl[i]) && (!r.vis || r.vis[il[i]]);
-}
-
-// always_inline, here and in prefetch_ahead: GCC's IPA takes a function whose only effects are prefetches
-// for pure and deletes its calls (the sparse path ran without a single prefetch until 2026-11-26)
-__attribute__((always_inline)) static inline void prefetch_lines(const void* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)p + o);
 }
 
 // prefetches for the entry AHEAD on: its words (slot-major: the slot's own line; token-contiguous: one
@@ -1231,18 +1275,29 @@ static Quant scale_min(float lo, float hi, int bits) {
 }
 
 __attribute__((optimize("fp-contract=off")))
-static uint32_t code_of(float x, Quant q, int bits) {
-  const float safe = q.scale > 0.f ? q.scale : 1.f;
-  const float diff = x - q.minimum;
-  float c = std::nearbyint(diff / safe);
-  c = std::min(std::max(c, 0.f), (float)((1 << bits) - 1));
-  return (uint32_t)c;
-}
-
-__attribute__((optimize("fp-contract=off")))
 static float dequant(uint32_t code, float scale, float minimum) {
   const float t = (float)code * scale;
   return t + minimum;
+}
+
+// the D channels of x coded, code = clamp(nearbyint((x - mn) / safe), 0, 2^bits - 1) with per-channel
+// minimums mn and scales safe (> 0), 16 channels a vector (each lane the torch ops' fp32 arithmetic, no
+// fused multiply-add), and packed: word w holds the codes of channels j W + w
+__attribute__((optimize("fp-contract=off")))
+static void code_words(const float* x, const float* mn, const float* safe, int bits, int D, uint32_t* words) {
+  const int W = D * bits / 32, P = 32 / bits;
+  const v16 top = bcast((float)((1u << bits) - 1)), zero = {}, magic = bcast(12582912.f);  // 1.5 * 2^23:
+  int32_t c[128];                                             // (v + magic) - magic rounds half to even
+  for (int d = 0; d < D; d += L) {
+    const v16 v = (load16(x + d) - load16(mn + d)) / load16(safe + d);
+    v16 q = (v + magic) - magic;
+    q = q < zero ? zero : q;                                  // std::max(q, 0)
+    q = top < q ? top : q;                                    // std::min(q, top)
+    const v16i qi = __builtin_convertvector(q, v16i);
+    std::memcpy(c + d, &qi, sizeof qi);
+  }
+  for (int j = 0; j < P; ++j)
+    for (int w = 0; w < W; ++w) words[w] |= (uint32_t)c[j * W + w] << (bits * j);
 }
 
 // the members of key group [g0, g0 + G) at their best into x [G, D] (new keys for the slots [a, b) from
@@ -1279,7 +1334,7 @@ static uint64_t gather_group(const Row& r, int64_t g0, int64_t S, int64_t a, int
 // shapes check_write admits), each lane the scalar torch arithmetic (no fused multiply-add)
 __attribute__((optimize("fp-contract=off")))
 static void requant_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_t b, const float* kn, bool force) {
-  const int bits = r.bits, G = r.G, D = r.D, W = D * bits / 32, P = 32 / bits;
+  const int bits = r.bits, G = r.G, D = r.D, W = D * bits / 32;
   const int64_t g = g0 / G;
   static thread_local std::vector<float> xbuf;
   xbuf.resize((size_t)G * D);
@@ -1302,25 +1357,9 @@ static void requant_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_
       safe[c + l] = q.scale > 0.f ? q.scale : 1.f;
     }
   }
-  const v16 top = bcast((float)((1u << bits) - 1)), zero = {}, magic = bcast(12582912.f);  // 1.5 * 2^23:
-  for (int i = 0; i < G; ++i) {                               // (v + magic) - magic rounds half to even
-    if (!(counted >> i & 1)) {
-      for (int w = 0; w < W; ++w) r.kp[(g0 + i) * r.kp_t + w * r.kp_w] = 0;
-      if (r.kc) std::fill(r.kc + (g0 + i) * W, r.kc + (g0 + i + 1) * W, 0);
-      continue;
-    }
-    int32_t c[128];
-    for (int d = 0; d < D; d += L) {
-      const v16 v = (load16(x + i * D + d) - load16(mn + d)) / load16(safe + d);
-      v16 q = (v + magic) - magic;
-      q = q < zero ? zero : q;                                // std::max(q, 0)
-      q = top < q ? top : q;                                  // std::min(q, top)
-      const v16i qi = __builtin_convertvector(q, v16i);
-      std::memcpy(c + d, &qi, sizeof qi);
-    }
+  for (int i = 0; i < G; ++i) {
     uint32_t words[32] = {};
-    for (int j = 0; j < P; ++j)                               // word w holds channels j * W + w
-      for (int w = 0; w < W; ++w) words[w] |= (uint32_t)c[j * W + w] << (bits * j);
+    if (counted >> i & 1) code_words(x + i * D, mn, safe, bits, D, words);
     for (int w = 0; w < W; ++w) r.kp[(g0 + i) * r.kp_t + w * r.kp_w] = (int32_t)words[w];
     if (r.kc) std::memcpy(r.kc + (g0 + i) * W, words, W * sizeof(int32_t));
   }
@@ -1329,20 +1368,22 @@ static void requant_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_
 // the value v (D floats) of slot t, quantized alone (per token over groups of G channels), and the
 // slot's ring rows when its position is among the newest R
 static void write_value(const Row& r, int64_t t, int64_t S, const float* k, const float* v) {
-  const int bits = r.bits, G = r.G, D = r.D, W = D * bits / 32, P = 32 / bits;
-  Quant qv[16];
+  const int bits = r.bits, G = r.G, D = r.D, W = D * bits / 32;
+  float mn[128], safe[128];
   for (int c = 0; c < D / G; ++c) {
     float lo = INFINITY, hi = -INFINITY;
     for (int d = c * G; d < (c + 1) * G; ++d) { lo = std::min(lo, v[d]); hi = std::max(hi, v[d]); }
-    qv[c] = scale_min(lo, hi, bits);
-    r.vs[t * r.v_t + c * r.v_c] = qv[c].scale;
-    r.vm[t * r.v_t + c * r.v_c] = qv[c].minimum;
+    const Quant q = scale_min(lo, hi, bits);
+    r.vs[t * r.v_t + c * r.v_c] = q.scale;
+    r.vm[t * r.v_t + c * r.v_c] = q.minimum;
+    std::fill(mn + c * G, mn + (c + 1) * G, q.minimum);
+    std::fill(safe + c * G, safe + (c + 1) * G, q.scale > 0.f ? q.scale : 1.f);
   }
+  uint32_t words[32] = {};
+  code_words(v, mn, safe, bits, D, words);
   for (int w = 0; w < W; ++w) {
-    uint32_t word = 0;
-    for (int j = 0; j < P; ++j) word |= code_of(v[j * W + w], qv[(j * W + w) / G], bits) << (bits * j);
-    r.vp[t * r.vp_t + w * r.vp_w] = (int32_t)word;
-    if (r.vc) r.vc[t * W + w] = (int32_t)word;
+    r.vp[t * r.vp_t + w * r.vp_w] = (int32_t)words[w];
+    if (r.vc) r.vc[t * W + w] = (int32_t)words[w];
   }
   const int64_t p = t < S ? r.pos[t] : -1;
   if (r.ring_v(p))
