@@ -556,6 +556,9 @@ class EvictionPolicy:
         # each row's held question [B, 2]: positions [start, end) protected while the row is before `end`
         # (hold_question; 0, 0: none)
         self.row_question = torch.zeros(max_batch_size, 2, dtype=torch.long, device=device)
+        # each adopted row's newest position [B] (-1: none): packed slots' `now` between adopt and the batch's
+        # next forward, when q_pos is not yet the batch's (kv_store)
+        self.row_now = torch.full((max_batch_size,), -1, dtype=torch.long, device=device)
         # per layer, the budget storage holds: until a prompt arrives, that of a max_seq_length-token prompt
         # (with a ratio the largest any prompt gets: the bound of fixed storage)
         if self.budgeted:
@@ -572,6 +575,7 @@ class EvictionPolicy:
             if p is not None:
                 p.fill_(-1)
         self.row_question.zero_()
+        self.row_now.fill_(-1)
         self.aligned = True     # every row holds a request that started with the others (else: adopt)
         self.row_tokens = [None] * self.batch
         self.n_filled = 0       # tokens seen so far (prompt + generated), a host int
@@ -697,6 +701,7 @@ class EvictionPolicy:
         for pos in self.pos:
             pos[row] = -1
         self.row_question[row] = 0
+        self.row_now[row] = -1
         self.row_tokens[row] = None
         self.aligned = False
         self.n_filled = max(int(pos.amax()) + 1 for pos in self.pos)     # the longest row's tokens
@@ -714,6 +719,7 @@ class EvictionPolicy:
                 dst.copy_(src)
         self.row_budget[row], self.row_window[row] = other.row_budget[other_row], other.row_window[other_row]
         self.row_tokens[row] = other.row_tokens[other_row]
+        self.row_now[row] = other.q_pos[other_row].amax() if other.q_pos is not None else other.row_now[other_row]
         self.n_filled = max(self.n_filled, other.n_filled)
         self.prompt_length = max(self.prompt_length, other.prompt_length)
         self.kept = [max(a, b) for a, b in zip(self.kept, other.kept)]      # what describe() reports
@@ -917,8 +923,11 @@ class EvictionPolicy:
         return self.slots.dense(layer, self.pos[layer], self.q_pos)
 
     def kv_store(self, layer: int):
-        """(store, pos [B, H_kv, C], now [B]): the packed slots a sparse reader reads (KIVISlots only)."""
-        return self.slots.kv_store(layer, self.pos[layer], self.q_pos)
+        """(store, pos [B, H_kv, C], now [B]): the packed slots a sparse reader reads (KIVISlots only).  Before
+        the batch's first forward (a reader building its index over the rows adopted so far) `now` is each
+        row's newest position as adopt recorded it."""
+        q_pos = self.q_pos if self.q_pos is not None else self.row_now[:, None]
+        return self.slots.kv_store(layer, self.pos[layer], q_pos)
 
     def visible(self, layer: int) -> Tensor:
         """Slots [B, H_kv, C] the current query may attend (filled, within a sliding window)."""

@@ -294,6 +294,25 @@ def test_requests_join_and_leave_rows(model, admission_cell):
         assert not together, f"{name} admits whole batches, yet requests overlapped: {timeline}"
 
 
+@pytest.mark.parametrize("spec, args", [("snapkv+quest", "budget=128,n_sink=4,n_recent=8"),
+                                        ("snapkv+ds", "budget=128,n_critical=32,n_sink=4,n_recent=8,heavy_channels=4")])
+def test_readers_over_packed_eviction_storage_join_rows(model, spec, args):
+    """A sparse reader over 4-bit eviction storage: the first request to join a RowBatch makes the reader
+    build its index from the packed slots before the batch's first forward, with `now` as adopt recorded
+    it (EvictionPolicy.kv_store read q_pos there, still None: quest's build raised).  Each request's
+    logits equal its run alone in a batch of the same size."""
+    g = torch.Generator().manual_seed(1)
+    prompts = {n: torch.randint(0, ARGS.vocab_size, (length,), generator=g).tolist()
+               for n, (length, _) in REQUESTS.items()}
+    arrivals = {n: arrival for n, (_, arrival) in REQUESTS.items()}
+    max_seq = max(length for length, _ in REQUESTS.values()) + NEW
+    make = lambda: build(spec, "kv4", args)        # noqa: E731
+    got, _ = serve(engine.RowBatch(model, make, 2, max_seq, NEW), prompts, arrivals)
+    for n, ids in prompts.items():
+        ref, _ = serve(engine.RowBatch(model, make, 2, max_seq, NEW), {n: ids}, {n: 0})
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------- parameters
 
 def test_bad_parameters_are_clear_errors(policy_name):
