@@ -370,12 +370,10 @@ def kivi_attention_cpu(q: Tensor, buf, pos: Tensor, visible: Optional[Tensor], n
     squeeze = q.dim() == 4
     q3 = q.squeeze(2) if squeeze else q
     scale = 1.0 / math.sqrt(q3.shape[-1]) if scale is None else scale
-    empty_b = torch.empty(0, 0, 0, dtype=torch.bool, device=q.device)
-    empty_l = torch.empty(0, dtype=torch.long, device=q.device)
     out = torch.ops.kvc.kivi_attention(
         q3, buf.k_packed, buf.k_scale, buf.k_min, buf.v_packed, buf.v_scale, buf.v_min, buf.k_ring, buf.v_ring,
-        _unit_stride_rows(pos), empty_b if visible is None else _unit_stride_rows(visible), now.contiguous(),
-        empty_l if idx is None else idx.long().contiguous(), empty_b if valid is None else valid.contiguous(),
+        _unit_stride_rows(pos), _NO_VISIBLE if visible is None else _unit_stride_rows(visible), now.contiguous(),
+        _NO_INDEX if idx is None else idx.long().contiguous(), _NO_VISIBLE if valid is None else valid.contiguous(),
         n, buf.bits, buf.group, scale, code)
     return out.unsqueeze(2) if squeeze else out
 
@@ -385,13 +383,11 @@ def kivi_write_cpu(buf, slot: Tensor, k: Tensor, v: Tensor, pos: Tensor, now: Te
     """The C++ twin of cache.quantized.SlotStore.write (bit for bit): k, v [B, H, 1, D] into slot [B, H];
     copies: the store's slot-major words (SlotStore.keep_slot_major), written alongside."""
     B, H, _, D = k.shape
-    no_where = torch.empty(0, dtype=torch.bool, device=k.device)
-    none = torch.empty(0, dtype=torch.int32, device=k.device)
-    k_copy, v_copy = copies if copies is not None else (none, none)
+    k_copy, v_copy = copies if copies is not None else (_NO_WORDS, _NO_WORDS)
     torch.ops.kvc.kivi_write(buf.k_packed, buf.k_scale, buf.k_min, buf.v_packed, buf.v_scale, buf.v_min,
                              buf.k_ring, buf.v_ring, slot.long().contiguous(), k.reshape(B, H, D).float().contiguous(),
                              v.reshape(B, H, D).float().contiguous(), _unit_stride_rows(pos), now.contiguous(),
-                             no_where if where is None else where.contiguous(), buf.bits, buf.group, k_copy, v_copy)
+                             _NO_WHERE if where is None else where.contiguous(), buf.bits, buf.group, k_copy, v_copy)
 
 
 def kivi_write_range_cpu(buf, start: int, k: Tensor, v: Tensor, pos: Tensor, now: Tensor) -> None:
@@ -570,7 +566,11 @@ def dense_decode_cpu(qkv: Tensor, cos: Tensor, sin: Tensor, cache, layer: int, n
     return attend(cache.decode, layer, qkv, cos, sin, n_heads, n_kv_heads, rope_split_cpu)
 
 
+# the C++ ops' "none given" arguments (empty CPU tensors), made once instead of per call
 _NO_VISIBLE = torch.empty(0, 0, 0, dtype=torch.bool)
+_NO_INDEX = torch.empty(0, dtype=torch.long)
+_NO_WHERE = torch.empty(0, dtype=torch.bool)
+_NO_WORDS = torch.empty(0, dtype=torch.int32)
 
 
 def cpu_eager_ops() -> EagerOps:
