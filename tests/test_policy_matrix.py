@@ -220,6 +220,15 @@ NEW = 8                                               # tokens each request gene
 REQUESTS = {"A": (300, 0), "B": (210, 3), "C": (260, NEW + 1)}   # prompt length, arrival (decode step)
 
 
+def requests() -> tuple[dict, dict, int]:
+    """REQUESTS as (prompt ids per request, arrival step per request, the max_seq_length that holds them)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = {n: torch.randint(0, ARGS.vocab_size, (length,), generator=g).tolist()
+               for n, (length, _) in REQUESTS.items()}
+    arrivals = {n: arrival for n, (_, arrival) in REQUESTS.items()}
+    return prompts, arrivals, max(length for length, _ in REQUESTS.values()) + NEW
+
+
 def alone(model, policy, ids: list[int], max_seq: int) -> torch.Tensor:
     """Logits [NEW, V] of greedy decoding `ids` alone in a batch of one (engine.run_prefill / run_decode)."""
     model.setup_caches(1, max_seq, policy)
@@ -265,11 +274,7 @@ def test_requests_join_and_leave_rows(model, admission_cell):
     empty batch.  (Against a batch of one, 4-bit storage can differ beyond 1e-5: the linear layers' GEMM
     rounds a row differently at another batch size, and a one-ulp change can flip a KIVI code.)"""
     name, storage = admission_cell
-    g = torch.Generator().manual_seed(1)
-    prompts = {n: torch.randint(0, ARGS.vocab_size, (length,), generator=g).tolist()
-               for n, (length, _) in REQUESTS.items()}
-    arrivals = {n: arrival for n, (_, arrival) in REQUESTS.items()}
-    max_seq = max(length for length, _ in REQUESTS.values()) + NEW
+    prompts, arrivals, max_seq = requests()
     make = lambda: build(name, storage)        # noqa: E731
     buffers: dict = {}
 
@@ -301,11 +306,7 @@ def test_readers_over_packed_eviction_storage_join_rows(model, spec, args):
     build its index from the packed slots before the batch's first forward, with `now` as adopt recorded
     it (EvictionPolicy.kv_store read q_pos there, still None: quest's build raised).  Each request's
     logits equal its run alone in a batch of the same size."""
-    g = torch.Generator().manual_seed(1)
-    prompts = {n: torch.randint(0, ARGS.vocab_size, (length,), generator=g).tolist()
-               for n, (length, _) in REQUESTS.items()}
-    arrivals = {n: arrival for n, (_, arrival) in REQUESTS.items()}
-    max_seq = max(length for length, _ in REQUESTS.values()) + NEW
+    prompts, arrivals, max_seq = requests()
     make = lambda: build(spec, "kv4", args)        # noqa: E731
     got, _ = serve(engine.RowBatch(model, make, 2, max_seq, NEW), prompts, arrivals)
     for n, ids in prompts.items():
