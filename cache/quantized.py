@@ -43,7 +43,9 @@ Writes (every one requantizes exactly the key groups it touches, from the best v
   one slot per step with all earlier members still in the ring (G <= R), end each group with the codes
   of one block quantization of exact keys, as KIVI's block-wise flush: old keys are never re-rounded
   there.  "Young" below = among the newest R (exact in the ring).  On fp32 CPU storage the writes run
-  in C++ (kvc::kivi_write / kivi_write_range, bit for bit with the torch code here).  Evicting layers re-round a group's old members when a new member changes its min/max
+  in C++ (kvc::kivi_write / kivi_write_range), a decode write on CUDA in one Triton launch
+  (kernels/kivi_write_triton.py), both bit for bit with the torch code here.  Evicting layers re-round a
+  group's old members when a new member changes its min/max
   (the price of per-channel keys under arbitrary slot overwrites; nothing drifts otherwise).
 - prefill: the kept tokens (selected and merged in full precision) are block-quantized by slot
   group in one call; the young ones also go to the ring.  `full` takes the prompt in chunks: a
@@ -91,8 +93,10 @@ from kernels.kivi_attention import (KIVIBuffers, kivi_attention, kivi_gather, ki
                                     ring_flags, ring_rows, whole_groups)
 from kernels.cpu import (cpu_kernels_available, kivi_arith_default, kivi_write_cpu, kivi_write_range_cpu,
                          use_cpu_kernel)
+from kernels.backend import resolve_backend
 from kernels.kivi_codec import (QuantizedTensor, codes_per_word, dequantize_keys, dequantize_values, quantize_keys,
                                 quantize_values)
+from kernels.kivi_write_triton import kivi_write_triton, write_triton_supported
 from model import DenseCache, grouped_attention
 
 BITS = (2, 4, 8)
@@ -251,11 +255,15 @@ class SlotStore:
         """One token per row and head: k, v [B, H, 1, D] into slot [B, H] (pos already holds its
         position); where [B, H] bool: write only there (elsewhere nothing changes, not even a
         requantization).  Requantizes the slot's key group (module docstring).  On fp32 CPU storage
-        the C++ twin does it (kernels/kivi_kernels.cpp, bit for bit), else `write_torch`."""
+        the C++ twin does it (kernels/kivi_kernels.cpp), on CUDA one Triton launch
+        (kernels/kivi_write_triton.py), both bit for bit; else `write_torch`."""
         if self._cpp(k):                                # (the C++ write refreshes the slot-major copy too)
             kivi_write_cpu(self.buffers, slot, k, v, pos, now, where, self.slot_words)
             return
-        self.write_torch(slot, k, v, pos, now, where)
+        if resolve_backend(self.backend, k, self.k_ring) == "triton" and write_triton_supported(self.buffers):
+            kivi_write_triton(self.buffers, slot, k, v, pos, now, where)
+        else:
+            self.write_torch(slot, k, v, pos, now, where)
         if self.slot_words is not None:                 # the slot's key group and its value
             G, W = self.group, self.k_packed.shape[-1]
             group = (slot // G * G)[..., None] + torch.arange(G, device=slot.device)          # [B, H, G]

@@ -16,7 +16,10 @@ slots whose value is packed are vexp(u - max u) (kernels/kivi_int.py's polynomia
 interpreter and the GPU round alike), times the value scales and quantized to uint8 per (row,
 channel group) over the block; their dot with the codes is an fp16 dot, exact for these integers.
 Launched with enable_fp_fusion=False: products and sums stay separately rounded where the twin
-rounds them.  Needs D, G powers of two, G >= 16, D >= 32 (int8 dots take K >= 32 on NVIDIA GPUs).
+rounds them; 2 warps, no software pipelining and about 4 programs per SM (the fastest of warps 2/4/8 x
+stages 1/3 x 1/2/4 programs per SM on an H100 at B8/4096: 80 us against 166 us for Triton's default 4
+warps / 3 stages at 2 per SM; docs/results.md section 14).  Needs D, G powers of two, G >= 16, D >= 32
+(int8 dots take K >= 32 on NVIDIA GPUs).
 """
 from __future__ import annotations
 
@@ -190,7 +193,7 @@ def kivi_attention_int_triton(q: Tensor, buf, pos: Tensor, visible: Optional[Ten
                          f"group >= 16, got {buf.bits} bits, {D}, {G}")
     rows = Hq // H
     BLOCK_G = block_rows(rows)
-    n_splits, per_split = split_plan(q, B * H, n, G, n_splits)
+    n_splits, per_split = split_plan(q, B * H, n, G, n_splits, per_sm=4)
     NCG = D // G
     parts = partials(q, B, H, n_splits, BLOCK_G, NCG, G, D)
     tensors, strides = launch_operands(q3, buf, pos, visible, now)
@@ -199,5 +202,5 @@ def kivi_attention_int_triton(q: Tensor, buf, pos: Tensor, visible: Optional[Ten
         float(1.0 / math.sqrt(D) if scale is None else scale), n, per_split, n_splits, rows, buf.residual,
         *strides,
         D=D, W=buf.k_packed.shape[-1], BITS=buf.bits, GROUP=G, NCG=NCG, BLOCK_G=BLOCK_G,
-        HAS_VIS=visible is not None, enable_fp_fusion=False)
+        HAS_VIS=visible is not None, enable_fp_fusion=False, num_warps=2, num_stages=1)
     return merged_output(q, parts, rows)

@@ -10,7 +10,9 @@ for tl.dot, over a range of slots, and keeps an fp32 online softmax.  Per block 
   dot over the D / G groups): out_c += (p * s_v[:, c]) . codes_c, z_c += p . m_v[:, c].
 - the residual: slots whose key / value is exact (`ring_flags`) load ring rows (masked loads) and
   replace the packed scores / go into a separate P . V_ring accumulator.
-The splits' partials are merged by log-sum-exp in torch.  Needs G >= 16 and D, G powers of two.
+The splits' partials are merged by log-sum-exp in one more launch (kivi_merge; twin `_merge`), not a
+chain of torch ops: on an H100 those cost more host time than the kernel took (docs/results.md, section
+14).  Needs G >= 16 and D, G powers of two.
 """
 from __future__ import annotations
 
@@ -177,11 +179,44 @@ def launch_operands(q3: Tensor, buf, pos: Tensor, visible: Optional[Tensor], now
 
 
 def merged_output(q: Tensor, parts: tuple[Tensor, ...], rows: int) -> Tensor:
-    """The splits' partials (`partials`) merged into out [B, H_q, D] (or q's [B, H_q, 1, D]) in q's dtype."""
+    """The splits' partials (`partials`) merged into out [B, H_q, D] (or q's [B, H_q, 1, D]) in q's dtype,
+    by kivi_merge (twin: `_merge`)."""
     m_part, l_part, acc_part, ring_part = parts
-    out = _merge(m_part[..., :rows], l_part[..., :rows], acc_part[..., :rows, :], ring_part[..., :rows, :])
-    out = out.reshape(q.shape[0], q.shape[1], q.shape[-1]).to(q.dtype)
+    B, Hi, S, NCG, BLOCK_G, G = acc_part.shape
+    out = torch.empty(B, Hi * rows, q.shape[-1], device=q.device, dtype=q.dtype)
+    _merge_kernel()[(B * Hi,)](m_part, l_part, acc_part, ring_part, out, S, rows,
+                               D=q.shape[-1], GROUP=G, NCG=NCG, BLOCK_G=BLOCK_G)
     return out.unsqueeze(2) if q.dim() == 4 else out
+
+
+@lru_cache(maxsize=None)
+def _merge_kernel():
+    _kernel()                                   # imports triton into the module globals
+
+    @triton.jit
+    def kivi_merge(M_PART, L_PART, ACC_PART, RING_PART, OUT, n_splits, rows,
+                   D: tl.constexpr, GROUP: tl.constexpr, NCG: tl.constexpr, BLOCK_G: tl.constexpr):
+        """One program per (b, list): _merge's log-sum-exp over the splits, rows < `rows` stored."""
+        bh = tl.program_id(0).to(tl.int64)
+        og, od = tl.arange(0, BLOCK_G), tl.arange(0, D)
+        mx = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for sp in range(n_splits):
+            mx = tl.maximum(mx, tl.load(M_PART + (bh * n_splits + sp) * BLOCK_G + og))
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        total = tl.zeros([BLOCK_G], dtype=tl.float32)
+        out = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+        acc_at = ((od // GROUP)[None, :] * BLOCK_G + og[:, None]) * GROUP + (od % GROUP)[None, :]   # [BLOCK_G, D]
+        for sp in range(n_splits):
+            base = bh * n_splits + sp
+            w = tl.exp(tl.load(M_PART + base * BLOCK_G + og) - mx)
+            total += w * tl.load(L_PART + base * BLOCK_G + og)
+            full = (tl.load(ACC_PART + base * NCG * BLOCK_G * GROUP + acc_at)
+                    + tl.load(RING_PART + (base * BLOCK_G + og[:, None]) * D + od[None, :]))
+            out += w[:, None] * full
+        out = out / tl.maximum(total, 1.1754943508222875e-38)[:, None]
+        tl.store(OUT + (bh * rows + og[:, None]) * D + od[None, :], out, mask=(og < rows)[:, None])
+
+    return kivi_merge
 
 
 def block_rows(rows: int) -> int:
@@ -189,13 +224,15 @@ def block_rows(rows: int) -> int:
     return max(16, 1 << (rows - 1).bit_length())
 
 
-def split_plan(q: Tensor, lists: int, length: int, G: int, n_splits: Optional[int]) -> tuple[int, int]:
+def split_plan(q: Tensor, lists: int, length: int, G: int, n_splits: Optional[int],
+               per_sm: int = 2) -> tuple[int, int]:
     """(n_splits, per_split slots) for `lists` programs' reads of `length` slots in blocks of G: n_splits
-    None takes about two programs per SM on CUDA (1 elsewhere); every split gets whole blocks, none is empty."""
+    None takes about `per_sm` programs per SM on CUDA (1 elsewhere); every split gets whole blocks, none is
+    empty."""
     n_blocks = -(-length // G)
     if n_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
-        n_splits = -(-2 * sms // lists) if sms else 1
+        n_splits = -(-per_sm * sms // lists) if sms else 1
     n_splits = max(1, min(int(n_splits), n_blocks))
     per_split = -(-n_blocks // n_splits) * G
     return max(1, -(-length // per_split)), per_split
@@ -220,7 +257,8 @@ def head_stride(t: Tensor) -> int:
 
 
 def _merge(m: Tensor, l: Tensor, acc: Tensor, ring: Tensor) -> Tensor:
-    """Splits' partials (m, l [B, Hi, S, r]; acc [B, Hi, S, NCG, r, G]; ring [B, Hi, S, r, D]) -> [B, Hi, r, D]."""
+    """kivi_merge's twin: splits' partials (m, l [B, Hi, S, r]; acc [B, Hi, S, NCG, r, G]; ring [B, Hi, S, r,
+    D]) -> [B, Hi, r, D]."""
     B, Hi, S, NCG, r, G = acc.shape
     full = acc.permute(0, 1, 2, 4, 3, 5).reshape(B, Hi, S, r, NCG * G) + ring
     mx = m.amax(2, keepdim=True)

@@ -104,31 +104,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def write_tiny_checkpoint(out: Path, **sizes) -> Path:
     """Write tiny_dir's checkpoint into the new directory `out`, with config.json fields `sizes`
-    overriding TINY_CONFIG's."""
-    import json
-    import shutil
-
-    import torch
-    from safetensors.torch import save_file
-
-    src = _require(DEFAULT_DIR / "config.json").parent
-    out.mkdir(parents=True)
-    config = {**json.loads((src / "config.json").read_text()), **TINY_CONFIG, **sizes}
-    dim, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], dim), "model.norm.weight": (dim,)}
-    for i in range(config["num_hidden_layers"]):   # HF Llama names; lm_head tied to the embedding
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in {
-            "self_attn.q_proj.weight": (q, dim), "self_attn.k_proj.weight": (kv, dim),
-            "self_attn.v_proj.weight": (kv, dim), "self_attn.o_proj.weight": (dim, q),
-            "mlp.gate_proj.weight": (inter, dim), "mlp.up_proj.weight": (inter, dim),
-            "mlp.down_proj.weight": (dim, inter),
-            "input_layernorm.weight": (dim,), "post_attention_layernorm.weight": (dim,)}.items()})
-    g = torch.Generator().manual_seed(0)
-    tensors = {name: (1 + 0.1 * torch.randn(s, generator=g)) if name.endswith("norm.weight")  # random norms
-               else 0.02 * torch.randn(s, generator=g) for name, s in shapes.items()}   # HF's initializer_range
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(_require(src / name), out / name)
-    return out
+    overriding TINY_CONFIG's (scripts/random_checkpoint.py)."""
+    from scripts.random_checkpoint import write_random_checkpoint
+    _require(DEFAULT_DIR / "tokenizer.json")
+    return write_random_checkpoint(_require(DEFAULT_DIR / "config.json").parent, out, **{**TINY_CONFIG, **sizes})

@@ -449,3 +449,26 @@ def test_compiled_decode_loop_never_recompiles():
     with torch.inference_mode():
         comp = measure.run_prefill(model, engine.compiled_steps(torch.device("cpu"), prefill=True)[0], tokens[:, :37], 16)
     torch.testing.assert_close(comp, eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.model  # copies the default model's config and tokenizer
+def test_random_checkpoint_script(default_dir, tmp_path, capsys):
+    """scripts/random_checkpoint.py: the config with --set applied, the tokenizer copied, no calibration
+    files under --set (other shapes), a model that loads and decodes; bad input exits 2 with a message."""
+    import random_checkpoint
+    out = tmp_path / "rnd"
+    assert random_checkpoint.main(["--like", str(default_dir), "--out", str(out), "--set", "num_hidden_layers=2",
+                                   "--set", "hidden_size=128", "--set", "intermediate_size=256"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    like = json.loads((default_dir / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (2, 128, like["vocab_size"])
+    assert (out / "tokenizer.json").read_bytes() == (default_dir / "tokenizer.json").read_bytes()
+    assert not (out / "heavy_channels.json").exists()
+    model, tok = engine.load_model(out, "cpu", "float32")
+    assert len(engine.generate(model, tok, ["Hello"], max_new_tokens=3).tokens[0]) == 3
+    for argv, message in ((["--like", str(tmp_path), "--out", str(tmp_path / "x")], "no config.json"),
+                          (["--like", str(default_dir), "--out", str(out)], "exists"),
+                          (["--like", str(default_dir), "--out", str(tmp_path / "y"), "--set", "layers"], "FIELD=INT")):
+        with pytest.raises(SystemExit) as e:
+            random_checkpoint.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err

@@ -49,6 +49,14 @@ def test_kivi_triton_equals_twin_on_cuda():
     assert test_kivi_kernels.triton_worst_error("cuda") <= 1e-4
 
 
+def test_kivi_merge_equals_twin_on_cuda():
+    assert test_kivi_kernels.merge_worst_error("cuda") <= 1e-5
+
+
+def test_kivi_write_triton_equals_torch_bit_for_bit_on_cuda():
+    assert test_kivi_kernels.triton_write_mismatches("cuda") == []
+
+
 @pytest.mark.parametrize("case", [c for c in test_kivi_int_triton.CASES if c[0] != "switch"],
                          ids=test_kivi_int_triton.case_id)
 def test_kivi_int_triton_equals_twin_on_cuda(case):

@@ -28,12 +28,12 @@ from model import ModelArgs, grouped_attention  # noqa: E402
 cpp = needs_cpp
 
 
-def random_store(B, H, D, n, bits, G, R, seed, evict=False, extra=0):
-    """A SlotStore holding n tokens (positions 0..n-1, shuffled over the slots per head when evict, a
-    few empty slots then) written one block at a time; now = n - 1 + extra."""
+def random_store(B, H, D, n, bits, G, R, seed, evict=False, extra=0, dtype=torch.float32):
+    """A SlotStore (storage dtype `dtype`) holding n tokens (positions 0..n-1, shuffled over the slots per
+    head when evict, a few empty slots then) written one block at a time; now = n - 1 + extra."""
     g = torch.Generator().manual_seed(seed)
     C = n + 2 * G
-    store = SlotStore(B, H, D, C, bits, G, R, torch.float32)
+    store = SlotStore(B, H, D, C, bits, G, R, dtype)
     pos = torch.full((B, H, C), -1)
     order = torch.stack([torch.randperm(n, generator=g) if evict else torch.arange(n) for _ in range(B * H)])
     pos[..., :n] = order.view(B, H, n)
@@ -170,6 +170,37 @@ def test_cpp_writes_equal_torch_bit_for_bit(bits, D, G, R):
     assert all(torch.equal(a, b) for a, b in zip(store.buffers[:8], twin.buffers[:8]))
 
 
+def triton_write_mismatches(device: str) -> list[str]:
+    """kivi_write_triton on `device` (CPU: under the interpreter) against SlotStore.write_torch on the CPU,
+    bit for bit: 12 random slot overwrites (old, residual and empty slots, slots past the policy's S,
+    `where` masks) per format and storage dtype.  -> the buffers that differ, named."""
+    from kernels.kivi_write_triton import kivi_write_triton
+    bad = []
+    for bits, D, G, R, dtype in [(4, 64, 32, 64, torch.float32), (2, 128, 16, 32, torch.bfloat16),
+                                 (8, 64, 32, 32, torch.float16), (4, 64, 16, 32, torch.bfloat16)]:
+        store, pos, now, g = random_store(2, 3, D, 60, bits, G, R, seed=bits, evict=True, dtype=dtype)
+        twin, dev = copy.deepcopy(store), buffers_on(store.buffers, device)
+        B, H, S = pos.shape
+        pos = pos[..., :S - 5]                                         # the store's last slots lie past S
+        for step in range(12):
+            now = now + 1
+            slot = torch.randint(0, S, (B, H), generator=g)
+            pos.scatter_(2, slot.clamp(max=S - 6)[..., None], now[:, None, None].expand(B, H, 1))
+            k, v = (torch.randn(2, B, H, 1, D, generator=g) * 3).to(torch.float32 if step % 3 else dtype)
+            where = torch.rand(B, H, generator=g) > 0.3 if step % 2 else None
+            twin.write_torch(slot, k, v, pos, now, where)
+            kivi_write_triton(dev, *(t if t is None else t.to(device) for t in (slot, k, v, pos, now, where)))
+        names = ("k_packed", "k_scale", "k_min", "v_packed", "v_scale", "v_min", "k_ring", "v_ring")
+        bad += [f"{bits}-bit D {D} G {G} {dtype}: {name}" for name, a, b in zip(names, dev, twin.buffers)
+                if not torch.equal(a.cpu(), b)]
+    return bad
+
+
+def test_triton_write_interpreter_equals_torch_bit_for_bit():
+    """kivi_write_triton under TRITON_INTERPRET=1 against write_torch (triton_write_mismatches)."""
+    assert interpreted("triton_write_mismatches") == "[]"
+
+
 @pytest.mark.parametrize("backend", [pytest.param("cpp", marks=cpp), "torch"])
 @pytest.mark.parametrize("bits,D,G,R", [(4, 64, 32, 64), (2, 128, 16, 32), (8, 64, 32, 32)])
 def test_slot_major_copy_follows_every_write_and_reads_the_same(backend, bits, D, G, R):
@@ -242,15 +273,48 @@ def triton_worst_error(device: str) -> float:
     return worst
 
 
-def test_triton_interpreter_equals_twin():
-    """The Triton kernel under TRITON_INTERPRET=1 against the twin (triton_worst_error)."""
+def interpreted(check: str) -> str:
+    """This module's `check`('cpu') run in a fresh process under TRITON_INTERPRET=1 -> what it returned, printed
+    (the interpreter must be set before triton is first imported)."""
     pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, '.'); from tests.test_kivi_kernels import triton_worst_error; " \
-           "print(triton_worst_error('cpu'))"
+    code = f"import sys; sys.path.insert(0, '.'); from tests.test_kivi_kernels import {check}; print({check}('cpu'))"
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert float(p.stdout.strip().splitlines()[-1]) <= 1e-4
+    return p.stdout.strip().splitlines()[-1]
+
+
+def test_triton_interpreter_equals_twin():
+    """The Triton kernel under TRITON_INTERPRET=1 against the twin (triton_worst_error)."""
+    assert float(interpreted("triton_worst_error")) <= 1e-4
+
+
+def merge_worst_error(device: str) -> float:
+    """The largest |kivi_merge - _merge| over random partials (5 splits, some empty: m = -inf, l = 0, acc =
+    ring = 0 as the kernels store them; one row empty in every split), rows 3 of BLOCK_G 16 and 1 of 16."""
+    from kernels.kivi_triton import _merge, merged_output
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for rows, Hi in ((3, 3), (1, 9)):
+        B, S, NCG, BG, G, D = 2, 5, 2, 16, 32, 64
+        m = torch.randn(B, Hi, S, BG, generator=g) * 4
+        empty = torch.rand(B, Hi, S, BG, generator=g) < 0.3
+        empty[0, 1, :, 0] = True
+        m[empty] = float("-inf")
+        l = torch.rand(B, Hi, S, BG, generator=g).masked_fill(empty, 0.0) * 9
+        acc = torch.randn(B, Hi, S, NCG, BG, G, generator=g).masked_fill(empty[:, :, :, None, :, None], 0.0)
+        ring = torch.randn(B, Hi, S, BG, D, generator=g).masked_fill(empty[..., None], 0.0)
+        q = torch.zeros(B, Hi * rows, 1, D)
+        ref = _merge(m[..., :rows], l[..., :rows], acc[..., :rows, :], ring[..., :rows, :]).reshape(B, Hi * rows, D)
+        out = merged_output(q.to(device), tuple(t.to(device) for t in (m, l, acc, ring)), rows)
+        assert out.shape == q.shape and torch.isfinite(out).all()
+        worst = max(worst, (out[:, :, 0].cpu() - ref).abs().max().item())
+    return worst
+
+
+def test_merge_kernel_interpreter_equals_twin():
+    """kivi_merge (the splits' log-sum-exp, one launch) under TRITON_INTERPRET=1 against `_merge`."""
+    assert float(interpreted("merge_worst_error")) <= 1e-5
 
 
 def full_cache(D=64, G=32, R=128, bits=4, B=2, S=600):
