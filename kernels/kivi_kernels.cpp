@@ -27,7 +27,9 @@
 // s_{t,c(d)}) code_{t,d} + sum_t p_t m_{t,c(d)}; the weights p_t s_t of CH slots at a time are kept
 // in L1 and each word row of the chunk is swept with bit-plane x query-row accumulators in registers.
 // Ring slots are found from `pos` in the score pass and handled from their full-precision rows.
-// Needs G % 16 == 0.
+// Needs G % 16 == 0.  When the (batch row, KV head) lists do not divide evenly over the threads (batch
+// 1: 3 KV heads on 2 threads), each list's slots are read in chunks of whole 256-slot spans, each chunk
+// a dense read of its own, merged by their log-sum-exps (split_chunks; an even share reads unsplit).
 // Sparse path (idx given), per (batch row, index list) and block of query rows, two passes over the
 // list in its order: scores, then weighted values.  Each entry's W words are gathered into one
 // vector and unpacked in channel lanes (a per-lane shift and the code table); the key group's scale
@@ -377,6 +379,13 @@ static void take_ring_weights(const std::vector<RingHit>& hits, float* s, int64_
   }
 }
 
+// split dense reads: lse[g] = m[g] + log l[g], the log-sum-exp of row g's scores (-inf when it saw nothing)
+template <int GB>
+static inline void log_sum_exp(const float* m, const float* l, float* lse) {
+  if (lse)
+    for (int g = 0; g < GB; ++g) lse[g] = l[g] > 0.f ? m[g] + std::log(l[g]) : -INFINITY;
+}
+
 // out[g * D + d] (query row g's packed part) plus the ring rows' weighted values, divided by the weights'
 // sums l[g]; hit by hit, so each ring row is read once for the GB query rows
 template <int GB, int D>
@@ -400,7 +409,7 @@ static void finish_rows(const Row& r, const std::vector<RingHit>& hits, const st
 }
 
 template <int BITS, int GB, int D>
-static void dense_rows(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
+static void dense_rows(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out, float* lse) {
   const int64_t npad = (n + L - 1) / L * L;
   const int NCG = D / r.G;
   work.resize(GB * npad + NCG * GB * CH + (GB * D + GB * NCG) * L);
@@ -426,6 +435,7 @@ static void dense_rows(const float* q, const Row& r, int64_t n, std::vector<floa
     for (int d = 0; d < D; ++d) og[d] = hsum(acc[g * D + d]) + hsum(zc[g * NCG + d / r.G]);
     l[g] = hsum(lsum[g]) + lring[g];
   }
+  log_sum_exp<GB>(m, l, lse);
   finish_rows<GB, D>(r, hits, ring_p, l, out);
 }
 
@@ -849,7 +859,7 @@ __attribute__((noinline)) static void chunk_values_int(const Row& r, int64_t t0,
 }
 
 template <int ISA, int BITS, int GB, int D, int G>
-static void dense_rows_int(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
+static void dense_rows_int(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out, float* lse) {
   constexpr int E = 8 / BITS, NCG = D / G;
   const int64_t npad = (n + G - 1) / G * G;                  // whole slot groups
   work.resize(GB * npad + GB * D);
@@ -876,20 +886,22 @@ static void dense_rows_int(const float* q, const Row& r, int64_t n, std::vector<
     for (int d = 0; d < D; ++d) og[d] = acc[g * D + d] + hsum(zc[g * NCG + d / G]);
     l[g] = hsum(lsum[g]) + lring[g];
   }
+  log_sum_exp<GB>(m, l, lse);
   finish_rows<GB, D>(r, hits, ring_p, l, out);
 }
 
 // D and G as template parameters (G % 16 == 0 and G | D: the op and SlotStore check)
 template <int ISA, int BITS, int GB>
-static void dense_rows_int_d(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
+static void dense_rows_int_d(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out,
+                             float* lse) {
   switch (r.D * 1000 + r.G) {
-    case 64016: return dense_rows_int<ISA, BITS, GB, 64, 16>(q, r, n, work, out);
-    case 64032: return dense_rows_int<ISA, BITS, GB, 64, 32>(q, r, n, work, out);
-    case 64064: return dense_rows_int<ISA, BITS, GB, 64, 64>(q, r, n, work, out);
-    case 128016: return dense_rows_int<ISA, BITS, GB, 128, 16>(q, r, n, work, out);
-    case 128032: return dense_rows_int<ISA, BITS, GB, 128, 32>(q, r, n, work, out);
-    case 128064: return dense_rows_int<ISA, BITS, GB, 128, 64>(q, r, n, work, out);
-    case 128128: return dense_rows_int<ISA, BITS, GB, 128, 128>(q, r, n, work, out);
+    case 64016: return dense_rows_int<ISA, BITS, GB, 64, 16>(q, r, n, work, out, lse);
+    case 64032: return dense_rows_int<ISA, BITS, GB, 64, 32>(q, r, n, work, out, lse);
+    case 64064: return dense_rows_int<ISA, BITS, GB, 64, 64>(q, r, n, work, out, lse);
+    case 128016: return dense_rows_int<ISA, BITS, GB, 128, 16>(q, r, n, work, out, lse);
+    case 128032: return dense_rows_int<ISA, BITS, GB, 128, 32>(q, r, n, work, out, lse);
+    case 128064: return dense_rows_int<ISA, BITS, GB, 128, 64>(q, r, n, work, out, lse);
+    case 128128: return dense_rows_int<ISA, BITS, GB, 128, 128>(q, r, n, work, out, lse);
   }
   TORCH_CHECK(false, "kvc::kivi_attention: integer arithmetic needs D 64 or 128 and G 16, 32, 64 or D, got D ", r.D,
               ", G ", r.G);
@@ -897,13 +909,13 @@ static void dense_rows_int_d(const float* q, const Row& r, int64_t n, std::vecto
 
 // the integer dense read in the arithmetic r.arith names (built: checked by the op)
 template <int BITS, int GB>
-static void dense_int(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out) {
+static void dense_int(const float* q, const Row& r, int64_t n, std::vector<float>& work, float* out, float* lse) {
   if constexpr (BITS == 2 || BITS == 4) {
 #ifdef KVC_KIVI_VNNI
-    if (r.arith == ARITH_VNNI) return dense_rows_int_d<ARITH_VNNI, BITS, GB>(q, r, n, work, out);
+    if (r.arith == ARITH_VNNI) return dense_rows_int_d<ARITH_VNNI, BITS, GB>(q, r, n, work, out, lse);
 #endif
 #ifdef KVC_KIVI_AVX2
-    if (r.arith == ARITH_AVX2) return dense_rows_int_d<ARITH_AVX2, BITS, GB>(q, r, n, work, out);
+    if (r.arith == ARITH_AVX2) return dense_rows_int_d<ARITH_AVX2, BITS, GB>(q, r, n, work, out, lse);
 #endif
   }
   TORCH_CHECK(false, "kvc::kivi_attention: integer arithmetic ", r.arith, " is not built for ", BITS, " bits");
@@ -1167,30 +1179,72 @@ static void sparse_rows(const float* q, const Row& r, const int64_t* il, const b
 // ------------------------------------------------------------------------------------ dispatch
 template <int BITS>
 static void run_block(const float* q, int gb, const Row& r, int64_t n, const int64_t* il, const bool* vl,
-                      int64_t N, std::vector<float>& work, float* out) {
+                      int64_t N, std::vector<float>& work, float* out, float* lse) {
   switch (gb) {
 #define KVC_CASE(GB)                                                                   \
     case GB:                                                                           \
       if (il && r.D == 64) sparse_rows<BITS, GB, 64>(q, r, il, vl, N, work, out);      \
       else if (il) sparse_rows<BITS, GB, 128>(q, r, il, vl, N, work, out);             \
-      else if (r.arith) dense_int<BITS, GB>(q, r, n, work, out);                       \
-      else if (r.D == 64) dense_rows<BITS, GB, 64>(q, r, n, work, out);                \
-      else dense_rows<BITS, GB, 128>(q, r, n, work, out);                              \
+      else if (r.arith) dense_int<BITS, GB>(q, r, n, work, out, lse);                  \
+      else if (r.D == 64) dense_rows<BITS, GB, 64>(q, r, n, work, out, lse);           \
+      else dense_rows<BITS, GB, 128>(q, r, n, work, out, lse);                         \
       break;
     KVC_CASE(1) KVC_CASE(2) KVC_CASE(3) KVC_CASE(4)
 #undef KVC_CASE
   }
 }
 
+// GL query rows of one list; lse (dense reads, or null): each row's log-sum-exp of its scores, for split reads
 static void run_rows(const float* q, int64_t GL, int bits, const Row& r, int64_t n, const int64_t* il,
-                     const bool* vl, int64_t N, std::vector<float>& work, float* out) {
+                     const bool* vl, int64_t N, std::vector<float>& work, float* out, float* lse = nullptr) {
   const int D = r.D;
   for (int64_t g = 0; g < GL; g += 4) {
     const int gb = (int)std::min<int64_t>(4, GL - g);
-    if (bits == 4) run_block<4>(q + g * D, gb, r, n, il, vl, N, work, out + g * D);
-    else if (bits == 2) run_block<2>(q + g * D, gb, r, n, il, vl, N, work, out + g * D);
-    else run_block<8>(q + g * D, gb, r, n, il, vl, N, work, out + g * D);
+    float* lg = lse ? lse + g : nullptr;
+    if (bits == 4) run_block<4>(q + g * D, gb, r, n, il, vl, N, work, out + g * D, lg);
+    else if (bits == 2) run_block<2>(q + g * D, gb, r, n, il, vl, N, work, out + g * D, lg);
+    else run_block<8>(q + g * D, gb, r, n, il, vl, N, work, out + g * D, lg);
   }
+}
+
+// Split dense reads (flash-decoding, as kvc::decode_attention): with fewer lists than make an even share
+// per thread (batch 1: 3 KV heads on 2 threads), each list's slots go in chunks of whole SPAN-slot spans,
+// each chunk a dense read of its own (sub_row) with its rows' log-sum-exps, merged by merge_chunks.
+constexpr int64_t SPAN = 256;          // chunk alignment: whole key groups and whole value chunks (CH, CHI)
+
+static int64_t split_chunks(int64_t lists, int64_t n, int64_t threads) {
+  if (threads < 2 || lists % threads == 0) return 1;
+  const int64_t most = std::max<int64_t>(1, n / SPAN);
+  const int64_t c = std::min(most, (2 * threads + lists - 1) / lists);
+  for (int64_t t = c; t <= most && t <= c + threads; ++t)
+    if ((lists * t) % threads == 0) return t;
+  return c;
+}
+
+// slots [a, ...) of r as the slots [0, ...) of a row (a % SPAN == 0: whole key groups)
+static Row sub_row(const Row& r, int64_t a) {
+  Row s = r;
+  s.kp += a * r.kp_t; s.ks += a / r.G * r.k_g; s.km += a / r.G * r.k_g;
+  s.vp += a * r.vp_t; s.vs += a * r.v_t; s.vm += a * r.v_t;
+  s.pos += a;
+  if (s.vis) s.vis += a;
+  return s;
+}
+
+// out [D] <- the chunks' outputs src + c * stride (c < chunks) weighted by exp(lse[c * lstride] - max), normalized;
+// zeros where no chunk saw a visible slot (as an unsplit read)
+static void merge_chunks(int64_t chunks, const float* src, int64_t stride, const float* lse, int64_t lstride, int D,
+                         float* out) {
+  float m = -INFINITY, total = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) m = std::max(m, lse[c * lstride]);
+  std::fill(out, out + D, 0.f);
+  if (std::isinf(m)) return;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float w = std::exp(lse[c * lstride] - m);
+    for (int d = 0; d < D; ++d) out[d] += w * src[c * stride + d];
+    total += w;
+  }
+  for (int d = 0; d < D; ++d) out[d] /= total;
 }
 
 }  // namespace
@@ -1236,6 +1290,31 @@ torch::Tensor kivi_attention(torch::Tensor q, torch::Tensor k_packed, torch::Ten
   float* op = out.data_ptr<float>();
   const int64_t* nowp = now.data_ptr<int64_t>();
   const int64_t GL = (sparse && Hidx == Hq) ? 1 : Gq;
+  const int64_t chunks = sparse ? 1 : split_chunks(B * H, n, at::get_num_threads());
+  if (chunks > 1) {
+    const int64_t span = ((n + chunks - 1) / chunks + SPAN - 1) / SPAN * SPAN, parts = (n + span - 1) / span;
+    auto part = torch::empty({B * H, parts, Gq, D}, q.options());
+    auto lse = torch::empty({B * H, parts, Gq}, q.options());
+    float* pp = part.data_ptr<float>();
+    float* lp = lse.data_ptr<float>();
+    at::parallel_for(0, B * H * parts, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> work, qscaled(Gq * D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t rr = i / parts, a = i % parts * span, b = rr / H, h = rr % H;
+        Row r = row_at(bufs, pos, b, h, nowp[b], (int)bits, (int)G);
+        r.vis = has_vis ? row_of<bool>(visible, b, h) : nullptr;
+        r.arith = (int)arith;
+        for (int64_t j = 0; j < Gq * D; ++j) qscaled[j] = qp[(b * Hq + h * Gq) * D + j] * (float)scale;
+        run_rows(qscaled.data(), Gq, (int)bits, sub_row(r, a), std::min(n - a, span), nullptr, nullptr, 0, work,
+                 pp + i * Gq * D, lp + i * Gq);
+      }
+    });
+    for (int64_t rr = 0; rr < B * H; ++rr)
+      for (int64_t g = 0; g < Gq; ++g)
+        merge_chunks(parts, pp + (rr * parts * Gq + g) * D, Gq * D, lp + rr * parts * Gq + g, Gq, (int)D,
+                     op + (rr * Gq + g) * D);
+    return out;
+  }
   at::parallel_for(0, B * Hidx, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work, qscaled(GL * D);
     for (int64_t rr = begin; rr < end; ++rr) {
