@@ -57,6 +57,15 @@ def test_kivi_write_triton_equals_torch_bit_for_bit_on_cuda():
     assert test_kivi_kernels.triton_write_mismatches("cuda") == []
 
 
+def test_kivi_decode_path_on_cuda(monkeypatch):
+    """A tiny model's decode over KIVI storage through the CUDA path (one-launch write, Triton attention in
+    fp32 arithmetic, merge) against the torch path (added after the last GPU session: not yet run on one)."""
+    import kernels.kivi_int_triton as kit
+    monkeypatch.setenv("KVC_KIVI_ARITH", "fp32")
+    monkeypatch.setattr(kit, "_use_int", None)
+    assert test_kivi_kernels.triton_decode_error("cuda") <= 1e-4
+
+
 @pytest.mark.parametrize("case", [c for c in test_kivi_int_triton.CASES if c[0] != "switch"],
                          ids=test_kivi_int_triton.case_id)
 def test_kivi_int_triton_equals_twin_on_cuda(case):

@@ -273,15 +273,51 @@ def triton_worst_error(device: str) -> float:
     return worst
 
 
-def interpreted(check: str) -> str:
-    """This module's `check`('cpu') run in a fresh process under TRITON_INTERPRET=1 -> what it returned, printed
-    (the interpreter must be set before triton is first imported)."""
+def triton_decode_error(device: str) -> float:
+    """A tiny model's prefill + 8 greedy decode steps of two left-padded rows over KIVI 4-bit storage with
+    backend "triton" (the CUDA decode path: kivi_write_triton, the Triton attention, kivi_merge) against
+    backend "torch" -> the largest |logits difference|.  Run with KVC_KIVI_ARITH=fp32 (the fp32-arithmetic
+    kernel, whose twin the torch path is)."""
+    from cache import make_policy
+    from cache.quantized import with_kv_bits
+    from model import Transformer
+    import engine
+    from tests.helpers import left_padded
+    args = ModelArgs(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64, head_dim=32)
+    torch.manual_seed(0)
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    model = model.to(device)
+    tokens, pos = left_padded([70, 45], vocab=64, seed=1)
+    runs = []
+    for backend in ("triton", "torch"):
+        model.setup_caches(2, 90, with_kv_bits(make_policy("full"), 4, 16, 32, backend=backend))
+        with torch.inference_mode():
+            logits = [engine.run_prefill(model, tokens.to(device), pos.to(device))]
+            token, p = logits[0].argmax(-1, keepdim=True), pos[:, -1:].to(device) + 1
+            for i in range(8):
+                logits.append(engine.run_decode(model, token, p + i, i))
+                token = logits[-1].argmax(-1, keepdim=True)
+        runs.append(torch.stack(logits).float().cpu())
+    return (runs[0] - runs[1]).abs().max().item()
+
+
+def interpreted(check: str, **env: str) -> str:
+    """This module's `check`('cpu') run in a fresh process under TRITON_INTERPRET=1 (and `env`) -> what it
+    returned, printed (the interpreter must be set before triton is first imported)."""
     pytest.importorskip("triton")
     code = f"import sys; sys.path.insert(0, '.'); from tests.test_kivi_kernels import {check}; print({check}('cpu'))"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", **env)
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     return p.stdout.strip().splitlines()[-1]
+
+
+def test_triton_decode_path_equals_torch_path():
+    """The CUDA decode path over KIVI storage, wired end to end (triton_decode_error), under the interpreter."""
+    assert float(interpreted("triton_decode_error", KVC_KIVI_ARITH="fp32")) <= 1e-4
 
 
 def test_triton_interpreter_equals_twin():
