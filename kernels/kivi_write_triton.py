@@ -12,7 +12,7 @@ One program per (row, KV head), the codec of kernels/kivi_codec.py in fp32:
   position (min/max, scale rounded up to the storage dtype, codes rounded half to even) and repacked;
 - the value: quantized per channel group of G on its own, packed;
 - the ring: row pos % R takes k and v when the position is among the newest R.
-The torch twin runs ~100 small ops a layer; on an H100 each costs more host time than the whole write
+The torch twin runs about 200 small ops a layer; on an H100 each costs more host time than the whole write
 (docs/results.md, section 14).  Codes live in the planar word layout: channel d = j W + w is code j of
 word w, so a [G, P, W] tile is unpacked by one shift per plane and packed by an OR over the planes.
 Launched with enable_fp_fusion=False (every product and sum rounded as the twin rounds it).
