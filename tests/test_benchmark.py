@@ -472,3 +472,23 @@ def test_random_checkpoint_script(default_dir, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             random_checkpoint.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.model  # tiny_dir copies the default model's tokenizer
+def test_compile_ab_script(tiny_dir, capsys):
+    """scripts/compile_ab.py on the tiny model: the compiled step compiles, both steps alternate over one
+    cache (rounds in both orders) and the ratios print; bad input exits 2 with a message, before loading."""
+    import compile_ab
+    assert compile_ab.main(["--checkpoint", str(tiny_dir), "--kv-bits", "4", "--batch-size", "2",
+                            "--context-length", "40", "--rounds", "2", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "compile + 4 steps" in out and out.count("round ") == 2 and "compiled / eager speed: median" in out
+    for argv, message in ((["--checkpoint", "/nonexistent"], "not found"),
+                          (["--checkpoint", str(tiny_dir), "--policy", "nosuch"], "--policy"),
+                          (["--checkpoint", str(tiny_dir), "--policy", "pod", "--kv-bits", "4"], "--kv-bits 4"),
+                          (["--checkpoint", str(tiny_dir), "--steps", "0"], "must be positive")):
+        with pytest.raises(SystemExit) as e:
+            compile_ab.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert compile_ab.main(["--checkpoint", str(tiny_dir), "--context-length", "100000"]) == 2
+    assert "exceed the model's context" in capsys.readouterr().err
