@@ -12,10 +12,11 @@ One program per (row, KV head), the codec of kernels/kivi_codec.py in fp32:
   position (min/max, scale rounded up to the storage dtype, codes rounded half to even) and repacked;
 - the value: quantized per channel group of G on its own, packed;
 - the ring: row pos % R takes k and v when the position is among the newest R.
-The torch twin runs about 200 small ops a layer, each a launch with its host time on a GPU; with this kernel
-(and the attention's merge in one launch) 4-bit decode on an H100 went from 0.37x to 0.72x of the 16-bit
-cache's speed (docs/results.md, section 14).  Codes live in the planar word layout: channel d = j W + w is code j of
-word w, so a [G, P, W] tile is unpacked by one shift per plane and packed by an OR over the planes.
+The torch twin runs about 200 small ops a layer, each a launch with its host time on a GPU; with this
+kernel (and the attention's merge in one launch) 4-bit decode on an H100 went from 0.37x to 0.72x of the
+16-bit cache's speed (docs/results.md, section 14).  Codes live in the planar word layout: channel
+d = j W + w is code j of word w, so a [G, P, W] tile is unpacked by one shift per plane and packed by an
+OR over the planes.
 Launched with enable_fp_fusion=False (every product and sum rounded as the twin rounds it).
 """
 from __future__ import annotations
@@ -168,10 +169,12 @@ def kivi_write_triton(buf, slot: Tensor, k: Tensor, v: Tensor, pos: Tensor, now:
     kp, ks, vp, vs, kr = buf.k_packed, buf.k_scale, buf.v_packed, buf.v_scale, buf.k_ring
     slot, posc = slot.long().contiguous(), row_major(pos)
     kernel = _kernel()
+    dt, ut = (getattr(tl, name) for name in _TYPES[ks.dtype])
     kernel[(B, H)](
         kp, ks, buf.k_min, vp, vs, buf.v_min, kr, buf.v_ring, slot, k.reshape(B, H, D).contiguous(),
-        v.reshape(B, H, D).contiguous(), posc, now.contiguous(), slot if where is None else where.contiguous(),
+        v.reshape(B, H, D).contiguous(), posc, now.contiguous(),
+        slot if where is None else where.contiguous(),                 # (slot: a placeholder, never read)
         posc.shape[2], kr.shape[2], *kp.stride(), *ks.stride()[:3], *vp.stride(), *vs.stride(), *kr.stride()[:3],
         posc.stride(0), head_stride(posc),
-        D=D, W=D // P, P=P, BITS=buf.bits, GROUP=G, NCG=D // G, DT=getattr(tl, _TYPES[ks.dtype][0]), UT=getattr(tl, _TYPES[ks.dtype][1]),
+        D=D, W=D // P, P=P, BITS=buf.bits, GROUP=G, NCG=D // G, DT=dt, UT=ut,
         HAS_WHERE=where is not None, enable_fp_fusion=False, num_warps=1)
