@@ -1289,45 +1289,38 @@ torch::Tensor kivi_attention(torch::Tensor q, torch::Tensor k_packed, torch::Ten
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t* nowp = now.data_ptr<int64_t>();
-  const int64_t GL = (sparse && Hidx == Hq) ? 1 : Gq;
-  const int64_t chunks = sparse ? 1 : split_chunks(B * H, n, at::get_num_threads());
-  if (chunks > 1) {
-    const int64_t span = ((n + chunks - 1) / chunks + SPAN - 1) / SPAN * SPAN, parts = (n + span - 1) / span;
-    auto part = torch::empty({B * H, parts, Gq, D}, q.options());
-    auto lse = torch::empty({B * H, parts, Gq}, q.options());
-    float* pp = part.data_ptr<float>();
-    float* lp = lse.data_ptr<float>();
-    at::parallel_for(0, B * H * parts, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> work, qscaled(Gq * D);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t rr = i / parts, a = i % parts * span, b = rr / H, h = rr % H;
-        Row r = row_at(bufs, pos, b, h, nowp[b], (int)bits, (int)G);
-        r.vis = has_vis ? row_of<bool>(visible, b, h) : nullptr;
-        r.arith = (int)arith;
-        for (int64_t j = 0; j < Gq * D; ++j) qscaled[j] = qp[(b * Hq + h * Gq) * D + j] * (float)scale;
-        run_rows(qscaled.data(), Gq, (int)bits, sub_row(r, a), std::min(n - a, span), nullptr, nullptr, 0, work,
-                 pp + i * Gq * D, lp + i * Gq);
-      }
-    });
-    for (int64_t rr = 0; rr < B * H; ++rr)
-      for (int64_t g = 0; g < Gq; ++g)
-        merge_chunks(parts, pp + (rr * parts * Gq + g) * D, Gq * D, lp + rr * parts * Gq + g, Gq, (int)D,
-                     op + (rr * Gq + g) * D);
-    return out;
+  const int64_t GL = (sparse && Hidx == Hq) ? 1 : Gq, lists = B * Hidx;
+  // dense lists too few for an even share of the threads: `parts` chunks of `span` slots each (split_chunks)
+  const int64_t chunks = sparse ? 1 : split_chunks(lists, n, at::get_num_threads());
+  const int64_t span = chunks > 1 ? ((n + chunks - 1) / chunks + SPAN - 1) / SPAN * SPAN : n;
+  const int64_t parts = chunks > 1 ? (n + span - 1) / span : 1;
+  torch::Tensor part, lse;                                    // split reads: each chunk's rows and log-sum-exps
+  if (parts > 1) {
+    part = torch::empty({lists, parts, GL, D}, q.options());
+    lse = torch::empty({lists, parts, GL}, q.options());
   }
-  at::parallel_for(0, B * Hidx, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, lists * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work, qscaled(GL * D);
-    for (int64_t rr = begin; rr < end; ++rr) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t rr = i / parts, a = i % parts * span;
       const int64_t b = rr / Hidx, hi = rr % Hidx, h = Hidx == H ? hi : hi / Gq, hq = Hidx == H ? hi * Gq : hi;
       Row r = row_at(bufs, pos, b, h, nowp[b], (int)bits, (int)G);
       r.vis = has_vis ? row_of<bool>(visible, b, h) : nullptr;
       r.arith = (int)arith;
-      for (int64_t i = 0; i < GL * D; ++i) qscaled[i] = qp[(b * Hq + hq) * D + i] * (float)scale;
+      for (int64_t j = 0; j < GL * D; ++j) qscaled[j] = qp[(b * Hq + hq) * D + j] * (float)scale;
       const int64_t* il = sparse ? idx.data_ptr<int64_t>() + rr * N : nullptr;
       const bool* vl = has_valid ? valid.data_ptr<bool>() + rr * N : nullptr;
-      run_rows(qscaled.data(), GL, (int)bits, r, n, il, vl, N, work, op + (b * Hq + hq) * D);
+      if (parts == 1)
+        run_rows(qscaled.data(), GL, (int)bits, r, n, il, vl, N, work, op + (b * Hq + hq) * D);
+      else
+        run_rows(qscaled.data(), GL, (int)bits, sub_row(r, a), std::min(n - a, span), nullptr, nullptr, 0, work,
+                 part.data_ptr<float>() + i * GL * D, lse.data_ptr<float>() + i * GL);
     }
   });
+  for (int64_t rr = 0; parts > 1 && rr < lists; ++rr)       // split (dense): list rr = b H + h, rows rr GL + g
+    for (int64_t g = 0; g < GL; ++g)
+      merge_chunks(parts, part.data_ptr<float>() + (rr * parts * GL + g) * D, GL * D,
+                   lse.data_ptr<float>() + rr * parts * GL + g, GL, (int)D, op + (rr * GL + g) * D);
   return out;
 }
 
