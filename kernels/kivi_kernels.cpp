@@ -1373,6 +1373,13 @@ static Quant scale_min(float lo, float hi, int bits) {
   return {scale, lo};
 }
 
+// scale_min's scales of 16 channels (span = hi - lo >= 0), bit for bit: a scale rounded down is one ulp up
+__attribute__((optimize("fp-contract=off")))
+static inline v16 scale16(v16 lo, v16 hi, int bits) {
+  const v16 levels = bcast((float)((1 << bits) - 1)), span = hi - lo, scale = span / levels;
+  return (v16)((v16i)scale - (v16i)(scale * levels < span));     // -1 where true: the next float up
+}
+
 __attribute__((optimize("fp-contract=off")))
 static float dequant(uint32_t code, float scale, float minimum) {
   const float t = (float)code * scale;
@@ -1381,11 +1388,14 @@ static float dequant(uint32_t code, float scale, float minimum) {
 
 // the D channels of x coded, code = clamp(nearbyint((x - mn) / safe), 0, 2^bits - 1) with per-channel
 // minimums mn and scales safe (> 0), 16 channels a vector (each lane the torch ops' fp32 arithmetic, no
-// fused multiply-add), and packed: word w holds the codes of channels j W + w
+// fused multiply-add), and packed: word w holds the codes of channels j W + w (BITS a template parameter:
+// the packing loops vectorize)
+template <int BITS>
 __attribute__((optimize("fp-contract=off")))
-static void code_words(const float* x, const float* mn, const float* safe, int bits, int D, uint32_t* words) {
-  const int W = D * bits / 32, P = 32 / bits;
-  const v16 top = bcast((float)((1u << bits) - 1)), zero = {}, magic = bcast(12582912.f);  // 1.5 * 2^23:
+static void code_words(const float* x, const float* mn, const float* safe, int D, uint32_t* __restrict words) {
+  constexpr int P = 32 / BITS;
+  const int W = D * BITS / 32;
+  const v16 top = bcast((float)((1u << BITS) - 1)), zero = {}, magic = bcast(12582912.f);  // 1.5 * 2^23:
   int32_t c[128];                                             // (v + magic) - magic rounds half to even
   for (int d = 0; d < D; d += L) {
     const v16 v = (load16(x + d) - load16(mn + d)) / load16(safe + d);
@@ -1396,16 +1406,23 @@ static void code_words(const float* x, const float* mn, const float* safe, int b
     std::memcpy(c + d, &qi, sizeof qi);
   }
   for (int j = 0; j < P; ++j)
-    for (int w = 0; w < W; ++w) words[w] |= (uint32_t)c[j * W + w] << (bits * j);
+    for (int w = 0; w < W; ++w) words[w] |= (uint32_t)c[j * W + w] << (BITS * j);
 }
 
-// the members of key group [g0, g0 + G) at their best into x [G, D] (new keys for the slots [a, b) from
-// kn + (t - a) * D, ring rows for members among the newest R, dequantized codes for the others);
-// returns the mask of the members that count: those holding a token, and with force the new ones
-// (the others are don't-care rows, coded 0: never read, so not even fetched)
+__attribute__((optimize("fp-contract=off")))
+static void code_words(const float* x, const float* mn, const float* safe, int bits, int D, uint32_t* words) {
+  if (bits == 2) code_words<2>(x, mn, safe, D, words);
+  else if (bits == 4) code_words<4>(x, mn, safe, D, words);
+  else code_words<8>(x, mn, safe, D, words);
+}
+
+// the members of key group [g0, g0 + G) at their best: rows[i] points at member i's D floats (new keys for
+// the slots [a, b) at kn + (t - a) * D, ring rows for members among the newest R, the others' codes
+// dequantized into x + i * D); returns the mask of the members that count: those holding a token, and
+// with force the new ones (the others are don't-care rows, coded 0: never read, so not even fetched)
 __attribute__((optimize("fp-contract=off")))
 static uint64_t gather_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_t b, const float* kn, bool force,
-                             float* x) {
+                             float* x, const float** rows) {
   const int bits = r.bits, G = r.G, D = r.D, W = D * bits / 32, P = 32 / bits;
   const uint32_t lvl = (1u << bits) - 1;
   const int64_t g = g0 / G;
@@ -1416,9 +1433,8 @@ static uint64_t gather_group(const Row& r, int64_t g0, int64_t S, int64_t a, int
     if (p < 0 && !(force && is_new)) continue;                // a don't-care member: coded 0
     counted |= uint64_t(1) << i;
     float* xr = x + i * D;
-    if (is_new) std::memcpy(xr, kn + (t - a) * D, D * sizeof(float));
-    else if (r.ring_v(p)) std::memcpy(xr, r.kr + (p % r.R) * r.r_row, D * sizeof(float));
-    else
+    rows[i] = is_new ? kn + (t - a) * D : r.ring_v(p) ? r.kr + (p % r.R) * r.r_row : xr;
+    if (!is_new && !r.ring_v(p))
       for (int w = 0; w < W; ++w) {
         const uint32_t word = (uint32_t)r.kp[t * r.kp_t + w * r.kp_w];
         for (int j = 0; j < P; ++j)
@@ -1438,27 +1454,26 @@ static void requant_group(const Row& r, int64_t g0, int64_t S, int64_t a, int64_
   static thread_local std::vector<float> xbuf;
   xbuf.resize((size_t)G * D);
   float* x = xbuf.data();
-  const uint64_t counted = gather_group(r, g0, S, a, b, kn, force, x);
+  const float* rows[64];
+  const uint64_t counted = gather_group(r, g0, S, a, b, kn, force, x, rows);
   float mn[128], safe[128];
   for (int c = 0; c < D; c += L) {                            // min/max over the counted members
     v16 lo = bcast(INFINITY), hi = bcast(-INFINITY);
     for (int i = 0; i < G; ++i)
       if (counted >> i & 1) {
-        const v16 xi = load16(x + i * D + c);
+        const v16 xi = load16(rows[i] + c);
         lo = xi < lo ? xi : lo;                               // std::min(lo, xi)
         hi = hi < xi ? xi : hi;                               // std::max(hi, xi)
       }
-    for (int l = 0; l < L; ++l) {
-      const Quant q = counted ? scale_min(lo[l], hi[l], bits) : Quant{0.f, 0.f};
-      r.ks[g * r.k_g + c + l] = q.scale;
-      r.km[g * r.k_g + c + l] = q.minimum;
-      mn[c + l] = q.minimum;
-      safe[c + l] = q.scale > 0.f ? q.scale : 1.f;
-    }
+    const v16 zero = {}, scale = counted ? scale16(lo, hi, bits) : zero, minimum = counted ? lo : zero;
+    store16(r.ks + g * r.k_g + c, scale);
+    store16(r.km + g * r.k_g + c, minimum);
+    store16(mn + c, minimum);
+    store16(safe + c, scale > zero ? scale : zero + 1.f);
   }
   for (int i = 0; i < G; ++i) {
     uint32_t words[32] = {};
-    if (counted >> i & 1) code_words(x + i * D, mn, safe, bits, D, words);
+    if (counted >> i & 1) code_words(rows[i], mn, safe, bits, D, words);
     for (int w = 0; w < W; ++w) r.kp[(g0 + i) * r.kp_t + w * r.kp_w] = (int32_t)words[w];
     if (r.kc) std::memcpy(r.kc + (g0 + i) * W, words, W * sizeof(int32_t));
   }
