@@ -31,13 +31,14 @@
 // 1: 3 KV heads on 2 threads), each list's slots are read in chunks of whole 256-slot spans, each chunk
 // a dense read of its own, merged by their log-sum-exps (split_chunks; an even share reads unsplit).
 // Sparse path (idx given), per (batch row, index list) and block of query rows, two passes over the
-// list in its order: scores, then weighted values.  Each entry's W words are gathered into one
-// vector and unpacked in channel lanes (a per-lane shift and the code table); the key group's scale
-// and minimum are folded into the query once per group the list enters (ascending lists enter each
-// group once), and the 16 channel-lane partial sums of 16 entries are reduced together; values are
-// dequantized in registers with their own scale and minimum and accumulated with the softmax
-// weights (vectorized exp).  Prefetches follow the list: the lines of each new 16-slot window and
-// the scales of each new key group.  D 64 or 128, bits 2, 4 or 8, G % 8 == 0, D / G <= 16.
+// list in its order: scores, then weighted values.  Each entry's W words come into one vector (one
+// load from the readers' slot-major copy, else a gather) and are unpacked in channel lanes (a per-lane
+// shift and the code table); the key group's scale and minimum are folded into the query once per
+// group the list enters (ascending lists enter each group once), and the 16 channel-lane partial sums
+// of 16 entries are reduced together; values are dequantized in registers with their own scale and
+// minimum and accumulated with the softmax weights (vectorized exp).  Prefetches follow the list, 16
+// entries ahead: a slot-major entry's own line, the lines of each new 16-slot window and the scales of
+// each new key group.  D 64 or 128, bits 2, 4 or 8, G % 8 == 0, D / G <= 16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -926,8 +927,9 @@ static void dense_int(const float* q, const Row& r, int64_t n, std::vector<float
 // (the readers' lists are ascending: neighbouring entries share key groups and cache lines, which
 // the prefetches and the folded query exploit; any order is still correct).  Channel lanes: slot t's
 // W words come into one vector (word l % W in lane l, repeated when W < 16; W / 16 vectors when
-// W > 16: one load from the readers' slot-major copy, a gather from the token-contiguous words), and channel d = 16c + l of vector c comes out of lane l with one per-lane shift
-// (bits * (d / W), the planar layout) and the code table: no permute, no scalar unpacking.
+// W > 16: one load from the readers' slot-major copy, a gather from the token-contiguous words), and
+// channel d = 16c + l of vector c comes out of lane l with one per-lane shift (bits * (d / W), the
+// planar layout) and the code table: no permute, no scalar unpacking.
 //   scores: when the list enters a new key group, its scale folds into the query (qs = q * s_k) and
 //           its minimum into a vector z = q * m_k; an entry's GB score vectors are z + qs * code
 //           (16 partial sums each), reduced 16 entries at a time (reduce_lanes);
