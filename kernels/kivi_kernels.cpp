@@ -1434,14 +1434,19 @@ static uint64_t gather_group(const Row& r, int64_t g0, int64_t S, int64_t a, int
     const bool is_new = t >= a && t < b;
     if (p < 0 && !(force && is_new)) continue;                // a don't-care member: coded 0
     counted |= uint64_t(1) << i;
-    float* xr = x + i * D;
-    rows[i] = is_new ? kn + (t - a) * D : r.ring_v(p) ? r.kr + (p % r.R) * r.r_row : xr;
-    if (!is_new && !r.ring_v(p))
+    if (is_new) {
+      rows[i] = kn + (t - a) * D;
+    } else if (r.ring_v(p)) {
+      rows[i] = r.kr + (p % r.R) * r.r_row;
+    } else {
+      float* xr = x + i * D;
+      rows[i] = xr;
       for (int w = 0; w < W; ++w) {
         const uint32_t word = (uint32_t)r.kp[t * r.kp_t + w * r.kp_w];
         for (int j = 0; j < P; ++j)
           xr[j * W + w] = dequant((word >> (bits * j)) & lvl, r.ks[g * r.k_g + j * W + w], r.km[g * r.k_g + j * W + w]);
       }
+    }
   }
   return counted;
 }
