@@ -208,10 +208,8 @@ static inline bool plain16(const Row& r, int64_t t, int64_t lo) {
 // slots [t, t + 16) after their packed scores (s[g * npad + t]): -inf past n or invisible; ring
 // slots go to hits, those in the key residual get their scores from the exact ring keys
 template <int GB, int D>
-static void mask_ring(const float* q, const Row& r, int64_t n, int64_t t, float* s, int64_t npad,
-                      std::vector<RingHit>& hits) {
-  const int64_t lo = std::max<int64_t>(r.now - r.R, -1);     // ring_v(p) <=> p > lo
-  if (t + L <= n && plain16(r, t, lo)) return;
+__attribute__((noinline)) static void mask_ring(const float* q, const Row& r, int64_t n, int64_t t, float* s,
+                                                int64_t npad, std::vector<RingHit>& hits) {
   for (int64_t u = t; u < t + L; ++u) {
     if (u >= n || (r.vis && !r.vis[u])) {
       for (int g = 0; g < GB; ++g) s[g * npad + u] = -INFINITY;
@@ -222,6 +220,20 @@ static void mask_ring(const float* q, const Row& r, int64_t n, int64_t t, float*
         for (int g = 0; g < GB; ++g) s[g * npad + u] = dot(q + g * D, r.kr + (p % r.R) * r.r_row, D);
     }
   }
+}
+
+// stores the packed scores x[g] of slots [t, t + 16) into s[g * npad + t], masked (mask_ring), and folds
+// their maximum into mv.  x is reloaded only when mask_ring ran: a load right behind the 64-byte store
+// (and a call) stalled the dense sweep
+template <int GB, int D>
+static inline void store_scores(const float* q, const Row& r, int64_t n, int64_t t, v16* x, float* s, int64_t npad,
+                                v16* mv, std::vector<RingHit>& hits) {
+  for (int g = 0; g < GB; ++g) store16(s + g * npad + t, x[g]);
+  if (t + L > n || !plain16(r, t, std::max<int64_t>(r.now - r.R, -1))) {   // ring_v(p) <=> p > now - R
+    mask_ring<GB, D>(q, r, n, t, s, npad, hits);
+    for (int g = 0; g < GB; ++g) x[g] = load16(s + g * npad + t);
+  }
+  for (int g = 0; g < GB; ++g) mv[g] = x[g] > mv[g] ? x[g] : mv[g];
 }
 
 // Dense path: what the score sweep reads outside its word rows (those it prefetches itself), fetched a
@@ -272,15 +284,7 @@ static void score_block(const float* q, const Row& r, int64_t n, int64_t t0, Fol
         for (int g = 0; g < GB; ++g) acc[v][g] += qs[v][g * D + j * W + w] * c;
       }
   }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t t = t0 + v * L;
-    for (int g = 0; g < GB; ++g) store16(s + g * npad + t, acc[v][g]);
-    mask_ring<GB, D>(q, r, n, t, s, npad, hits);
-    for (int g = 0; g < GB; ++g) {
-      const v16 x = load16(s + g * npad + t);
-      mv[g] = x > mv[g] ? x : mv[g];
-    }
-  }
+  for (int v = 0; v < NV; ++v) store_scores<GB, D>(q, r, n, t0 + v * L, acc[v], s, npad, mv, hits);
 }
 
 // all scores s[g * npad + t] for t < npad and each row's maximum m[g] (0 when nothing is visible)
@@ -689,13 +693,9 @@ static void score_block_int(const float* q, const Row& r, int64_t n, int64_t t0,
   IV<ISA> acc[NV * GB];
   int_sweep<ISA, BITS, GB, D, NV>(r.kp + t0, r.kp_w, qw, acc);
   for (int v = 0; v < NV; ++v) {
-    const int64_t t = t0 + v * L;
-    for (int g = 0; g < GB; ++g) store16(s + g * npad + t, acc[v * GB + g].to_float() * fv[v]->a[g] + fv[v]->z[g]);
-    mask_ring<GB, D>(q, r, n, t, s, npad, hits);
-    for (int g = 0; g < GB; ++g) {
-      const v16 x = load16(s + g * npad + t);
-      mv[g] = x > mv[g] ? x : mv[g];
-    }
+    v16 x[GB];
+    for (int g = 0; g < GB; ++g) x[g] = acc[v * GB + g].to_float() * fv[v]->a[g] + fv[v]->z[g];
+    store_scores<GB, D>(q, r, n, t0 + v * L, x, s, npad, mv, hits);
   }
 }
 

@@ -104,6 +104,36 @@ def test_split_dense_reads_equal_twins(arith, bits, D, G):
         torch.set_num_threads(threads)
 
 
+@needs_cpp
+@pytest.mark.parametrize("arith", ["vnni", "avx2", "fp32"])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_hidden_slots_do_not_set_the_maximum(arith, bits):
+    """Hidden slots whose keys score far above every visible one (~ +900 against a few units): the row
+    maximum comes from the visible scores after masking (and the exact ring keys), not from the packed
+    scores before it, else every visible weight exp(s - m) underflows to 0."""
+    B, H, D, G, R, n = 2, 3, 64, 32, 64, 600
+    g = torch.Generator().manual_seed(5)
+    store = SlotStore(B, H, D, n + 2 * G, bits, G, R, torch.float32)
+    pos = torch.full((B, H, n + 2 * G), -1)
+    pos[..., :n] = torch.arange(n)
+    u = torch.randn(B, H, 1, D, generator=g)
+    k = torch.randn(B, H, n, D, generator=g) * 2 + 0.3
+    hidden = torch.zeros(n, dtype=torch.bool)
+    hidden[3:n - R:7] = True                                 # outside the ring: their scores are packed
+    k[:, :, hidden] = 30 * u
+    now = torch.full((B,), n - 1)
+    store.write_range_torch(0, k, torch.randn(B, H, n, D, generator=g), pos[..., :n], now)
+    q = u.repeat_interleave(3, dim=1) * 2                   # every query row along the hidden keys
+    vis = pos >= 0
+    vis[..., :n] &= ~hidden
+    twin = kivi_attention_torch if arith == "fp32" else kivi_attention_int_torch
+    ref = twin(q, store.buffers, pos, vis, now, n)
+    out = (cpu.kivi_attention_cpu(q, store.buffers, pos, vis, now, n, arith="fp32") if arith == "fp32"
+           else run_int(arith, q, store, pos, vis, now, n))
+    assert ref.abs().max() > 0.05
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_twin_helpers_match_their_definitions():
     """vexp: cpu_vec.h's polynomial (relative error < 2e-7 of exp, 0 below -87.3); lane_dot: a dot product."""
     x = torch.cat([torch.linspace(-87, 0, 10001), torch.tensor([-math.inf, -100.0, -87.31])])
