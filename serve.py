@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server with continuous batching (engine.RowBatch), one batch per started policy.
+"""An OpenAI-compatible HTTP server with continuous batching (runtime.rows.RowBatch), one batch per started policy.
 
     pip install -e '.[serve]'
     python serve.py --checkpoint checkpoints/SmolLM2-135M-Instruct --policies 'full; snapkv:budget=256' --port 8000
@@ -49,7 +49,8 @@ import torch
 
 import engine
 from cache import PolicyError, make_policy, parse_spec_list
-from checkpoint import CheckpointError
+from checkpoint import WEIGHTS, CheckpointError
+from runtime.steps import Sampler, UsageError, compiled_steps, decode_step, prefill_step
 from serve_engine import Engine, Job, QueueFull, failure
 from serve_metrics import Family, exposition, resident_bytes
 
@@ -119,7 +120,7 @@ def chat_text(tokenizer, messages: list) -> str:
         raise BadRequest(f"the chat template refuses these messages: {e}", "messages") from None
 
 
-def sampler_from(body: dict, device) -> engine.Sampler:
+def sampler_from(body: dict, device) -> Sampler:
     temperature, top_p, top_k = body.get("temperature", 1.0), body.get("top_p"), body.get("top_k")
     if not 0 <= temperature <= 2:
         raise BadRequest(f"temperature must be in [0, 2], got {temperature}", "temperature")
@@ -130,8 +131,8 @@ def sampler_from(body: dict, device) -> engine.Sampler:
     seed = body.get("seed")
     if seed is not None and not 0 <= seed < 2**63:
         raise BadRequest(f"seed must be in [0, 2**63), got {seed}", "seed")
-    return engine.Sampler(temperature, top_k, top_p,
-                          torch.Generator(device).manual_seed(seed) if seed is not None else None)
+    return Sampler(temperature, top_k, top_p,
+                   torch.Generator(device).manual_seed(seed) if seed is not None else None)
 
 
 def parse(srv: Engine, body, chat: bool, model_id: str, loop) -> tuple[Job, dict]:
@@ -366,15 +367,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", help="the id /v1/models reports and requests may name (default: the checkpoint's)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=list(engine.DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--weights", choices=engine.WEIGHTS, default="auto", help="as engine.py")
+    p.add_argument("--weights", choices=WEIGHTS, default="auto", help="as engine.py")
     p.add_argument("--omp-wait-policy", choices=["default", "passive", "active", "inherit"], default="default",
                    help="how the compute threads wait between ops (OMP_WAIT_POLICY for this process, applied when "
                         "serve.py starts): default (OMP_WAIT_POLICY unset: OpenMP's own, spin a short while, then "
                         "sleep), passive, active (threads that spin hold every core, so each wake-up of the HTTP "
                         "thread or of a client on the same cores preempts one mid-step: docs/serving.md), or "
                         "inherit the environment's")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (engine.compiled_steps), "
-                                                          "compiled at startup")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (runtime.steps.compiled_steps), compiled at startup")
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism: not supported by the server (only 1)")
     engine.add_kv_flags(p)
     return p
@@ -384,13 +385,13 @@ def build_engine(args) -> Engine:
     """Validate the flags, load the model, compile with --compile, start nothing yet
     (UsageError/PolicyError/CheckpointError)."""
     if args.prefix_cache_mb < 0:
-        raise engine.UsageError("--prefix-cache-mb must be at least 0")
+        raise UsageError("--prefix-cache-mb must be at least 0")
     for flag in ("max_batch", "max_queue", "max_new_tokens_limit", "prefill_chunk"):
         if getattr(args, flag) < 1:
-            raise engine.UsageError(f"--{flag.replace('_', '-')} must be at least 1")
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.tp != 1:
-        raise engine.UsageError("serve.py does not support --tp: the server runs the model in one process "
-                                "(engine.py and the benchmark take --tp under torchrun)")
+        raise UsageError("serve.py does not support --tp: the server runs the model in one process "
+                         "(engine.py and the benchmark take --tp under torchrun)")
     specs = parse_spec_list(args.policies or ["full"])
     for spec in specs:
         engine.kv_policy(make_policy(spec), args)               # a bad spec fails before loading
@@ -398,8 +399,8 @@ def build_engine(args) -> Engine:
     engine.check_kv_fits(args, model.args)
     max_seq_length = min(args.max_seq_length, model.args.max_position_embeddings)
     if args.max_new_tokens_limit >= max_seq_length:
-        raise engine.UsageError(f"--max-new-tokens-limit {args.max_new_tokens_limit} leaves no room for a prompt "
-                                f"in --max-seq-length {max_seq_length}")
+        raise UsageError(f"--max-new-tokens-limit {args.max_new_tokens_limit} leaves no room for a prompt "
+                         f"in --max-seq-length {max_seq_length}")
 
     def maker(spec):
         def fresh():                            # a new policy instance (RowBatch makes its batch's and scratch's)
@@ -407,8 +408,7 @@ def build_engine(args) -> Engine:
             policy.prepare(model, tokenizer)    # calibration files it needs, made on first use
             return policy
         return fresh
-    steps = engine.compiled_steps(model.output.weight.device) if args.compile else (engine.prefill_step,
-                                                                                     engine.decode_step)
+    steps = compiled_steps(model.output.weight.device) if args.compile else (prefill_step, decode_step)
     srv = Engine(model, tokenizer, {spec.variant: (str(spec), maker(spec)) for spec in specs}, args.max_batch,
                  args.max_queue, max_seq_length, args.max_new_tokens_limit, steps, args.prefill_chunk,
                  int(args.prefix_cache_mb * 2 ** 20), args.agnostic_reuse)
@@ -424,7 +424,7 @@ def main(argv=None) -> int:
         return 2
     try:
         srv = build_engine(args)
-    except (engine.UsageError, CheckpointError, PolicyError, FileNotFoundError) as e:
+    except (UsageError, CheckpointError, PolicyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     model_id = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))

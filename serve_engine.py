@@ -1,4 +1,4 @@
-"""serve.py's engine thread: one `Lane` (an engine.RowBatch) per started policy, the `Job` each request shares
+"""serve.py's engine thread: one `Lane` (a runtime.rows.RowBatch) per started policy, the `Job` each request shares
 with its HTTP handler, and the `Engine` that owns the model and goes round the lanes (admission, decode steps,
 sampling, streaming text back, failures).  Request handlers never touch the model: they `submit` a Job and
 read its `out` queue.
@@ -23,7 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
-import engine
+from runtime.rows import Pending, RowBatch
+from runtime.steps import Sampler, decode_step, prefill_step, warmup_length
 from serve_metrics import Histogram
 from tokenizer import unfinished_tail
 
@@ -41,7 +42,7 @@ class Job:
     """One generation request, shared by its HTTP handler (which reads `out`) and the engine thread."""
     ids: list[int]
     max_tokens: int
-    sampler: engine.Sampler
+    sampler: Sampler
     stop: list[str]
     lane: str                         # the name of the started policy that serves it
     loop: asyncio.AbstractEventLoop
@@ -50,7 +51,7 @@ class Job:
     tokens: list[int] = field(default_factory=list)
     sent: int = 0                     # characters of the text already sent
     cancelled: bool = False           # set by the handler when its client goes away
-    pending: Optional[engine.Pending] = None   # its staged admission (RowBatch.start), while its prompt is prefilled
+    pending: Optional[Pending] = None   # its staged admission (RowBatch.start), while its prompt is prefilled
     row: int = -1                     # its row in the lane's RowBatch, once admitted
     submitted: float = field(default_factory=time.monotonic)
     last: Optional[float] = None      # when its latest token was sampled (time.monotonic)
@@ -80,7 +81,7 @@ class Lane:
     name: str                         # the spec's NAME[@LABEL]: what a request's kv_policy names
     spec: str                         # the whole spec, as started
     make_policy: Callable
-    batch: engine.RowBatch
+    batch: RowBatch
     waiting: list = field(default_factory=list)          # [Job], guarded by Engine.wake
     starting: list = field(default_factory=list)         # [Job] started in the batch, prompt not yet in
     rows: dict = field(default_factory=dict)             # row -> Job (the engine thread's own)
@@ -99,10 +100,10 @@ class Engine:
     ITL_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
     def __init__(self, model, tokenizer, policies: dict, max_batch: int, max_queue: int, max_seq_length: int,
-                 max_new_tokens: int, steps=(engine.prefill_step, engine.decode_step), prefill_chunk: int = 256,
+                 max_new_tokens: int, steps=(prefill_step, decode_step), prefill_chunk: int = 256,
                  prefix_bytes: int = 0, agnostic: bool = True):
         """policies: {name: (spec text, a function making a fresh policy instance)}, the first the default;
-        steps: the (prefill, decode) step functions (engine.compiled_steps for --compile); prefill_chunk: prompt
+        steps: the (prefill, decode) step functions (runtime.steps.compiled_steps for --compile); prefill_chunk: prompt
         tokens prefilled between two decode steps; prefix_bytes: kept prefixes per lane (prefix_cache.py);
         agnostic: compressing policies keep compressed prefixes (RowBatch's agnostic protocol)."""
         self.model, self.tokenizer = model, tokenizer
@@ -123,12 +124,12 @@ class Engine:
         for lane in self.lanes.values():
             self.read_kv(lane)
 
-    def new_batch(self, make_policy) -> engine.RowBatch:
+    def new_batch(self, make_policy) -> RowBatch:
         prefill, decode = self.steps
-        return engine.RowBatch(self.model, make_policy, self.max_batch, self.max_seq_length, self.max_new_tokens,
-                               prefill=prefill, decode=decode, prefill_chunk=self.prefill_chunk,
-                               prefix_bytes=self.prefix_bytes, agnostic=self.agnostic,
-                               share_prefix=decode is engine.decode_step)        # not under --compile
+        return RowBatch(self.model, make_policy, self.max_batch, self.max_seq_length, self.max_new_tokens,
+                        prefill=prefill, decode=decode, prefill_chunk=self.prefill_chunk,
+                        prefix_bytes=self.prefix_bytes, agnostic=self.agnostic,
+                        share_prefix=decode is decode_step)        # not under --compile
 
     def submit(self, job: Job) -> None:
         with self.wake:
@@ -361,7 +362,7 @@ class Engine:
         with torch.inference_mode():
             for lane in self.lanes.values():
                 self.model.cache = lane.batch.policy
-                ids = [0] * engine.warmup_length(lane.batch.policy)
+                ids = [0] * warmup_length(lane.batch.policy)
                 rows = {row: int(logits.argmax()) for row, logits in lane.batch.admit([ids] * self.max_batch)}
                 for _ in range(3):
                     logits = lane.batch.step(rows)

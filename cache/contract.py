@@ -1,4 +1,4 @@
-"""The cache-policy contract: what `model.Transformer` and `engine.py` call on a policy, in one place.
+"""The cache-policy contract: what `model.Transformer` and `runtime/` call on a policy, in one place.
 
 A policy is any object with these members (`model.DenseCache`, the `full` policy, is the smallest
 one; `cache/base.py`'s EvictionPolicy and `cache/sparse_read.py`'s SparseReader implement the
@@ -17,7 +17,7 @@ When each member is called, for one request:
     begin(input_pos); decode(...)    each decode step ([B, 1]), every layer
     reset()                          the next request reuses the storage
 
-Requests that join and leave a running batch (engine.RowBatch, the server's continuous batching), for a
+Requests that join and leave a running batch (runtime.rows.RowBatch, the server's continuous batching), for a
 policy whose `admission` is "row":
 
     decode_room = N                  before setup: every row holds its prompt's kept tokens + N generated
@@ -43,7 +43,7 @@ RowBatch's agnostic rows alike) is held whole:
     question_room(row)               the longest question the row holds whole (None: nothing is evicted);
                                      hold_question refuses a longer one (ValueError)
 
-The scratch's prompt comes in chunks of RowBatch's prefill_chunk (engine.chunk_end: a chunk after the first
+The scratch's prompt comes in chunks of RowBatch's prefill_chunk (runtime.steps.chunk_end: a chunk after the first
 holds at least 2 tokens, since model.forward runs a later one-token forward as a decode step), each chunk one
 step of the staged admission (RowBatch.start / advance, interleaved with the running rows' decode steps).  A
 compressing policy (cache/base.py's EvictionPolicy) takes the chunks *staged*: its prompt's K/V wait

@@ -35,11 +35,11 @@ from typing import Callable, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
-import engine  # noqa: E402
 from eval import common, measure  # noqa: E402
 from eval.common import UsageError  # noqa: E402
 from eval.perplexity import text_windows  # noqa: E402
 from model import DenseCache  # noqa: E402
+from runtime.steps import run_decode, run_prefill  # noqa: E402
 
 
 # --------------------------------------------------------------------------- generation agreement
@@ -54,13 +54,13 @@ def reference(loaded: common.Loaded, ids: list[int], new_tokens: int) -> list[in
     model.setup_caches(1, len(ids) + new_tokens, None)
     out = []
     with torch.inference_mode():
-        logits = engine.run_prefill(model, tokens, pos[:, :len(ids)], loaded.prefill)
+        logits = run_prefill(model, tokens, pos[:, :len(ids)], loaded.prefill)
         for i in range(new_tokens):
             token = logits.argmax(-1)
             out.append(int(token))
             if i + 1 < new_tokens:
                 at = len(ids) + i
-                logits = engine.run_decode(model, token[:, None], pos[:, at:at + 1], i, loaded.decode)
+                logits = run_decode(model, token[:, None], pos[:, at:at + 1], i, loaded.decode)
     return out
 
 

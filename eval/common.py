@@ -22,7 +22,9 @@ import atomic_io  # noqa: E402
 import engine  # noqa: E402
 from cache import PolicyError, make_policy, policy_names  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
-from engine import UsageError  # noqa: E402
+from model import Transformer  # noqa: E402
+from runtime.steps import UsageError, compiled_steps, decode_step, prefill_step, warm_up, warmup_length  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
 DATA = ROOT / "data"                        # data shipped with the repository (data/README.md)
@@ -83,11 +85,11 @@ def new_policy(args):
 
 @dataclass
 class Loaded:
-    model: "engine.Transformer"
-    tokenizer: "engine.Tokenizer"
+    model: Transformer
+    tokenizer: Tokenizer
     device: torch.device
-    prefill: Callable = engine.prefill_step
-    decode: Callable = engine.decode_step
+    prefill: Callable = prefill_step
+    decode: Callable = decode_step
 
     @property
     def context_length(self) -> int:
@@ -103,10 +105,10 @@ def load(args) -> Loaded:
     loaded = Loaded(model, tokenizer, device)
     new_policy(args).prepare(model, tokenizer)          # calibration files the policy needs, made once
     if args.compile:
-        loaded.prefill, loaded.decode = engine.compiled_steps(device)
+        loaded.prefill, loaded.decode = compiled_steps(device)
         policy = new_policy(args)
-        engine.warm_up(model, loaded.prefill, loaded.decode,
-                       torch.zeros(1, engine.warmup_length(policy), dtype=torch.long, device=device), policy)
+        warm_up(model, loaded.prefill, loaded.decode,
+                       torch.zeros(1, warmup_length(policy), dtype=torch.long, device=device), policy)
     return loaded
 
 

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 
 import engine
+from runtime.context import prefill_context
+from runtime.steps import UsageError, decode_step, prefill_step, run_decode, run_prefill
 
 
 @dataclass
@@ -65,7 +67,7 @@ def answer(loaded, new_policy, ids: list[int], split: int, max_new_tokens: int, 
            usage: Optional[Usage] = None, compile: bool = False) -> tuple[str, object]:
     """Greedy answer to the prompt ids, whose question starts at ids[split], under `protocol` -> (answer,
     the policy instance that answered).  aware: the whole prompt is compressed (`generate`); agnostic: the
-    context ids[:split] is compressed alone (engine.prefill_context) and the question ids[split:] appended
+    context ids[:split] is compressed alone (prefill_context) and the question ids[split:] appended
     to it (one decode step per token).  Both see the same tokens; the cost goes to `usage`."""
     if protocol == "aware":
         policy = new_policy()
@@ -73,10 +75,10 @@ def answer(loaded, new_policy, ids: list[int], split: int, max_new_tokens: int, 
     if not 0 < split < len(ids):
         raise ValueError(f"the question must start inside the prompt: split {split} of {len(ids)} tokens")
     if compile:
-        raise engine.UsageError("--compile is not supported with --protocol agnostic")
+        raise UsageError("--compile is not supported with --protocol agnostic")
     model, tokenizer = loaded.model, loaded.tokenizer
     room = len(ids) - split + max_new_tokens
-    ctx = engine.prefill_context(model, tokenizer, ids[:split], new_policy, room)
+    ctx = prefill_context(model, tokenizer, ids[:split], new_policy, room)
     result = engine.generate(model, tokenizer, [ids[split:]], max_new_tokens, context=ctx)
     if usage is not None:
         s = result.stats
@@ -85,8 +87,8 @@ def answer(loaded, new_policy, ids: list[int], split: int, max_new_tokens: int, 
     return result.texts[0].strip(), model.cache
 
 
-def forced_logits(model, tokens: torch.Tensor, context_length: int, policy=None, prefill=engine.prefill_step,
-                  decode=engine.decode_step, usage: Optional[Usage] = None) -> torch.Tensor:
+def forced_logits(model, tokens: torch.Tensor, context_length: int, policy=None, prefill=prefill_step,
+                  decode=decode_step, usage: Optional[Usage] = None) -> torch.Tensor:
     """Logits [E, V] (float32) predicting tokens[C:] (tokens: LongTensor [W], C = context_length,
     E = W - C): prefill tokens[:C] with `policy` (DenseCache if None), then feed tokens[C:W-1]
     one decode step at a time, so decode-time eviction and merging act as during generation.
@@ -100,10 +102,10 @@ def forced_logits(model, tokens: torch.Tensor, context_length: int, policy=None,
     model.setup_caches(1, W, policy)  # one slot to spare: a full cache is a special shape when compiled
     with torch.inference_mode():
         t0 = time.perf_counter()
-        logits = [engine.run_prefill(model, tokens[None, :C], pos[:, :C], prefill)]
+        logits = [run_prefill(model, tokens[None, :C], pos[:, :C], prefill)]
         t1 = time.perf_counter()
         for i in range(W - C - 1):
-            logits.append(engine.run_decode(model, tokens[None, C + i:C + i + 1], pos[:, C + i:C + i + 1], i, decode))
+            logits.append(run_decode(model, tokens[None, C + i:C + i + 1], pos[:, C + i:C + i + 1], i, decode))
         out = torch.cat(logits).float()                                       # [E, V]
         t2 = time.perf_counter()
     if usage is not None:

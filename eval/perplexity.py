@@ -28,13 +28,13 @@ from typing import Callable, Optional, Sequence  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import engine  # noqa: E402
 from eval import common, measure  # noqa: E402
 from eval.common import UsageError  # noqa: E402
+from runtime.steps import decode_step, prefill_step  # noqa: E402
 
 
 def window_nll(model, tokens: torch.Tensor, context_length: int, policy=None,
-               prefill=engine.prefill_step, decode=engine.decode_step, usage=None) -> torch.Tensor:
+               prefill=prefill_step, decode=decode_step, usage=None) -> torch.Tensor:
     """Per-token NLL [E] (float32) of tokens[context_length:] (tokens: LongTensor [W], E = W - C).
 
     Prefill tokens[:C] with `policy` (DenseCache if None), then decode tokens[C:W-1] one step

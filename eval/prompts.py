@@ -7,12 +7,12 @@ could merge a token or two at the seams.
 """
 from __future__ import annotations
 
-from engine import SENTINEL, chat_pieces  # noqa: F401  (SENTINEL: the evals import it from here)
+from runtime.context import SENTINEL, chat_pieces  # noqa: F401  (SENTINEL: the evals import it from here)
 
 
 def wrap(tokenizer, content: str, chat: bool) -> tuple[list[int], list[int]]:
     """(prefix ids, suffix ids) around the SENTINEL in `content`: the user message of the
-    checkpoint's chat template with the generation prompt (chat, engine.chat_pieces), or the plain
+    checkpoint's chat template with the generation prompt (chat, runtime.context.chat_pieces), or the plain
     text with the tokenizer's BOS, if it adds one (not chat)."""
     if content.count(SENTINEL) != 1:
         raise ValueError("the content must hold the sentinel exactly once")

@@ -47,9 +47,9 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Callable, Optional, Sequence  # noqa: E402
 
 import atomic_io  # noqa: E402
-import engine  # noqa: E402
 from eval import common, ruler  # noqa: E402
 from eval.common import UsageError  # noqa: E402
+from runtime.context import SENTINEL  # noqa: E402
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_v} for {key} is: {value}."
@@ -203,11 +203,11 @@ def chat_wrap(tokenizer, chat: bool) -> tuple[str, str]:
     if not chat:
         return "", ""
     try:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": engine.SENTINEL}],
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}],
                                                  add_generation_prompt=True)
     except ValueError as e:
         raise UsageError(f"{e} (--no-chat for plain prompts)") from None
-    head, tail = rendered.split(engine.SENTINEL)
+    head, tail = rendered.split(SENTINEL)
     return head, tail
 
 

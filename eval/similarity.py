@@ -36,6 +36,7 @@ import engine  # noqa: E402
 from eval import common  # noqa: E402
 from eval.common import UsageError  # noqa: E402
 from model import DenseCache  # noqa: E402
+from runtime.steps import run_decode, run_prefill  # noqa: E402
 
 
 class QueryRecorder(DenseCache):
@@ -198,10 +199,10 @@ def run(args) -> int:
     tokens = torch.tensor([ids], device=device)
     pos = torch.arange(args.length, device=device)[None]
     with torch.inference_mode():
-        logits = engine.run_prefill(model, tokens, pos)
+        logits = run_prefill(model, tokens, pos)
         for step in range(args.decode_steps):
             token = logits.argmax(-1, keepdim=True)
-            logits = engine.run_decode(model, token, pos[:, -1:] + 1 + step, step)
+            logits = run_decode(model, token, pos[:, -1:] + 1 + step, step)
     exclude = (args.n_sink, args.n_recent) if args.middle_only else (0, 0)
     result = {"checkpoint": str(args.checkpoint), "length": args.length, "queries": args.queries,
               "decode_steps": args.decode_steps, "n_critical": args.n_critical, "middle_only": args.middle_only,

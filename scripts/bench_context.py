@@ -1,4 +1,4 @@
-"""Compress once, ask many: wall time of one engine.prefill_context + N questions against N separate requests.
+"""Compress once, ask many: wall time of one prefill_context + N questions against N separate requests.
 
     OMP_NUM_THREADS=1 python scripts/bench_context.py --policies 'full;snapkv:budget=256' --questions 8
 
@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import engine  # noqa: E402
 from cache import make_policy  # noqa: E402
 from eval import common  # noqa: E402
+from runtime.context import encode_question, prefill_context  # noqa: E402
 
 QUESTIONS = ["What is the text about?", "Who is the author of the text?", "What does the author say about startups?",
              "Name one company mentioned in the text.", "What advice does the text give?",
@@ -36,12 +37,12 @@ def timed(f):
 def bench(model, tok, text: str, spec: str, questions: list[str], new_tokens: int) -> dict:
     new_policy = lambda: make_policy(spec)   # noqa: E731
     room = max(len(tok.encode(q)) for q in questions) + 16 + new_tokens
-    prefill = lambda: engine.prefill_context(model, tok, text, new_policy, room, chat=True)   # noqa: E731
+    prefill = lambda: prefill_context(model, tok, text, new_policy, room, chat=True)   # noqa: E731
     once, t_once = timed(lambda: engine.generate(model, tok, questions, new_tokens, context=prefill()))
     alone, t_alone = timed(lambda: [engine.generate(model, tok, [q], new_tokens, context=prefill()).tokens[0]
                                     for q in questions])
     ctx = prefill()
-    joined = [ctx.ids + engine.encode_question(tok, q, ctx) for q in questions]
+    joined = [ctx.ids + encode_question(tok, q, ctx) for q in questions]
     aware, t_aware = timed(lambda: [engine.generate(model, tok, [ids], new_tokens, policy=new_policy()).tokens[0]
                                     for ids in joined])
     return {"policy": spec, "context_tokens": len(ctx.ids), "once_s": t_once, "agnostic_s": t_alone,

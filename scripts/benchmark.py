@@ -51,11 +51,11 @@ Measurement:
     streaming reads; --bandwidth-gbs overrides).  bandwidth_bound_tokens_per_s = B * bw / bytes.
   * Peak memory per row: CPU = peak RSS of the process during the row (VmHWM, reset per run by
     writing 5 to /proc/self/clear_refs; it includes weights and the runtime), CUDA = max allocated.
-  * --compile: the decode step from engine.compiled_steps (Inductor, on CPU and CUDA; no CUDA
-    graphs: engine.compiled_steps says why); --compile-prefill compiles the prefill step too.
+  * --compile: the decode step from runtime.steps.compiled_steps (Inductor, on CPU and CUDA; no CUDA
+    graphs: runtime.steps.compiled_steps says why); --compile-prefill compiles the prefill step too.
     `--compile both` runs eager and compiled rows side by side and adds compile_speedup.  decode_recompiles counts graphs compiled during timed decode
     loops (torch._dynamo counters); it must be 0.  On CUDA, cuda_graphs_recorded counts CUDA
-    graphs recorded inside the timed loops (cudagraph trees); engine.compiled_steps records none (its
+    graphs recorded inside the timed loops (cudagraph trees); runtime.steps.compiled_steps records none (its
     live length changes every step, so each step would be a new graph), so it must be 0.
   * Memory-limit model: total(B) = base + state_fixed + B * state_per_seq + workspace_fixed +
     B * workspace_per_seq, where base = process RSS (CUDA: allocated bytes) with the model loaded and

@@ -25,6 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402
 from cache.calibration import CALIBRATION_TEXT, channels_path, read_channels_file, write_channels  # noqa: E402
+from checkpoint import CheckpointError  # noqa: E402
+from runtime.steps import UsageError  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
     try:
         model, tokenizer = engine.load_model(a.checkpoint, a.device)
         out = write_channels(model, tokenizer, a.out or channels_path(a.checkpoint), a.data, a.tokens, a.block)
-    except (engine.UsageError, engine.CheckpointError, ValueError, OSError) as e:
+    except (UsageError, CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     mean = json.loads(out.read_text())["importance"]

@@ -39,6 +39,8 @@ import torch  # noqa: E402
 
 import engine  # noqa: E402
 from cache.calibration import CALIBRATION_TEXT, key_saving, pod_path, write_pod  # noqa: E402
+from checkpoint import CheckpointError  # noqa: E402
+from runtime.steps import UsageError  # noqa: E402
 
 
 def print_groupings(data: dict, max_context: int, context: int) -> None:
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--length {a.length} exceeds the model's context {model.args.max_position_embeddings}")
         out = a.out or pod_path(a.checkpoint)
         data = write_pod(model, tokenizer, out, a.data, a.samples, a.length, a.queries, deltas)
-    except (engine.UsageError, engine.CheckpointError, ValueError, OSError) as e:
+    except (UsageError, CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_groupings(data, model.args.max_position_embeddings, a.context)

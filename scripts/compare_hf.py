@@ -4,7 +4,7 @@
 
 Batch 1, greedy, the same prompt tokens (essay text) for every side.  Rows:
   hf eager          transformers LlamaForCausalLM (DynamicCache, default SDPA attention)
-  engine eager      engine.decode_step, dense static cache sized to the prompt + steps
+  engine eager      decode_step, dense static cache sized to the prompt + steps
   engine compiled   the same step under torch.compile (Inductor on CPU)
   engine 512/1024 vs 512/8192   eager decode at a 512-token context with --max-seq-length
                     1024 and 8192: the cost must follow the live length, not the allocation
@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import atomic_io  # noqa: E402
 import engine  # noqa: E402
+from runtime.steps import compiled_steps, decode_step, prefill_step  # noqa: E402
 
 ESSAYS = ROOT / "data" / "paul_graham_essays"
 
@@ -60,13 +61,13 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 def engine_decode_tps(model, ids, steps, max_seq_length, compiled=False, warmup=3) -> float:
-    """Decode tokens/s of engine.decode_step after a prefill of `ids` (batch 1)."""
-    decode = engine.compiled_steps(torch.device("cpu"))[1] if compiled else engine.decode_step
+    """Decode tokens/s of decode_step after a prefill of `ids` (batch 1)."""
+    decode = compiled_steps(torch.device("cpu"))[1] if compiled else decode_step
     with torch.inference_mode():
         model.setup_caches(1, max_seq_length)
         tokens, n = torch.tensor([ids]), len(ids)
         for s in range(0, n, 1024):
-            logits = engine.prefill_step(model, tokens[:, s:s + 1024], torch.arange(s, min(s + 1024, n))[None], s)
+            logits = prefill_step(model, tokens[:, s:s + 1024], torch.arange(s, min(s + 1024, n))[None], s)
         tok = logits.argmax(-1, keepdim=True)
         times = []
         for i in range(warmup + steps):

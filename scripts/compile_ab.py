@@ -6,8 +6,8 @@ drift between them; here both steps continue the same cache, block after block.
         --kv-bits 4 --batch-size 8 --context-length 4096 --rounds 8 --steps 24
 
 A random prompt of --context-length tokens per row is prefilled once (eager).  The compiled decode step
-(engine.compiled_steps) is compiled on the first 4 steps; then each round runs --steps greedy decode steps
-with the eager step (engine.decode_step) and --steps with the compiled one, their order swapped every
+(compiled_steps) is compiled on the first 4 steps; then each round runs --steps greedy decode steps
+with the eager step (decode_step) and --steps with the compiled one, their order swapped every
 round.  Prints the compile time, each round's step times and compiled / eager speed, and the median,
 min and max of that ratio.  --kv-bits 32 or 16 (the compute dtype's storage), 4 or 2 (KIVI; 16 with
 --kv-dtype for other dtypes is scripts/benchmark.py's).
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import engine  # noqa: E402
 from cache import make_policy  # noqa: E402
 from cache.kv_dtype import kv_storage  # noqa: E402
+from runtime.steps import compiled_steps, decode_step, run_decode, run_prefill  # noqa: E402
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -60,27 +61,27 @@ def main(argv=None) -> int:
         return 2
     policy = kv_storage(make_policy(a.policy), a.kv_bits, 32, 128, None, torch.float32)
     tokens = torch.randint(100, model.args.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
-    _, compiled = engine.compiled_steps(torch.device("cpu"))
+    _, compiled = compiled_steps(torch.device("cpu"))
     print(f"{a.policy} kv{a.kv_bits}, B {B}, {T} tokens, {torch.get_num_threads()} threads", flush=True)
     with torch.inference_mode():
         model.setup_caches(B, need, policy)
-        logits = engine.run_prefill(model, tokens, torch.arange(T).repeat(B, 1))
+        logits = run_prefill(model, tokens, torch.arange(T).repeat(B, 1))
         token, pos, i = logits.argmax(-1, keepdim=True), torch.full((B, 1), T), 0
 
         def block(step, n):
             nonlocal token, pos, i
             t0 = time.perf_counter()
             for _ in range(n):
-                token = engine.run_decode(model, token, pos, i, step).argmax(-1, keepdim=True)
+                token = run_decode(model, token, pos, i, step).argmax(-1, keepdim=True)
                 pos, i = pos + 1, i + 1
             return (time.perf_counter() - t0) / n * 1e3
 
         print(f"compile + 4 steps: {block(compiled, 4) * 4 / 1e3:.1f} s", flush=True)
-        block(engine.decode_step, 4)
+        block(decode_step, 4)
         ratios = []
         for r in range(a.rounds):
             order = ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")
-            ms = {name: block(engine.decode_step if name == "eager" else compiled, a.steps) for name in order}
+            ms = {name: block(decode_step if name == "eager" else compiled, a.steps) for name in order}
             ratios.append(ms["eager"] / ms["compiled"])
             print(f"round {r}: eager {ms['eager']:.2f} ms/step, compiled {ms['compiled']:.2f} ms/step, "
                   f"compiled / eager speed {ratios[-1]:.3f}x", flush=True)

@@ -12,7 +12,7 @@ arithmetic: KVC_QLINEAR_ARITH in the side's process)), `llama.cpp` (llama-cpp-py
 ids (random ids of --seed, or --text FILE tokenized), the same thread count (torch.set_num_threads /
 llama.cpp n_threads and n_threads_batch, and OMP_NUM_THREADS) and the environment's OMP_WAIT_POLICY;
 decode tok/s = timed greedy single-token steps after --warmup untimed ones, prefill excluded;
-prefill tok/s = the prompt's tokens / the time of its prefill (one pass of engine.run_prefill, batch 1).  The
+prefill tok/s = the prompt's tokens / the time of its prefill (one pass of run_prefill, batch 1).  The
 sides run interleaved --repeats times (medians), so drift on a shared machine hits every side alike;
 each run is a fresh process, which also gives its peak RSS.
 
@@ -117,6 +117,7 @@ def run_hf(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) ->
 
 
 def run_ours(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) -> dict:
+    from runtime.steps import compiled_steps, decode_step, prefill_step, run_decode, run_prefill, warm_up, warmup_length
     import torch
     import engine
     from cache import make_policy
@@ -131,24 +132,24 @@ def run_ours(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) 
     def new_policy():
         p = make_policy(opts.get("policy", "full"), opts.get("policy_args", "").replace(";", ","))
         return kv_storage(p, int(opts["kv_bits"]), GROUP, RESIDUAL) if "kv_bits" in opts else p
-    prefill, decode, compile_s = engine.prefill_step, engine.decode_step, None
+    prefill, decode, compile_s = prefill_step, decode_step, None
     tokens = torch.tensor([ids])
     if opts.get("compile") in ("1", "true"):
-        prefill, decode = engine.compiled_steps(torch.device("cpu"), opts.get("compile_prefill") in ("1", "true"))
+        prefill, decode = compiled_steps(torch.device("cpu"), opts.get("compile_prefill") in ("1", "true"))
         t = time.perf_counter()
-        engine.warm_up(model, prefill, decode, tokens[:, :engine.warmup_length(new_policy())], new_policy())
+        warm_up(model, prefill, decode, tokens[:, :warmup_length(new_policy())], new_policy())
         compile_s = time.perf_counter() - t
     model.setup_caches(1, len(ids) + steps + warmup + 8, new_policy())
     pos = torch.arange(len(ids))[None]
     with torch.inference_mode():
         t = time.perf_counter()
-        logits = engine.run_prefill(model, tokens, pos, prefill)
+        logits = run_prefill(model, tokens, pos, prefill)
         prefill_s = time.perf_counter() - t
         state = {"i": 0}
 
         def step(tok: int) -> int:
             i = state["i"]
-            out = engine.run_decode(model, torch.tensor([[tok]]), torch.tensor([[len(ids) + i]]), i, decode)
+            out = run_decode(model, torch.tensor([[tok]]), torch.tensor([[len(ids) + i]]), i, decode)
             state["i"] = i + 1
             return int(out[0].argmax())
         return {"tok_s": timed_decode(step, int(logits[0].argmax()), steps, warmup), "prefill_s": prefill_s,

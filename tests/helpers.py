@@ -5,8 +5,8 @@ import signal
 import pytest
 import torch
 
-import engine
 from checkpoint import build_model, read_hf_dir
+from runtime.steps import _compiled, decode_step, run_decode, run_prefill
 
 
 class Ids:
@@ -18,12 +18,12 @@ class Ids:
 
 
 def fresh_compiles() -> dict:
-    """Forget every compiled graph (dynamo's and engine.compiled_steps') -> dynamo's counters, cleared: a test
+    """Forget every compiled graph (dynamo's and runtime.steps.compiled_steps') -> dynamo's counters, cleared: a test
     then counts the graphs it compiles (counters["stats"]["unique_graphs"])."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
-    engine._compiled.clear()
+    _compiled.clear()
     return counters
 
 
@@ -73,14 +73,14 @@ def left_padded(lengths, vocab=128, seed=0):
 def greedy_logits(model, policy, tokens, pos, steps=6, decode=None, max_seq=64, on_step=None):
     """Greedy decode under `policy` (None: the full cache) -> logits of each decode step [steps, B, V];
     on_step(i, cache, positions) after each step."""
-    decode = decode or engine.decode_step
+    decode = decode or decode_step
     model.setup_caches(tokens.shape[0], max_seq, policy)
     out = []
     with torch.inference_mode():
-        logits = engine.run_prefill(model, tokens, pos)
+        logits = run_prefill(model, tokens, pos)
         token, p = logits.argmax(-1, keepdim=True), pos[:, -1:] + 1
         for i in range(steps):
-            logits = engine.run_decode(model, token, p, i, decode)
+            logits = run_decode(model, token, p, i, decode)
             if on_step:
                 on_step(i, model.cache, p)
             out.append(logits)
@@ -95,7 +95,7 @@ def compiled_and_eager_decode(model, ids, steps: int = 8):
     torch._dynamo.reset()
     counters.clear()
     B, T = ids.shape
-    step = torch.compile(engine.decode_step, dynamic=True)
+    step = torch.compile(decode_step, dynamic=True)
     with torch.inference_mode():
         model.setup_caches(B, T + steps + 8)
         model(ids, torch.arange(T))
@@ -107,7 +107,7 @@ def compiled_and_eager_decode(model, ids, steps: int = 8):
         assert counters["stats"]["unique_graphs"] == graphs, "decode recompiled after warm-up"
         model.cache.n_filled = T
         for s in range(steps):
-            eager.append(engine.decode_step(model, ids[:, s:s + 1], torch.full((B, 1), T + s), model.cache.n_filled))
+            eager.append(decode_step(model, ids[:, s:s + 1], torch.full((B, 1), T + s), model.cache.n_filled))
     return torch.stack(compiled), torch.stack(eager)
 
 

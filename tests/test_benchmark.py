@@ -25,6 +25,7 @@ import engine
 from cache import PolicySpec
 from cache.params import param
 from model import DenseCache, ModelArgs, Transformer
+from runtime.steps import compiled_steps, prefill_step
 from tests.helpers import default_sigint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -421,7 +422,7 @@ def test_policy_spec_lists_one_syntax(capsys):
 # --------------------------------------------------------------------------- compiled decode
 
 def test_compiled_decode_loop_never_recompiles():
-    """The compiled path as the benchmark drives it (engine.compiled_steps after warm-up): timed
+    """The compiled path as the benchmark drives it (compiled_steps after warm-up): timed
     decode loops at the warm-up context and at longer contexts compile nothing new."""
     from torch._dynamo.utils import counters
 
@@ -444,10 +445,10 @@ def test_compiled_decode_loop_never_recompiles():
     # and the compiled steps compute what eager does
     model.setup_caches(2, 64)
     with torch.inference_mode():
-        eager = measure.run_prefill(model, engine.prefill_step, tokens[:, :37], 16)
+        eager = measure.run_prefill(model, prefill_step, tokens[:, :37], 16)
     model.setup_caches(2, 64)
     with torch.inference_mode():
-        comp = measure.run_prefill(model, engine.compiled_steps(torch.device("cpu"), prefill=True)[0], tokens[:, :37], 16)
+        comp = measure.run_prefill(model, compiled_steps(torch.device("cpu"), prefill=True)[0], tokens[:, :37], 16)
     torch.testing.assert_close(comp, eager, atol=1e-4, rtol=1e-4)
 
 

@@ -1,6 +1,6 @@
 """Compressing policies take their prompt in chunks (cache/base.py, "staged" prefill) with the one-pass result:
 the same kept positions, the same prompt logits and the same next decode step, on the policy matrix's tiny
-random Llama; and engine.RowBatch admits a compressing policy's prompt over several `advance` calls while
+random Llama; and RowBatch admits a compressing policy's prompt over several `advance` calls while
 another row decodes, its greedy answer equal to engine.generate's alone (the tiny checkpoint; the default model
 marked slow)."""
 from __future__ import annotations
@@ -11,6 +11,8 @@ import torch
 import engine
 from cache import make_policy
 from cache.quantized import with_kv_bits
+from runtime.rows import RowBatch
+from runtime.steps import chunk_end, run_decode, run_prefill
 from tests.helpers import left_padded
 from tests.test_policy_matrix import ARGS, KIVI_G, KIVI_R, model  # noqa: F401  (model: the tiny Llama fixture)
 
@@ -18,7 +20,7 @@ T = 600                 # longer than every default budget: each policy compress
 SPECS = ["snapkv", "snapkv:head_agg=query", "pyramidkv", "tova", "h2o", "h2o:head_agg=max", "d2o", "knorm",
          "streaming", "simlayerkv", "knorm+hshare", "simlayerkv:strategy=prefill,n_recent=64,lazy_threshold=0.115", "snapkv+quest", "knorm+ds"]
 # many small chunks; a boundary inside SnapKV's observation window (the last 32 queries: 590 of 600); the
-# default's; 1 (chunks of 2, engine.chunk_end)
+# default's; 1 (chunks of 2, chunk_end)
 CHUNKS = [7, 590, 256, 1]
 
 
@@ -30,9 +32,9 @@ def prefill(model, spec: str, tokens, pos, chunk: int, bits: int = 16):  # noqa:
     policy.decode_room = 4
     model.setup_caches(tokens.shape[0], tokens.shape[1] + 4, policy)
     with torch.inference_mode():
-        logits = engine.run_prefill(model, tokens, pos, chunk=chunk)
+        logits = run_prefill(model, tokens, pos, chunk=chunk)
         kept = [policy.kept_positions(layer).sort(-1).values for layer in range(ARGS.n_layers)]
-        step = engine.run_decode(model, logits.argmax(-1)[:, None], pos[:, -1:] + 1, 0)
+        step = run_decode(model, logits.argmax(-1)[:, None], pos[:, -1:] + 1, 0)
     return logits, step, kept, policy, policy.describe()
 
 
@@ -89,7 +91,7 @@ def test_staged_prompt_is_freed_and_one_pass_stays_for_generate(model):  # noqa:
 
 def test_a_later_one_token_chunk_is_refused(model):  # noqa: F811
     """model.forward runs a one-token forward after the first as a decode step: a staged prompt refuses it
-    (engine.chunk_end never makes one)."""
+    (chunk_end never makes one)."""
     tokens, pos = torch.randint(0, ARGS.vocab_size, (1, 40)), torch.arange(40)[None]
     policy = make_policy("snapkv:budget=36")
     policy.decode_room = 4
@@ -99,8 +101,8 @@ def test_a_later_one_token_chunk_is_refused(model):  # noqa: F811
         model(tokens[:, :39], pos[:, :39])
         with pytest.raises(ValueError, match="one token"):
             model(tokens[:, 39:], pos[:, 39:])
-    assert [engine.chunk_end(s, 41, 20) for s in (0, 20)] == [20, 41]
-    assert [engine.chunk_end(s, 5, 1) for s in (0, 2)] == [2, 5]
+    assert [chunk_end(s, 41, 20) for s in (0, 20)] == [20, 41]
+    assert [chunk_end(s, 5, 1) for s in (0, 2)] == [2, 5]
 
 
 def serve_two(model, tok, spec: str, prompts: dict, new: int, chunk: int):
@@ -109,7 +111,7 @@ def serve_two(model, tok, spec: str, prompts: dict, new: int, chunk: int):
     answers equal engine.generate's alone (one pass) -> the advances B took."""
     alone = {n: engine.generate(model, tok, [p], max_new_tokens=new, policy=make_policy(spec)).tokens[0]
              for n, p in prompts.items()}
-    batch = engine.RowBatch(model, lambda: make_policy(spec), 2, len(prompts["B"]) + new, new, prefill_chunk=chunk)
+    batch = RowBatch(model, lambda: make_policy(spec), 2, len(prompts["B"]) + new, new, prefill_chunk=chunk)
     got, rows, advances = {}, {}, 0
     with torch.inference_mode():
         (row, logits), = batch.admit([prompts["A"]])

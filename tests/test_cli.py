@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import engine
+from runtime.steps import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,7 +122,7 @@ def test_kv_bits_32_on_a_float32_model_is_the_policy_as_it_is():
     assert engine.kv_policy(policy, args) is policy
     args = engine.build_parser().parse_args(["--checkpoint", "x", "--kv-dtype", "bfloat16", "--device", "cpu"])
     assert engine.kv_policy(make_policy("full"), args).describe()["kv_dtype"] == "bfloat16"
-    with pytest.raises(engine.UsageError, match="only `full`"):
+    with pytest.raises(UsageError, match="only `full`"):
         engine.kv_policy(make_policy("snapkv"), args)
 
 

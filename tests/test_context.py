@@ -1,4 +1,4 @@
-"""A context compressed once, questions appended to copies of its rows (engine.prefill_context,
+"""A context compressed once, questions appended to copies of its rows (prefill_context,
 engine.generate(context=...), engine.py --context-file): the agnostic protocol's mechanics."""
 import pytest
 import torch
@@ -6,6 +6,9 @@ import torch
 import engine
 from cache import POLICIES, make_policy
 from cache.base import Budget
+from runtime.context import append_tokens, encode_question, prefill_context, question_rows
+from runtime.rows import RowBatch
+from runtime.steps import UsageError, run_decode, run_prefill
 from tests.helpers import kept
 
 QUESTIONS = ["\n\nQuestion: What is this text about?", "\n\nQuestion: Who wrote it?",
@@ -27,7 +30,7 @@ def context_text(essay_text, n_chars=1500):
 
 def one_prompt(model, tokenizer, ctx, question, new_tokens, policy=None):
     """The aware run of the same tokens: context + question prefilled as one prompt."""
-    ids = ctx.ids + engine.encode_question(tokenizer, question, ctx)
+    ids = ctx.ids + encode_question(tokenizer, question, ctx)
     return engine.generate(model, tokenizer, [ids], new_tokens, policy=policy)
 
 
@@ -35,12 +38,12 @@ def test_chat_split_falls_after_the_user_turns_text(tiny):
     """With a chat template the context opens the first user turn; the question and the template's end of
     turn + assistant header follow (SmolLM2's ChatML: the split is right after the context's last token)."""
     model, tok = tiny
-    ctx = engine.prefill_context(model, tok, "Some context.", None, room=32, chat=True)
+    ctx = prefill_context(model, tok, "Some context.", None, room=32, chat=True)
     text = tok.decode(ctx.ids)
     assert text.endswith("<|im_start|>user\nSome context.") and text.startswith("<|im_start|>system\n")
     assert tok.decode(ctx.suffix) == "<|im_end|>\n<|im_start|>assistant\n"
     whole = tok.apply_chat_template([{"role": "user", "content": "Some context. Q?"}], add_generation_prompt=True)
-    assert tok.decode(ctx.ids + engine.encode_question(tok, " Q?", ctx)) == whole
+    assert tok.decode(ctx.ids + encode_question(tok, " Q?", ctx)) == whole
 
 
 def test_full_cache_answers_equal_one_prompt(engine_dir, essay_text):
@@ -49,21 +52,21 @@ def test_full_cache_answers_equal_one_prompt(engine_dir, essay_text):
     through decode steps there, through one prefill here), and bit-equal to the question decoded after the context's own
     prefill (the row copy changes nothing)."""
     model, tok = engine_dir
-    ctx = engine.prefill_context(model, tok, context_text(essay_text), None, room=48, chat=True)
+    ctx = prefill_context(model, tok, context_text(essay_text), None, room=48, chat=True)
     for q in QUESTIONS[:2]:
         got = engine.generate(model, tok, [q], 16, context=ctx)
         want = one_prompt(model, tok, ctx, q, 16)
         assert got.tokens == want.tokens and got.texts[0].strip()
-    ids = engine.encode_question(tok, QUESTIONS[0], ctx)
+    ids = encode_question(tok, QUESTIONS[0], ctx)
     with torch.inference_mode():
-        engine.question_rows(model, ctx)
-        logits = engine.append_tokens(model, ids, len(ctx.ids))
+        question_rows(model, ctx)
+        logits = append_tokens(model, ids, len(ctx.ids))
         model.setup_caches(1, ctx.max_seq_length)
         joined = torch.tensor([ctx.ids + ids])
-        want = engine.run_prefill(model, joined, torch.arange(joined.shape[1])[None])
+        want = run_prefill(model, joined, torch.arange(joined.shape[1])[None])
         model.setup_caches(1, ctx.max_seq_length)
-        engine.run_prefill(model, joined[:, :len(ctx.ids)], torch.arange(len(ctx.ids))[None])
-        decoded = engine.append_tokens(model, ids, len(ctx.ids))
+        run_prefill(model, joined[:, :len(ctx.ids)], torch.arange(len(ctx.ids))[None])
+        decoded = append_tokens(model, ids, len(ctx.ids))
     assert (logits - want).abs().max() <= 1e-5 * want.abs().max()      # measured: 3e-5 .. 5e-5 on logits up to ~20
     assert torch.equal(logits, decoded)
 
@@ -72,16 +75,16 @@ def test_snapkv_keeps_what_compressing_the_context_alone_keeps(tiny, essay_text)
     """The context's kept set is the one a prompt of the context alone keeps; the question's tokens are all
     kept after it (SnapKV's layers append decode tokens)."""
     model, tok = tiny
-    ctx = engine.prefill_context(model, tok, context_text(essay_text), spec("snapkv:budget=64"), room=40)
+    ctx = prefill_context(model, tok, context_text(essay_text), spec("snapkv:budget=64"), room=40)
     n = len(ctx.ids)
     alone = make_policy("snapkv:budget=64")
     model.setup_caches(1, n + 1, alone)
     with torch.inference_mode():
-        engine.run_prefill(model, torch.tensor([ctx.ids]), torch.arange(n)[None])
+        run_prefill(model, torch.tensor([ctx.ids]), torch.arange(n)[None])
     for layer in range(model.args.n_layers):
         assert kept(ctx.policy, layer) == kept(alone, layer)
         assert all(len(h) == 64 for h in kept(ctx.policy, layer)[0])
-    q = engine.encode_question(tok, QUESTIONS[0], ctx)
+    q = encode_question(tok, QUESTIONS[0], ctx)
     engine.generate(model, tok, [QUESTIONS[0]], 4, context=ctx)
     for layer in range(model.args.n_layers):
         for head, context_head in zip(kept(model.cache, layer)[0], kept(alone, layer)[0]):
@@ -94,8 +97,8 @@ def test_snapkv_keeps_what_compressing_the_context_alone_keeps(tiny, essay_text)
 def test_decode_time_eviction_goes_on_after_the_question(tiny, essay_text, policy):
     """An evicting policy holds its budget through the question and the answer: its newest tokens are kept."""
     model, tok = tiny
-    ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec(policy), room=40)
-    n, q = len(ctx.ids), engine.encode_question(tok, QUESTIONS[0], ctx)
+    ctx = prefill_context(model, tok, context_text(essay_text, 800), spec(policy), room=40)
+    n, q = len(ctx.ids), encode_question(tok, QUESTIONS[0], ctx)
     result = engine.generate(model, tok, [QUESTIONS[0]], 8, context=ctx)
     last = n + result.stats["decode_steps"] - 1                   # the last token fed (question, then answer)
     assert last >= n + len(q)
@@ -123,10 +126,10 @@ def test_question_is_held_whole_until_the_answer_then_eviction_goes_on(tiny, ess
     held in every layer and KV head (the context's tokens made room), at the context's kept count; answer tokens
     then evict as before (the count stays, the newest token is held, question tokens may leave)."""
     model, tok = tiny
-    ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec(policy), room=64)
-    n, q = len(ctx.ids), engine.encode_question(tok, LONG_QUESTION, ctx)
+    ctx = prefill_context(model, tok, context_text(essay_text, 800), spec(policy), room=64)
+    n, q = len(ctx.ids), encode_question(tok, LONG_QUESTION, ctx)
     assert len(q) >= 28
-    engine.question_rows(model, ctx)
+    question_rows(model, ctx)
     context = kept_sets(model)                                      # a question's row before its question
     engine.generate(model, tok, [LONG_QUESTION], 1, context=ctx)     # ends as the first answer token is sampled
     question = set(range(n, n + len(q)))
@@ -148,9 +151,9 @@ def test_decode_evict_false_compresses_at_prefill_only(tiny, essay_text, policy)
     and every token they add is kept beside it, in every layer and KV head; the default evicts instead."""
     model, tok = tiny
     for evict in (False, True):
-        ctx = engine.prefill_context(model, tok, context_text(essay_text, 800),
-                                     spec(f"{policy}:budget=48,decode_evict={str(evict).lower()}"), room=64)
-        engine.question_rows(model, ctx)
+        ctx = prefill_context(model, tok, context_text(essay_text, 800),
+                              spec(f"{policy}:budget=48,decode_evict={str(evict).lower()}"), room=64)
+        question_rows(model, ctx)
         context = kept_sets(model)
         result = engine.generate(model, tok, [LONG_QUESTION], 16, context=ctx)
         added = set(range(len(ctx.ids), len(ctx.ids) + result.stats["decode_steps"]))
@@ -171,7 +174,7 @@ def test_the_evicting_list_is_complete(tiny, essay_text):
         if cls.is_sparse_reader or name == "simlayerkv":
             continue
         text = f"{name}:budget=48" if issubclass(cls, Budget) else name
-        ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec(text), room=8)
+        ctx = prefill_context(model, tok, context_text(essay_text, 800), spec(text), room=8)
         engine.generate(model, tok, [[5, 6]], 1, context=ctx)
         before = [len(h) for layer in range(model.args.n_layers) for h in kept(model.cache, layer)[0]]
         engine.generate(model, tok, [[5, 6, 7, 8]], 1, context=ctx)
@@ -183,16 +186,16 @@ def test_a_held_question_protects_its_own_row_only(tiny, essay_text):
     """Two rows copy one knorm context and append the same question; only row 0 holds it: row 1 keeps what a
     row appending it without a hold keeps (positions and logits), row 0 keeps the whole question."""
     model, tok = tiny
-    ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec("knorm:budget=48"), room=64)
-    n, q = len(ctx.ids), engine.encode_question(tok, LONG_QUESTION, ctx)
+    ctx = prefill_context(model, tok, context_text(essay_text, 800), spec("knorm:budget=48"), room=64)
+    n, q = len(ctx.ids), encode_question(tok, LONG_QUESTION, ctx)
 
     def append(rows, held):
-        cache = engine.question_rows(model, ctx, rows)
+        cache = question_rows(model, ctx, rows)
         if held:
             cache.hold_question(0, n, n + len(q))
         with torch.inference_mode():
             for i, t in enumerate(q):
-                logits = engine.run_decode(model, torch.tensor([[t]] * rows), torch.tensor([[n + i]] * rows), i)
+                logits = run_decode(model, torch.tensor([[t]] * rows), torch.tensor([[n + i]] * rows), i)
         return kept_sets(model, range(rows)), logits
 
     rows, logits = append(2, True)
@@ -211,14 +214,14 @@ def test_rowbatch_agnostic_rows_hold_what_generate_holds(tiny, essay_text, polic
     `joined`), the row holds the positions engine.generate(context=) holds as its first answer token is sampled;
     the third row holds what it holds alone."""
     model, tok = tiny
-    ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec(policy), room=64)
+    ctx = prefill_context(model, tok, context_text(essay_text, 800), spec(policy), room=64)
     n = len(ctx.ids)
-    questions = [engine.encode_question(tok, x, ctx) for x in (LONG_QUESTION, QUESTIONS[1])]
+    questions = [encode_question(tok, x, ctx) for x in (LONG_QUESTION, QUESTIONS[1])]
     other = ctx.ids[::-1][:n - 20]
 
     def drive(requests, agnostic):
-        batch = engine.RowBatch(model, spec(policy), 3, n + 64, 64, prefix_bytes=1 << 30 if agnostic else 0,
-                                min_prefix=16, agnostic=agnostic)
+        batch = RowBatch(model, spec(policy), 3, n + 64, 64, prefix_bytes=1 << 30 if agnostic else 0,
+                         min_prefix=16, agnostic=agnostic)
         pending = [batch.start(ids, prefix_len=n if ids is not other else None, new_tokens=8) for ids in requests]
         next_token, held = {}, {}
         while batch.pending:
@@ -243,11 +246,11 @@ def test_rowbatch_agnostic_rows_hold_what_generate_holds(tiny, essay_text, polic
 
 def test_a_question_longer_than_the_row_can_hold_is_refused(tiny, essay_text):
     model, tok = tiny
-    ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), spec("h2o:budget=16"), room=64)
+    ctx = prefill_context(model, tok, context_text(essay_text, 800), spec("h2o:budget=16"), room=64)
     assert ctx.policy.question_room(0) == 12         # 16 less 4 sinks
-    with pytest.raises(engine.UsageError, match="a question of .* tokens cannot be held whole"):
+    with pytest.raises(UsageError, match="a question of .* tokens cannot be held whole"):
         engine.generate(model, tok, [LONG_QUESTION], 4, context=ctx)
-    assert engine.prefill_context(model, tok, "ctx", spec("snapkv:budget=48"), room=8).policy.question_room(0) is None
+    assert prefill_context(model, tok, "ctx", spec("snapkv:budget=48"), room=8).policy.question_room(0) is None
 
 
 @pytest.mark.parametrize("policy", ["snapkv:budget=48", "h2o:budget=48", "streaming:budget=48", "tova:budget=48",
@@ -258,38 +261,38 @@ def test_questions_from_one_context_equal_separate_runs(tiny, essay_text, policy
     each question)."""
     model, tok = tiny
     text = context_text(essay_text, 800)
-    ctx = engine.prefill_context(model, tok, text, spec(policy), room=40, chat=True)
+    ctx = prefill_context(model, tok, text, spec(policy), room=40, chat=True)
     got = engine.generate(model, tok, QUESTIONS, 8, context=ctx)
     for i, q in enumerate(QUESTIONS):
-        alone = engine.prefill_context(model, tok, text, spec(policy), room=40, chat=True)
+        alone = prefill_context(model, tok, text, spec(policy), room=40, chat=True)
         assert engine.generate(model, tok, [q], 8, context=alone).tokens[0] == got.tokens[i]
     assert got.stats["context_prefills_again"] == (0 if ctx.copies_rows else len(QUESTIONS))
 
 
 def test_full_cache_on_tiny_equals_one_prompt_for_several_questions(tiny, essay_text):
     model, tok = tiny
-    ctx = engine.prefill_context(model, tok, context_text(essay_text, 800), None, room=40)
+    ctx = prefill_context(model, tok, context_text(essay_text, 800), None, room=40)
     got = engine.generate(model, tok, QUESTIONS, 8, context=ctx)
     assert got.tokens == [one_prompt(model, tok, ctx, q, 8).tokens[0] for q in QUESTIONS]
     assert got.stats["context_tokens"] == len(ctx.ids) and got.stats["context_prefills_again"] == 0
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda m, t: engine.prefill_context(m, t, "  \n", None), "empty context"),
-    (lambda m, t: engine.prefill_context(m, t, [], None), "empty context"),
-    (lambda m, t: engine.prefill_context(m, t, [5] * 8192, None), "longer than the model's context length 8192"),
-    (lambda m, t: engine.prefill_context(m, t, [5] * 8000, None, room=512), "exceeds the model's context length"),
-    (lambda m, t: engine.prefill_context(m, t, "x", None, room=0), "room"),
-    (lambda m, t: engine.generate(m, t, [" "], 4, context=engine.prefill_context(m, t, "ctx", None, room=8)),
+    (lambda m, t: prefill_context(m, t, "  \n", None), "empty context"),
+    (lambda m, t: prefill_context(m, t, [], None), "empty context"),
+    (lambda m, t: prefill_context(m, t, [5] * 8192, None), "longer than the model's context length 8192"),
+    (lambda m, t: prefill_context(m, t, [5] * 8000, None, room=512), "exceeds the model's context length"),
+    (lambda m, t: prefill_context(m, t, "x", None, room=0), "room"),
+    (lambda m, t: engine.generate(m, t, [" "], 4, context=prefill_context(m, t, "ctx", None, room=8)),
      "empty question"),
     (lambda m, t: engine.generate(m, t, ["a long question " * 4], 4,
-                                  context=engine.prefill_context(m, t, "ctx", None, room=8)), "exceeds the context's room"),
+                                  context=prefill_context(m, t, "ctx", None, room=8)), "exceeds the context's room"),
     (lambda m, t: engine.generate(m, t, ["q"], 4, policy=make_policy("snapkv"),
-                                  context=engine.prefill_context(m, t, "ctx", None, room=8)), "are the context's"),
+                                  context=prefill_context(m, t, "ctx", None, room=8)), "are the context's"),
 ])
 def test_bad_input_is_a_one_line_usage_error(tiny, call, message):
     model, tok = tiny
-    with pytest.raises(engine.UsageError, match=message) as e:
+    with pytest.raises(UsageError, match=message) as e:
         call(model, tok)
     assert "\n" not in str(e.value)
 
@@ -302,7 +305,7 @@ def test_cli_context_file_answers_each_prompt(tiny_dir, tiny, essay_text, tmp_pa
             "--max-new-tokens", "6"] + [a for q in QUESTIONS[:2] for a in ("--prompt", q)]
     assert engine.main(argv) == 0
     out, err = capsys.readouterr()
-    ctx = engine.prefill_context(model, tok, path.read_text(), spec("snapkv:budget=48"), room=40, chat=True)
+    ctx = prefill_context(model, tok, path.read_text(), spec("snapkv:budget=48"), room=40, chat=True)
     want = engine.generate(model, tok, QUESTIONS[:2], 6, context=ctx).texts
     assert out == "".join(f"--- [{i}]\n{t}\n" for i, t in enumerate(want))
     assert "prefilled once" in err

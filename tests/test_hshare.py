@@ -15,6 +15,7 @@ from cache.calibration import channel_importance, channels_path, read_channels_f
 from cache.sparse_read import n_sources, parse_ratios
 from kernels import dequantize_labels_4bit, quantize_labels_4bit
 from model import ModelArgs, Transformer
+from runtime.steps import decode_step
 from tests.helpers import greedy_logits as run, left_padded, tiny_hf_model
 
 
@@ -378,14 +379,14 @@ def test_compiled_decode_has_two_variants_and_serves_every_configuration(tiny_mo
     """Select and reuse steps are the only graphs; new requests with other sharing configurations
     (different prompts, random sharing seeds) run without recompiling, with the eager logits."""
     from torch._dynamo.utils import counters
-    torch._dynamo.reset()       # graphs of engine.decode_step compiled by earlier tests in this process would be reused
+    torch._dynamo.reset()       # graphs of decode_step compiled by earlier tests in this process would be reused
     torch.manual_seed(7)
     args = made_up_args(layers=3, n_heads=6, n_kv_heads=3, head_dim=16)
     model = Transformer(args)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
-    compiled = torch.compile(engine.decode_step, dynamic=True)
+    compiled = torch.compile(decode_step, dynamic=True)
     configs, graphs = set(), []
     for seed, lengths in enumerate([[30, 22], [40, 33], [26, 26]]):
         tokens, pos = left_padded(lengths, seed=seed)

@@ -22,6 +22,7 @@ from cache.snapkv import SnapKVPolicy
 from kernels.kivi_attention import ring_flags
 from model import ModelArgs
 from kernels.kivi_codec import QuantizedTensor, dequantize_keys, quantize_keys, quantize_values
+from runtime.steps import run_decode, run_prefill
 from tests.helpers import greedy_logits, kept, left_padded, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -334,9 +335,9 @@ def test_every_policy_reads_what_its_packed_store_holds(name, tmp_path):
             policy.decode = decode
         with torch.no_grad():
             model.setup_caches(2, 48, policy)
-            out = [engine.run_prefill(model, tokens, pos)]
+            out = [run_prefill(model, tokens, pos)]
             kept_after_prefill[bits] = [kept(policy, layer) for layer in range(2)]
-            out += [engine.run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s) for s in range(10)]
+            out += [run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s) for s in range(10)]
         logits[bits] = torch.stack(out)
         if bits == 4:
             assert checks and all(checks)

@@ -281,7 +281,7 @@ def triton_decode_error(device: str) -> float:
     from cache import make_policy
     from cache.quantized import with_kv_bits
     from model import Transformer
-    import engine
+    from runtime.steps import run_decode, run_prefill
     from tests.helpers import left_padded
     args = ModelArgs(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64, head_dim=32)
     torch.manual_seed(0)
@@ -295,10 +295,10 @@ def triton_decode_error(device: str) -> float:
     for backend in ("triton", "torch"):
         model.setup_caches(2, 90, with_kv_bits(make_policy("full"), 4, 16, 32, backend=backend))
         with torch.inference_mode():
-            logits = [engine.run_prefill(model, tokens.to(device), pos.to(device))]
+            logits = [run_prefill(model, tokens.to(device), pos.to(device))]
             token, p = logits[0].argmax(-1, keepdim=True), pos[:, -1:].to(device) + 1
             for i in range(8):
-                logits.append(engine.run_decode(model, token, p + i, i))
+                logits.append(run_decode(model, token, p + i, i))
                 token = logits[-1].argmax(-1, keepdim=True)
         runs.append(torch.stack(logits).float().cpu())
     return (runs[0] - runs[1]).abs().max().item()
@@ -408,8 +408,8 @@ def test_compiled_decode_over_packed_storage_equals_eager_without_recompiles(ari
     decode step equals eager within 1e-4 and compiles nothing after the first step, through a key flush.
     Integer arithmetic (kernels/kivi_int.py): within 1e-3, as Inductor's other ops round q differently
     in the last bit and one ulp can move a query's int8 code."""
+    from runtime.steps import decode_step, run_prefill
     from torch._dynamo.utils import counters
-    import engine
     import kernels.cpu
     from model import Transformer
     monkeypatch.setattr(kernels.cpu, "_kivi_arith", kernels.cpu.kivi_int_arith() if arith == "int" else arith)
@@ -423,10 +423,10 @@ def test_compiled_decode_over_packed_storage_equals_eager_without_recompiles(ari
     torch._dynamo.reset()
     for compiled in (False, True):
         model.setup_caches(2, 120, KIVIDenseCache(4, 32, 32))
-        step = torch.compile(engine.decode_step, dynamic=True) if compiled else engine.decode_step
+        step = torch.compile(decode_step, dynamic=True) if compiled else decode_step
         logits = []
         with torch.inference_mode():
-            engine.run_prefill(model, tokens[:, :65], torch.arange(65).repeat(2, 1))
+            run_prefill(model, tokens[:, :65], torch.arange(65).repeat(2, 1))
             for i, t in enumerate(range(65, 100)):           # keys flush at 96
                 logits.append(step(model, tokens[:, t:t + 1], torch.full((2, 1), t), model.cache.n_filled))
                 if compiled and i == 0:

@@ -15,8 +15,9 @@ from a higher one; layer 0 units are leaves and import nothing from the project:
     2  cache/                               the KV-cache policies and their storage
     3  checkpoint, quantize.py,             reading / writing / quantizing / sharding checkpoints,
        tokenizer.py, tp.py                  the tokenizer (tp.py reads cache/shard.py)
-    4  engine.py, prefix_cache.py           loading + generation (RowBatch), the CLI; kept prompt prefixes
-    5  eval/, scripts/, serve.py (serve_engine, serve_metrics)  programs on the engine
+    4  runtime/                             the steps, sampling, RowBatch, the context protocol, kept prefixes
+    5  engine.py                            loading, generate, the CLI
+    6  eval/, scripts/, serve.py (serve_engine, serve_metrics)  programs on the engine
 
 Circles are looked for twice: between modules (a package's __init__ counts as one module, so a
 submodule importing the __init__ that imports it is a circle) and between units.  A new top-level
@@ -32,7 +33,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [("model", "atomic_io"), ("kernels",), ("cache",), ("checkpoint", "quantize", "tokenizer", "tp"),
-          ("engine", "prefix_cache"), ("eval", "scripts", "serve", "serve_engine", "serve_metrics")]
+          ("runtime",), ("engine",), ("eval", "scripts", "serve", "serve_engine", "serve_metrics")]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 NOT_PRODUCT = {"tests", "checkpoints", "runs", "build", "downloaded", "data", "docs"}
 

@@ -1,4 +1,4 @@
-"""Long runs: an append-only cache refuses a decode step past its capacity (engine.CacheFull, never an
+"""Long runs: an append-only cache refuses a decode step past its capacity (CacheFull, never an
 overwrite), a bounded policy runs on past it with finite logits, and the soak summary's flatness
 checks (scripts/bench/soak.py) flag RSS drift, NaN/inf steps and a falling tokens/s."""
 import sys
@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 
-import engine
 from cache import make_policy
 from model import ModelArgs, Transformer
+from runtime.steps import CacheFull, run_decode, run_prefill
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -25,17 +25,17 @@ def decode_until_refused(policy, capacity: int, steps: int, beyond_context: bool
     logits = []
     with torch.inference_mode():
         model.setup_caches(1, capacity, policy, beyond_context=beyond_context)
-        token = engine.run_prefill(model, prompt, torch.arange(8)[None]).argmax(-1, keepdim=True)
+        token = run_prefill(model, prompt, torch.arange(8)[None]).argmax(-1, keepdim=True)
         for i in range(steps):
-            out = engine.run_decode(model, token, torch.tensor([[8 + i]]), i)
+            out = run_decode(model, token, torch.tensor([[8 + i]]), i)
             logits.append(out)
             token = out.argmax(-1, keepdim=True)
     return logits
 
 
 def test_full_cache_refuses_past_capacity():
-    with pytest.raises(engine.CacheFull, match=r"KV cache full: decode step 4 needs slot 13 .*'full'.* "
-                                               r"max_seq_length 12.*refusing to overwrite"):
+    with pytest.raises(CacheFull, match=r"KV cache full: decode step 4 needs slot 13 .*'full'.* "
+                                        r"max_seq_length 12.*refusing to overwrite"):
         decode_until_refused(make_policy("full"), 12, 10)
 
 

@@ -9,6 +9,7 @@ import engine
 from cache import make_policy
 import model as model_module
 from model import ModelArgs
+from runtime.steps import compiled_steps, run_prefill, warm_up
 from tests.helpers import Ids, compiled_and_eager_decode, fresh_compiles, tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -190,10 +191,10 @@ def test_generate_compiled_warms_up_and_never_recompiles(policy, tmp_path):
     eager = engine.generate(ours, Ids(), [p + [5, 6, 7] for p in prompts], max_new_tokens=10, policy=make())
     assert second.tokens == eager.tokens and len(first.tokens) == len(prompts)
     if policy == "full":   # a warm-up prompt sliced from the real one (as scripts/peers.py does) reuses the graphs
-        prefill, decode = engine.compiled_steps(torch.device("cpu"), prefill=True)
+        prefill, decode = compiled_steps(torch.device("cpu"), prefill=True)
         ids = torch.tensor([prompts[0] * 2])
-        engine.warm_up(ours, prefill, decode, ids[:, :4])
+        warm_up(ours, prefill, decode, ids[:, :4])
         ours.setup_caches(1, ids.shape[1] + 4)
         with torch.inference_mode():
-            engine.run_prefill(ours, ids, torch.arange(ids.shape[1])[None], prefill)
+            run_prefill(ours, ids, torch.arange(ids.shape[1])[None], prefill)
         assert counters["stats"]["unique_graphs"] == graphs, "a sliced warm-up prompt recompiled"

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-import engine
 from cache import PolicyError, make_policy
 from cache.calibration import (calibrate_pod, greedy_blocks, js_similarity, key_saving, pod_path, read_pod_file,
                                similarity_sums, write_pod_file)
 from model import ModelArgs
+from runtime.steps import decode_step, run_decode, run_prefill
 from tests.helpers import left_padded, tiny_hf_model
 
 
@@ -229,8 +229,8 @@ def test_every_layer_its_own_block_equals_full_cache(kind, args, tmp_path):
     for policy in (None, make_policy("pod", args)):
         with torch.no_grad():
             model.setup_caches(3, 48, policy)
-            logits = [engine.run_prefill(model, tokens, pos)]
-            logits += [engine.run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s) for s in range(12)]
+            logits = [run_prefill(model, tokens, pos)]
+            logits += [run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s) for s in range(12)]
         outs.append(torch.stack(logits, 1))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     assert policy.describe()["blocks_per_head"] == [2, 2]
@@ -271,8 +271,8 @@ def test_snapkv_budget_covering_the_prompt_equals_plain_pod(tmp_path):
         policy = make_policy("pod", args)
         with torch.no_grad():
             model.setup_caches(2, 40, policy)
-            logits = [engine.run_prefill(model, tokens, pos)]
-            logits += [engine.run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s) for s in range(8)]
+            logits = [run_prefill(model, tokens, pos)]
+            logits += [run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s) for s in range(8)]
         outs.append(torch.stack(logits, 1))
         assert policy.describe()["blocks_per_head"] == [1, 1]
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
@@ -288,7 +288,7 @@ def test_calibration_script_and_on_prompt_calibration_agree_and_auto_reads_the_f
     policy = make_policy("pod", "n_sink=2,n_recent=5,blocks=prompt,cal_queries=8")
     with torch.no_grad():
         model.setup_caches(1, 44, policy)
-        engine.run_prefill(model, ids, torch.arange(40)[None])
+        run_prefill(model, ids, torch.arange(40)[None])
     torch.testing.assert_close(policy.similarity.float(), sim, atol=1e-6, rtol=1e-6)
     assert policy.describe()["blocks_source"] == "prompt"
     write_pod_file(pod_path(tmp_path), sim, {"samples": 1})
@@ -307,17 +307,17 @@ def test_compiled_decode_matches_eager_without_recompiles(tmp_path):
     _, model = tiny_hf_model("tied_gqa3", tmp_path)
     tokens, pos = left_padded([30, 21])
     follow = torch.randint(0, 128, (2, 12))
-    step = torch.compile(engine.decode_step, dynamic=True)
+    step = torch.compile(decode_step, dynamic=True)
     outs = {}
-    for mode, decode in (("eager", engine.decode_step), ("compiled", step)):
+    for mode, decode in (("eager", decode_step), ("compiled", step)):
         with torch.no_grad():
             model.setup_caches(2, 48, make_policy("pod", "n_sink=2,n_recent=5,sim_threshold=0,tau=0.9"))
-            engine.run_prefill(model, tokens, pos)
+            run_prefill(model, tokens, pos)
             logits = []
             for s in range(12):
                 if s == 4:
                     graphs = counters["stats"]["unique_graphs"]
-                logits.append(engine.run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s, decode))
+                logits.append(run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s, decode))
         outs[mode] = torch.stack(logits)
     assert counters["stats"]["unique_graphs"] == graphs, "decode recompiled as tokens moved to the distant store"
     torch.testing.assert_close(outs["compiled"], outs["eager"], atol=1e-4, rtol=1e-4)
@@ -333,8 +333,8 @@ def test_real_model_every_layer_its_own_block_equals_full(engine_dir, essay_text
     for policy in (None, make_policy("pod", "n_sink=4,n_recent=64,blocks=layers")):
         with torch.inference_mode():
             model.setup_caches(1, 406, policy)
-            logits = [engine.run_prefill(model, ids[:, :394], pos[:, :394])]
-            logits += [engine.run_decode(model, ids[:, 394 + s:395 + s], pos[:, 394 + s:395 + s], s) for s in range(5)]
+            logits = [run_prefill(model, ids[:, :394], pos[:, :394])]
+            logits += [run_decode(model, ids[:, 394 + s:395 + s], pos[:, 394 + s:395 + s], s) for s in range(5)]
         outs.append(torch.stack(logits, 1))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
 
@@ -345,9 +345,9 @@ def test_real_model_kv_bytes_saving_matches_the_blocks(engine_dir, essay_text):
     pos = torch.arange(600)[None]
     with torch.inference_mode():
         full = model.setup_caches(1, 640, None)
-        engine.run_prefill(model, ids, pos)
+        run_prefill(model, ids, pos)
         policy = model.setup_caches(1, 640, make_policy("pod", "n_sink=16,n_recent=112,blocks=prompt,sim_threshold=0.5"))
-        engine.run_prefill(model, ids, pos)
+        run_prefill(model, ids, pos)
     saved = 1 - policy.kv_bytes()["allocated"] / full.kv_bytes()["allocated"]
     assert saved == pytest.approx(key_saving(policy.head_blocks, 30, 640, 128), abs=1e-12)
     assert 0 < saved < 0.5 and policy.describe()["blocks_per_head"] != [30, 30, 30]

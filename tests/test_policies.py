@@ -13,6 +13,7 @@ from cache import POLICIES, PolicyError, make_policy, policy_params
 from cache.base import EvictionPolicy, column_scores, fill_to_cap, pool1d, pyramid_budgets, split_integer
 from cache.simlayerkv import DELTA_BY_FAMILY, model_family
 from model import ModelArgs
+from runtime.steps import decode_step, run_decode, run_prefill
 from tests.helpers import kept, left_padded, tiny_hf_model
 
 EVICTION = [name for name, cls in POLICIES.items() if issubclass(cls, EvictionPolicy)]   # the registry's
@@ -217,7 +218,7 @@ def test_pyramidkv_layers_allocate_their_own_capacity(tmp_path):
     tokens, pos = left_padded([40, 40])
     with torch.no_grad():
         model.setup_caches(2, 48, policy)
-        engine.run_prefill(model, tokens, pos)
+        run_prefill(model, tokens, pos)
     assert policy.budgets == pyramid_budgets(2, 16, 4, 4) and sum(policy.budgets) == 32
     for layer, b in enumerate(policy.budgets):
         assert policy.k[layer].shape[2] == b + 8                                  # + room for 8 new tokens
@@ -233,12 +234,12 @@ def test_decode_eviction_keeps_size_and_never_evicts_sinks_or_recent(name, args,
     tokens, pos = left_padded([30, 9])
     with torch.no_grad():
         model.setup_caches(2, 80, policy)
-        engine.run_prefill(model, tokens, pos)
+        run_prefill(model, tokens, pos)
         allocated = policy.kv_bytes()["allocated"]
         last = pos[:, -1:]
         window = int(policy.row_window[0, 0])         # layer 0's recent window (the rows agree here)
         for step in range(1, 31):
-            engine.run_decode(model, torch.randint(0, 128, (2, 1)), last + step, step - 1)
+            run_decode(model, torch.randint(0, 128, (2, 1)), last + step, step - 1)
             assert policy.kv_bytes()["allocated"] == allocated
             for layer in range(model.args.n_layers):
                 cap = policy.k[layer].shape[2]
@@ -265,8 +266,8 @@ def test_h2o_decode_accumulates_attention_and_evicts_the_lowest(tmp_path):
     policy.decode = spy
     with torch.no_grad():
         model.setup_caches(1, 40, policy)
-        engine.run_prefill(model, tokens, pos)
-        engine.run_decode(model, torch.tensor([[5]]), torch.tensor([[25]]), 0)
+        run_prefill(model, tokens, pos)
+        run_decode(model, torch.tensor([[5]]), torch.tensor([[25]]), 0)
     q, k_new, kc, pc, score = seen[0]
     D = q.shape[-1]
     for h in range(2):
@@ -356,14 +357,14 @@ def test_d2o_layer_budgets_split_by_variance_and_sum_to_total(tmp_path):
     policy = make_policy("d2o", "budget=16,dense_factor=3,gate=0")        # gate 0: every layer sparse
     with torch.no_grad():
         model.setup_caches(1, 48, policy)
-        engine.run_prefill(model, tokens, pos)
+        run_prefill(model, tokens, pos)
     assert policy.budgets == [16, 16]
     variances = policy.variances
     gate = (variances[0] + variances[1]) / 2                         # one dense, one sparse layer
     policy = make_policy("d2o", f"budget=16,dense_factor=3,gate={gate}")
     with torch.no_grad():
         model.setup_caches(1, 48, policy)
-        engine.run_prefill(model, tokens, pos)
+        run_prefill(model, tokens, pos)
     dense = 0 if variances[0] <= gate else 1
     assert policy.budgets[dense] == 24 and policy.budgets[1 - dense] == 8 and sum(policy.budgets) == 32
     assert [policy.k[i].shape[2] for i in range(2)] == policy.budgets
@@ -404,9 +405,9 @@ def test_simlayerkv_flags_layers_whose_mass_exceeds_delta(strategy, tmp_path):
     setattr(policy, hook, spy)
     with torch.no_grad():
         model.setup_caches(1, 70, policy)
-        engine.run_prefill(model, tokens, pos)
+        run_prefill(model, tokens, pos)
         for step in range(3):
-            engine.run_decode(model, torch.tensor([[7]]), torch.tensor([[60 + step]]), step)
+            run_decode(model, torch.tensor([[7]]), torch.tensor([[60 + step]]), step)
     masses = []
     for layer in range(2):
         q, k = captured[layer]
@@ -463,9 +464,9 @@ def test_simlayerkv_lazy_layers_keep_initial_and_recent_ring(tmp_path):
     policy = make_policy("simlayerkv", "lazy_threshold=0.01,n_recent=6,n_sink=3")    # every layer lazy
     with torch.no_grad():
         model.setup_caches(2, 70, policy)
-        engine.run_prefill(model, tokens, pos)
+        run_prefill(model, tokens, pos)
         for step in range(5):
-            engine.run_decode(model, torch.tensor([[7], [8]]), pos[:, -1:] + 1 + step, step)
+            run_decode(model, torch.tensor([[7], [8]]), pos[:, -1:] + 1 + step, step)
     assert policy.lazy == [True, True]
     assert all(h == [0, 1, 2] + list(range(49, 55)) for h in kept(policy)[0])
     assert all(h == [0, 1, 2] + list(range(29, 35)) for h in kept(policy)[1])
@@ -487,8 +488,8 @@ def test_nothing_evicted_equals_full_cache(name, args, kind, tmp_path):
     for policy in (None, make_policy(name, args)):
         with torch.no_grad():
             model.setup_caches(3, 64, policy)
-            logits = [engine.run_prefill(model, tokens, pos)]
-            logits += [engine.run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s) for s in range(8)]
+            logits = [run_prefill(model, tokens, pos)]
+            logits += [run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s) for s in range(8)]
         outs.append(torch.stack(logits, 1))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
@@ -535,7 +536,7 @@ def test_budget_256_allocates_a_tenth_of_full_at_4000_tokens(default_dir):
     for name, args in (("full", None), ("snapkv", "budget=256"), ("streaming", "budget=256")):
         policy = model.setup_caches(1, 4064, make_policy(name, args))
         with torch.inference_mode():
-            engine.run_prefill(model, tokens, pos)
+            run_prefill(model, tokens, pos)
         allocated[name] = policy.kv_bytes()["allocated"]
         if name != "full":
             assert allocated[name] == sum(k.numel() * k.element_size() * 2 for k in policy.k)
@@ -556,17 +557,17 @@ def test_compiled_decode_matches_eager_without_recompiles(name, args, bits, tmp_
     _, model = tiny_hf_model("tied_gqa3", tmp_path)
     tokens, pos = left_padded([30, 21])
     follow = torch.randint(0, 128, (2, 12))
-    step = torch.compile(engine.decode_step, dynamic=True)
+    step = torch.compile(decode_step, dynamic=True)
     outs = {}
-    for mode, decode in (("eager", engine.decode_step), ("compiled", step)):
+    for mode, decode in (("eager", decode_step), ("compiled", step)):
         with torch.no_grad():
             model.setup_caches(2, 48, with_kv_bits(make_policy(name, args), bits, 8, 16))
-            engine.run_prefill(model, tokens, pos)
+            run_prefill(model, tokens, pos)
             logits = []
             for s in range(12):
                 if s == 4:
                     graphs = counters["stats"]["unique_graphs"]
-                logits.append(engine.run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s, decode))
+                logits.append(run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s, decode))
         outs[mode] = torch.stack(logits)
     assert counters["stats"]["unique_graphs"] == graphs, "decode recompiled while the cache evicted"
     tol = 1e-4 if bits == 16 else 1e-3
@@ -620,8 +621,8 @@ def test_knorm_under_a_reader_evicts_as_alone(reader, tmp_path):
         policy = make_policy(spec, args)
         with torch.no_grad():
             model.setup_caches(2, 40, policy)
-            logits = [engine.run_prefill(model, tokens, pos)]
-            logits += [engine.run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s) for s in range(10)]
+            logits = [run_prefill(model, tokens, pos)]
+            logits += [run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s) for s in range(10)]
         runs.append((torch.stack(logits), [kept(policy, layer) for layer in range(model.args.n_layers)]))
     assert runs[1][1] == runs[0][1]
     torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-5, rtol=1e-5)

@@ -13,7 +13,7 @@ longer than the default budgets, and checks:
   - greedy runs are deterministic (bit for bit);
   - under `full_cache_args(n)` the logits equal the full cache's (where the policy makes that promise);
   - bad parameters are clear PolicyErrors naming the parameter;
-  - requests that join and leave rows of a running batch (engine.RowBatch) get the tokens and logits they
+  - requests that join and leave rows of a running batch (RowBatch) get the tokens and logits they
     get alone, with nothing allocated after the batch starts.
 """
 from __future__ import annotations
@@ -25,10 +25,11 @@ import textwrap
 import pytest
 import torch
 
-import engine
 from cache import POLICIES, PolicyError, make_policy, policy_params
 from cache.quantized import with_kv_bits
 from model import DenseCache, ModelArgs, Transformer
+from runtime.rows import RowBatch
+from runtime.steps import run_decode, run_prefill
 from tests.helpers import left_padded
 
 ARGS = ModelArgs(vocab_size=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, intermediate_size=128,
@@ -84,10 +85,10 @@ def run(model, policy, lengths: list[int], on_step=None) -> torch.Tensor:
     tokens, pos = left_padded(lengths, vocab=ARGS.vocab_size, seed=len(lengths))
     model.setup_caches(len(lengths), max(lengths) + STEPS + 1, policy)     # tiny model: nothing to prepare
     with torch.inference_mode():
-        logits = [engine.run_prefill(model, tokens, pos)]
+        logits = [run_prefill(model, tokens, pos)]
         token, p = logits[0].argmax(-1, keepdim=True), pos[:, -1:] + 1
         for i in range(STEPS):
-            logits.append(engine.run_decode(model, token, p + i, i))
+            logits.append(run_decode(model, token, p + i, i))
             token = logits[-1].argmax(-1, keepdim=True)
             if on_step:
                 on_step(i, policy)
@@ -230,17 +231,17 @@ def requests() -> tuple[dict, dict, int]:
 
 
 def alone(model, policy, ids: list[int], max_seq: int) -> torch.Tensor:
-    """Logits [NEW, V] of greedy decoding `ids` alone in a batch of one (engine.run_prefill / run_decode)."""
+    """Logits [NEW, V] of greedy decoding `ids` alone in a batch of one (run_prefill / run_decode)."""
     model.setup_caches(1, max_seq, policy)
     with torch.inference_mode():
-        logits = [engine.run_prefill(model, torch.tensor([ids]), torch.arange(len(ids))[None])[0]]
+        logits = [run_prefill(model, torch.tensor([ids]), torch.arange(len(ids))[None])[0]]
         for i in range(NEW - 1):
             token = logits[-1].argmax().view(1, 1)
-            logits.append(engine.run_decode(model, token, torch.tensor([[len(ids) + i]]), i)[0])
+            logits.append(run_decode(model, token, torch.tensor([[len(ids) + i]]), i)[0])
     return torch.stack(logits)
 
 
-def serve(batch: "engine.RowBatch", prompts: dict, arrivals: dict, on_step=None) -> tuple[dict, list]:
+def serve(batch: "RowBatch", prompts: dict, arrivals: dict, on_step=None) -> tuple[dict, list]:
     """Run `prompts` through `batch`, each arriving at its decode step in `arrivals` (first come, first
     served; each leaves after NEW tokens) -> (logits [NEW, V] per request, {request: row} after each
     step's admissions)."""
@@ -284,10 +285,10 @@ def test_requests_join_and_leave_rows(model, admission_cell):
         moved = [k for k, ptr in buffers["first"].items() if now.get(k, ptr) != ptr]
         assert not moved, f"a decode step reallocated {moved[:4]}"
 
-    batch = engine.RowBatch(model, make, 2, max_seq, NEW)
+    batch = RowBatch(model, make, 2, max_seq, NEW)
     got, timeline = serve(batch, prompts, arrivals, no_reallocation if batch.rows else None)
     for n, ids in prompts.items():
-        ref, _ = serve(engine.RowBatch(model, make, 2, max_seq, NEW), {n: ids}, {n: 0})
+        ref, _ = serve(RowBatch(model, make, 2, max_seq, NEW), {n: ids}, {n: 0})
         assert torch.equal(got[n].argmax(-1), ref[n].argmax(-1)), f"request {n}'s tokens differ from its run alone"
         torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
         if storage == "kv16":
@@ -308,9 +309,9 @@ def test_readers_over_packed_eviction_storage_join_rows(model, spec, args):
     logits equal its run alone in a batch of the same size."""
     prompts, arrivals, max_seq = requests()
     make = lambda: build(spec, "kv4", args)        # noqa: E731
-    got, _ = serve(engine.RowBatch(model, make, 2, max_seq, NEW), prompts, arrivals)
+    got, _ = serve(RowBatch(model, make, 2, max_seq, NEW), prompts, arrivals)
     for n, ids in prompts.items():
-        ref, _ = serve(engine.RowBatch(model, make, 2, max_seq, NEW), {n: ids}, {n: 0})
+        ref, _ = serve(RowBatch(model, make, 2, max_seq, NEW), {n: ids}, {n: 0})
         torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
 
 

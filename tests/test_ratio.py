@@ -6,7 +6,7 @@ On the policy matrix's tiny random Llama (tests/test_policy_matrix.py):
   - a left-padded batch of prompts of different lengths under ratio= gives each row the tokens, logits and
     kept sets of its prompt run alone (each row its own budget; storage is the largest row's, and an evicting
     layer's slots past a row's budget stay closed to it);
-  - rows that join a running batch (engine.RowBatch) resolve the ratio from their own prompt;
+  - rows that join a running batch (RowBatch) resolve the ratio from their own prompt;
   - describe() reports the resolved budget; bad input is a one-line PolicyError.
 """
 from __future__ import annotations
@@ -18,6 +18,8 @@ import engine
 from cache import POLICIES, PolicyError, make_policy, policy_params
 from cache.base import fill_to_cap, pyramid_budgets
 from cache.quantized import with_kv_bits
+from runtime.context import prefill_context
+from runtime.rows import RowBatch
 from tests.helpers import Ids, fresh_compiles, greedy_logits, kept, tiny_hf_model
 from tests.test_policy_matrix import ARGS, NEW, alone, model, serve  # noqa: F401  (model: the fixture)
 
@@ -93,13 +95,13 @@ ROW_ADMISSION = [n for n in BUDGETED if POLICIES[n].admission == "row"]
 
 @pytest.mark.parametrize("name", ROW_ADMISSION)
 def test_rows_joining_a_running_batch_resolve_their_own_ratio(model, name):
-    """engine.RowBatch: storage is fixed at creation for a prompt of max_seq_length tokens (the largest budget a
+    """RowBatch: storage is fixed at creation for a prompt of max_seq_length tokens (the largest budget a
     ratio gives); each request resolves the ratio from its own prompt at admission and gets its logits alone."""
     lengths = {"A": 300, "B": 210, "C": 260}
     prompts = {n: prompt(length, i) for i, (n, length) in enumerate(lengths.items())}
     max_seq = 300 + NEW
     make = lambda: make_policy(name, spec(name, "ratio=0.5"))      # noqa: E731
-    batch = engine.RowBatch(model, make, 2, max_seq, NEW)
+    batch = RowBatch(model, make, 2, max_seq, NEW)
     assert batch.policy.budgets == [int(max_seq * 0.5)] * ARGS.n_layers
     seen = set()
     got, _ = serve(batch, prompts, {"A": 0, "B": 3, "C": NEW + 1},
@@ -153,11 +155,11 @@ def test_ratio_under_kivi_storage_keeps_each_rows_budget(model, name):
 
 @pytest.mark.parametrize("text", ["snapkv:ratio=0.5", "h2o:ratio=0.75"])
 def test_a_compressed_context_resolves_the_ratio_from_the_context_alone(tiny_dir, essay_text, text):
-    """The agnostic protocol (engine.prefill_context): the ratio resolves against the context's tokens (the
+    """The agnostic protocol (prefill_context): the ratio resolves against the context's tokens (the
     question is appended after); questions answered together get the answers each gets asked alone, their
     rows holding the context's budget."""
     model, tok = engine.load_model(tiny_dir)
-    ctx = engine.prefill_context(model, tok, essay_text[:1500], lambda: make_policy(text), room=40)
+    ctx = prefill_context(model, tok, essay_text[:1500], lambda: make_policy(text), room=40)
     ratio = float(text.split("=")[1])
     assert ctx.policy.describe()["resolved_budget"] == int(len(ctx.ids) * (1 - ratio))
     questions = ["\n\nQuestion: What is this text about?", "\n\nQuestion: Who?"]

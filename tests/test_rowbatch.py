@@ -1,19 +1,21 @@
-"""engine.RowBatch's staged admission (start / advance: one prefill chunk between decode steps) and its reuse
+"""RowBatch's staged admission (start / advance: one prefill chunk between decode steps) and its reuse
 of prefilled prefixes (prefix_cache.py), on the policy matrix's tiny random Llama."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import engine
 from cache import make_policy
-from prefix_cache import PrefixCache, common_prefix
+from runtime.context import append_tokens, context_rows, prefill_rows
+from runtime.prefix_cache import PrefixCache, common_prefix
+from runtime.rows import RowBatch
+from runtime.steps import run_decode
 from tests.test_policy_matrix import ARGS, model  # noqa: F401  (model: the tiny Llama fixture)
 
 NEW = 16
 
 
-def drive(batch: engine.RowBatch, prompts: dict, arrivals: dict, staged: bool, prefix_len=None, new_tokens=None):
+def drive(batch: RowBatch, prompts: dict, arrivals: dict, staged: bool, prefix_len=None, new_tokens=None):
     """Greedy-decode `prompts` through `batch`: request n arrives at loop turn arrivals[n] (first come, first
     served) and leaves after NEW tokens.  Staged: start what fits, then one `advance` per turn; else `admit`.
     A request admitted from a kept compressed prefix (agnostic) joins when a step completes its prompt.
@@ -60,8 +62,8 @@ def prompts_of(lengths: dict, seed: int = 1, shared: int = 0) -> dict:
     return {n: head + torch.randint(0, ARGS.vocab_size, (k,), generator=g).tolist() for n, k in lengths.items()}
 
 
-def row_batch(model, name: str, max_batch: int = 2, chunk: int = 32, **kw) -> engine.RowBatch:  # noqa: F811
-    return engine.RowBatch(model, lambda: make_policy(name), max_batch, 400 + NEW, NEW, prefill_chunk=chunk, **kw)
+def row_batch(model, name: str, max_batch: int = 2, chunk: int = 32, **kw) -> RowBatch:  # noqa: F811
+    return RowBatch(model, lambda: make_policy(name), max_batch, 400 + NEW, NEW, prefill_chunk=chunk, **kw)
 
 
 @pytest.mark.parametrize("name", ["full", "snapkv", "pyramidkv"])
@@ -133,30 +135,30 @@ def test_agnostic_reuse_compresses_a_shared_prefix_once(model, spec):  # noqa: F
     aware) while three questions on one 150-token document arrive together: the first's admission compresses
     the document alone (the boundary it shares with the waiting others), all three adopt it and append their
     question one decode step each alongside the other rows; each question's logits equal those of its question
-    appended to the compressed document alone (engine.context_rows + prefill_rows + append_tokens), the lone
+    appended to the compressed document alone (context_rows + prefill_rows + append_tokens), the lone
     request's those without reuse."""
     room = NEW + 24
     prompts = {"solo": prompts_of({"solo": 60}, seed=2)["solo"],
                **prompts_of({"q1": 12, "q2": 20, "q3": 7}, shared=150)}
     arrivals = {"solo": 0, "q1": 2, "q2": 2, "q3": 2}
-    batch = engine.RowBatch(model, lambda: make_policy(spec), 4, 400 + room, room, prefix_bytes=1 << 30,
-                            min_prefix=16, agnostic=True)
+    batch = RowBatch(model, lambda: make_policy(spec), 4, 400 + room, room, prefix_bytes=1 << 30,
+                     min_prefix=16, agnostic=True)
     got, _ = drive(batch, prompts, arrivals, staged=True, new_tokens=NEW)
-    ref, _ = drive(engine.RowBatch(model, lambda: make_policy(spec), 4, 400 + room, room), {"solo": prompts["solo"]},
+    ref, _ = drive(RowBatch(model, lambda: make_policy(spec), 4, 400 + room, room), {"solo": prompts["solo"]},
                    {"solo": 0}, staged=True)
     torch.testing.assert_close(got["solo"], ref["solo"], atol=1e-5, rtol=1e-5)
     stats = batch.prefixes.stats()
     assert (stats["hits"], stats["reused_tokens"], stats["entries"]) == (2, 300, 1), stats
     with torch.inference_mode():
         for n in ("q1", "q2", "q3"):
-            context = engine.context_rows(model, lambda: make_policy(spec), room, 400 + room)
-            engine.prefill_rows(model, prompts[n][:150], 1024)
-            engine.context_rows(model, lambda: make_policy(spec), room, 400 + room).adopt(0, context)
-            logits = [engine.append_tokens(model, prompts[n][150:], 150)[0]]
+            context = context_rows(model, lambda: make_policy(spec), room, 400 + room)
+            prefill_rows(model, prompts[n][:150], 1024)
+            context_rows(model, lambda: make_policy(spec), room, 400 + room).adopt(0, context)
+            logits = [append_tokens(model, prompts[n][150:], 150)[0]]
             for i in range(NEW - 1):
                 token = logits[-1].argmax()[None, None]
                 pos = torch.tensor([[len(prompts[n]) + i]])
-                logits.append(engine.run_decode(model, token, pos, len(prompts[n]) - 150 + i)[0])
+                logits.append(run_decode(model, token, pos, len(prompts[n]) - 150 + i)[0])
             torch.testing.assert_close(got[n], torch.stack(logits), atol=1e-5, rtol=1e-5)
 
 

@@ -13,10 +13,12 @@ import torch
 import uvicorn
 
 import engine
+from runtime.context import prefill_context
+from runtime.prefix_cache import common_prefix
+from runtime.steps import Sampler
 import serve
 import serve_engine
 from cache import make_policy
-from prefix_cache import common_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -230,7 +232,7 @@ def test_a_requests_own_failure_fails_it_alone(tiny_dir, monkeypatch):
              "--max-seq-length", "256"]
     with running(tiny_dir, *flags) as (client, srv):
         encode, prefill, hold_back, sampler = (srv.tokenizer.encode, srv.lanes["full"].batch.prefill,
-                                               serve_engine.hold_back, engine.Sampler.__call__)
+                                               serve_engine.hold_back, Sampler.__call__)
         bad_ids = encode("Bad prefill")
 
         def bad_encode(text, *a, **k):
@@ -255,7 +257,7 @@ def test_a_requests_own_failure_fails_it_alone(tiny_dir, monkeypatch):
         monkeypatch.setattr(srv.tokenizer, "encode", bad_encode)
         monkeypatch.setattr(srv.lanes["full"].batch, "prefill", bad_prefill)
         monkeypatch.setattr(serve_engine, "hold_back", bad_hold_back)
-        monkeypatch.setattr(engine.Sampler, "__call__", bad_sampler)
+        monkeypatch.setattr(Sampler, "__call__", bad_sampler)
         faults = {"tokenizer fault": {"prompt": "Bad tokenizer"}, "prefill fault": {"prompt": "Bad prefill"},
                   "stop fault": {"prompt": "Hello", "stop": "Bad stop", "kv_policy": "snapkv"},
                   "sampler fault": {"prompt": "Hello", "seed": 666, "temperature": 1}}
@@ -359,7 +361,7 @@ def test_agnostic_prefix_reuse_for_a_compressing_policy(tiny_dir):
     args = serve.build_parser().parse_args(["--checkpoint", str(tiny_dir), *flags])
     model, tokenizer = engine.load_model(tiny_dir, "cpu")
     new_policy = lambda: engine.kv_policy(make_policy(SPECS["snapkv"]), args)        # noqa: E731
-    ctx = engine.prefill_context(model, tokenizer, ids[0][:split], new_policy, room=32)   # the rows' decode_room
+    ctx = prefill_context(model, tokenizer, ids[0][:split], new_policy, room=32)   # the rows' decode_room
     refs = engine.generate(model, tokenizer, [q[split:] for q in ids[1:]], 8, context=ctx).texts
     assert got[1]["choices"][0]["text"] == refs[0]
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == refs[1]
@@ -430,7 +432,7 @@ def test_compiled_server_equals_eager_alone(tiny_dir):
     """--compile: the decode step is compiled at startup (warm-up through each policy's batch) and requests
     served together give the eager greedy answers."""
     from torch._dynamo.utils import counters
-    torch._dynamo.reset()       # graphs of engine.decode_step compiled by earlier tests in this process would be reused
+    torch._dynamo.reset()       # graphs of decode_step compiled by earlier tests in this process would be reused
     counters.clear()
     flags = ["--compile", "--max-batch", "2", "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
     prompts = dict(list(PROMPTS.items())[:3])

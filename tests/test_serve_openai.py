@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-import engine
+from runtime.steps import UsageError
 import serve
 from tests.test_serve import PROMPTS, ROOT, SPECS, TWO, alone, running, wait_for
 
@@ -131,7 +131,7 @@ def test_cli_stops_on_sigterm_after_the_requests_in_flight(tiny_dir):
     for flags, message in ((["--tp", "2"], "serve.py does not support --tp"),
                            (["--policies", "full; nope"], "unknown policy 'nope'"),
                            (["--policies", "full; full:kv_bits=4"], "'full' is listed twice")):
-        with pytest.raises((engine.UsageError, serve.PolicyError), match=message):
+        with pytest.raises((UsageError, serve.PolicyError), match=message):
             serve.build_engine(serve.build_parser().parse_args(["--checkpoint", str(tiny_dir), *flags]))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

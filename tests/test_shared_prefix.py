@@ -1,4 +1,4 @@
-"""Rows that read a kept prefix in place (DenseCache.adopt(prefix=), engine.RowBatch's share_prefix): the
+"""Rows that read a kept prefix in place (DenseCache.adopt(prefix=), RowBatch's share_prefix): the
 attention op (kvc::prefix_attention and its twin model.prefix_attention) against the same rows holding copies
 of the prefix, and a running batch whose rows share a document against one whose rows copy it."""
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine
 from cache import make_policy
 from kernels.cpu import cpu_kernels_available, decode_attention, prefix_attention_cpu
 from model import ModelArgs, Transformer, grouped_attention, prefix_attention
+from runtime.rows import RowBatch
 from tests.test_policy_matrix import model  # noqa: F401  (the tiny Llama fixture: head_dim 16, the twin's path)
 from tests.test_rowbatch import NEW, drive, prompts_of
 
@@ -99,8 +99,8 @@ def head64_model() -> Transformer:
 def run_batch(m, prompts, share: bool, max_batch: int = 3):
     """prompts through a `full` RowBatch keeping prefixes; arrivals staggered so that rows join a running batch and
     leave it; -> (logits per request, the batch, the largest number of rows that read the prefix at one step)."""
-    batch = engine.RowBatch(m, lambda: make_policy("full"), max_batch, 400 + NEW, NEW, prefill_chunk=32,
-                            prefix_bytes=1 << 30, min_prefix=16, share_prefix=share)
+    batch = RowBatch(m, lambda: make_policy("full"), max_batch, 400 + NEW, NEW, prefill_chunk=32,
+                     prefix_bytes=1 << 30, min_prefix=16, share_prefix=share)
     most = 0
     step = batch.step
 
@@ -136,8 +136,8 @@ def test_a_second_prefix_is_copied(model):  # noqa: F811
     b = prompts_of({"b1": 9, "b2": 14}, seed=2, shared=100)
     prompts = {"a1": a["a1"], "b1": b["b1"], "a2": a["a2"], "b2": b["b2"]}
     seen = set()
-    batch = engine.RowBatch(model, lambda: make_policy("full"), 4, 400 + NEW, NEW, prefill_chunk=32,
-                            prefix_bytes=1 << 30, min_prefix=16)
+    batch = RowBatch(model, lambda: make_policy("full"), 4, 400 + NEW, NEW, prefill_chunk=32,
+                     prefix_bytes=1 << 30, min_prefix=16)
     step = batch.step
 
     def watched(tokens):
@@ -146,7 +146,7 @@ def test_a_second_prefix_is_copied(model):  # noqa: F811
         return step(tokens)
     batch.step = watched
     got, _ = drive(batch, prompts, dict.fromkeys(prompts, 0), staged=True)
-    ref, _ = drive(engine.RowBatch(model, lambda: make_policy("full"), 4, 400 + NEW, NEW, prefill_chunk=32), prompts,
+    ref, _ = drive(RowBatch(model, lambda: make_policy("full"), 4, 400 + NEW, NEW, prefill_chunk=32), prompts,
                    dict.fromkeys(prompts, 0), staged=True)
     assert any(0 in rows and len(rows) == 2 for _, rows in seen), seen       # sharing rows beside copying ones
     for n in prompts:
@@ -159,8 +159,8 @@ def test_kv_bytes_count_a_shared_prefix_once(model):  # noqa: F811
     prompts = prompts_of({"q1": 12, "q2": 20}, shared=150)
     live = {}
     for share in (True, False):
-        batch = engine.RowBatch(model, lambda: make_policy("full"), 2, 400 + NEW, NEW, prefill_chunk=64,
-                                prefix_bytes=1 << 30, min_prefix=16, share_prefix=share)
+        batch = RowBatch(model, lambda: make_policy("full"), 2, 400 + NEW, NEW, prefill_chunk=64,
+                         prefix_bytes=1 << 30, min_prefix=16, share_prefix=share)
         with torch.inference_mode():
             batch.start(prompts["q1"], prefix_len=150)
             batch.start(prompts["q2"], prefix_len=150)

@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 import engine
+from runtime.steps import run_decode, run_prefill
 import tp
 from cache import POLICIES, make_policy
 from cache.base import EvictionPolicy
@@ -144,9 +145,9 @@ def run_case(model, spec: str, bits: int, lengths: list[int]) -> dict:
     forced = torch.randint(0, ARGS.vocab_size, (len(lengths), STEPS), generator=torch.Generator().manual_seed(1))
     model.setup_caches(len(lengths), max(lengths) + STEPS + 1, policy)
     with torch.inference_mode():
-        logits = [engine.run_prefill(model, tokens, pos)]
+        logits = [run_prefill(model, tokens, pos)]
         for i in range(STEPS):
-            logits.append(engine.run_decode(model, forced[:, i:i + 1], pos[:, -1:] + 1 + i, i))
+            logits.append(run_decode(model, forced[:, i:i + 1], pos[:, -1:] + 1 + i, i))
         kept = [policy.kept_positions(layer).clone() for layer in range(ARGS.n_layers)]
     return {"logits": torch.stack(logits), "kept": kept, "describe": policy.describe()}
 

@@ -12,7 +12,6 @@ import statistics
 
 import torch
 
-import engine
 from bench.measure import release, run_prefill, time_calls
 from bench.report import print_attention, print_attention_header
 from bench.roofline import attention_bound_us
@@ -20,6 +19,7 @@ from bench.runner import Bench
 from bench.specs import CAPACITY_MARGIN, COMPILES, Config, build_policy, require_positive
 from cache import PolicySpec
 from model import grouped_attention
+from runtime.steps import decode_step, prefill_step
 
 # the measured fields of attention rows (null in skipped and error rows)
 ATT_MEASURES = ["policy_config", "n_layers", "attention_us_per_layer", "attention_ms_per_step",
@@ -134,7 +134,7 @@ def capture_decode_inputs(model, pos: torch.Tensor, logits: torch.Tensor):
     cache.decode = recorder
     cache.fused_dense_decode = False            # (a DenseCache's step would otherwise not call decode)
     try:
-        engine.decode_step(model, logits.argmax(-1, keepdim=True), pos, cache.n_filled)
+        decode_step(model, logits.argmax(-1, keepdim=True), pos, cache.n_filled)
     finally:
         del cache.decode, cache.fused_dense_decode
     return captured
@@ -150,7 +150,7 @@ def policy_attention_times(bench: Bench, cfg: Config, tokens: torch.Tensor):
     with torch.inference_mode():
         model.setup_caches(B, T + 1 + iters + CAPACITY_MARGIN, build_policy(cfg))
         cache = model.cache
-        logits = run_prefill(model, engine.prefill_step, tokens, o.prefill_chunk)
+        logits = run_prefill(model, prefill_step, tokens, o.prefill_chunk)
         pos = torch.full((B, 1), T, dtype=torch.long, device=bench.device)
         captured = capture_decode_inputs(model, pos, logits)
         step = compiled(attention_step) if cfg.compile else attention_step

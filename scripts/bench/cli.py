@@ -22,6 +22,8 @@ from bench.specs import (KV_BITS, BenchmarkError, parse_int_list, parse_policies
                          with_reference)
 from cache import PolicyError, policy_names
 from cache.quantized import RESIDUAL, check_format
+from checkpoint import CheckpointError
+from runtime.steps import UsageError
 import tp as tensor_parallel
 from tp import TPError
 
@@ -156,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None, description: Optional[str] = None
     o = build_parser(description).parse_args(argv)
     try:
         return run(o)
-    except (BenchmarkError, engine.UsageError, engine.CheckpointError, PolicyError, TPError, FileNotFoundError) as e:
+    except (BenchmarkError, UsageError, CheckpointError, PolicyError, TPError, FileNotFoundError) as e:
         return tensor_parallel.fail(str(e))      # under --tp every process meets the same error
     finally:
         tensor_parallel.finish()

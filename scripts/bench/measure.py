@@ -16,8 +16,9 @@ from typing import Callable, Optional
 
 import torch
 
-import engine
 from bench.specs import CAPACITY_MARGIN, Config, build_policy
+import runtime.stats
+import runtime.steps
 
 
 # --------------------------------------------------------------------------- the machine
@@ -100,7 +101,7 @@ class MemoryMeter:
     def peak(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        return self._proc_kib("/proc/self/status", "VmHWM") or engine.peak_memory_bytes(self.device)
+        return self._proc_kib("/proc/self/status", "VmHWM") or runtime.stats.peak_memory_bytes(self.device)
 
     def available(self) -> int:
         """Bytes this process could still use (CUDA: free device memory; CPU: MemAvailable)."""
@@ -151,24 +152,24 @@ def cuda_graphs_recorded(device: torch.device) -> Optional[int]:
 # --------------------------------------------------------------------------- runs
 
 def steps_for(cfg: Config, device: torch.device) -> tuple[Callable, Callable]:
-    """(prefill, decode) step functions: engine.compiled_steps when cfg.compile, else eager."""
+    """(prefill, decode) step functions: runtime.steps.compiled_steps when cfg.compile, else eager."""
     if cfg.compile:
-        return engine.compiled_steps(device, cfg.compile_prefill)
-    return engine.prefill_step, engine.decode_step
+        return runtime.steps.compiled_steps(device, cfg.compile_prefill)
+    return runtime.steps.prefill_step, runtime.steps.decode_step
 
 
 def run_prefill(model, prefill, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
-    """engine.run_prefill for an unpadded batch tokens [B, T] -> last logits [B, V]."""
+    """runtime.steps.run_prefill for an unpadded batch tokens [B, T] -> last logits [B, V]."""
     B, T = tokens.shape
     pos = torch.arange(T, device=tokens.device).repeat(B, 1)
-    return engine.run_prefill(model, tokens, pos, prefill, chunk)
+    return runtime.steps.run_prefill(model, tokens, pos, prefill, chunk)
 
 
 def run_decode(model, decode, token: torch.Tensor, pos: torch.Tensor, steps: int, first: int = 0):
     """`steps` greedy decode steps numbered from `first` (as engine.generate's loop, without the
     EOS check); token [B, 1], pos [B, 1] -> the next (token, pos)."""
     for i in range(first, first + steps):
-        logits = engine.run_decode(model, token, pos, i, decode)
+        logits = runtime.steps.run_decode(model, token, pos, i, decode)
         token = logits.argmax(-1, keepdim=True)
         pos = pos + 1
     return token, pos

@@ -14,9 +14,9 @@ from typing import Callable, Optional
 import torch
 
 import atomic_io
-import engine
 from bench.measure import device_name
 from bench.specs import config_label
+from runtime.stats import format_bytes
 
 # the CSV's first columns (the rest follow in the order rows first use them)
 E2E_KEYS = ["mode", "policy", "policy_args", "batch_size", "context_length", "kv_bits", "decode_steps",
@@ -100,7 +100,7 @@ def _ratio(num: Optional[dict], den: Optional[dict], key: str) -> Optional[float
 # --------------------------------------------------------------------------- printing
 
 def fmt_bytes(n) -> str:
-    return "-" if n is None else engine.format_bytes(n)
+    return "-" if n is None else format_bytes(n)
 
 
 def fmt(x, spec=".1f") -> str:

@@ -24,10 +24,11 @@ import time
 
 import torch
 
-import engine
 from bench.measure import release, run_prefill, steps_for, sync, warm_up
 from bench.runner import Bench
 from bench.specs import CAPACITY_MARGIN, BenchmarkError, Config, build_policy, skip_reason
+from runtime.stats import format_bytes
+from runtime.steps import run_decode
 
 RSS_TOLERANCE = 0.02      # RSS after the first window must stay within this fraction of it
 SPEED_TOLERANCE = 0.25    # the last windows' tokens/s may fall this fraction below the first ones'
@@ -107,7 +108,7 @@ def soak_run(bench: Bench, cfg: Config, tokens: torch.Tensor) -> list[dict]:
         bad = torch.zeros((), dtype=torch.long, device=device)
         windows, start, t0 = [], 0, time.perf_counter()
         for i in range(o.soak):
-            logits = engine.run_decode(model, token, pos, i, decode)
+            logits = run_decode(model, token, pos, i, decode)
             bad += (~torch.isfinite(logits)).any(-1).sum()
             token, pos = logits.argmax(-1, keepdim=True), pos + 1
             if (i + 1) % o.soak_every == 0 or i + 1 == o.soak:
@@ -144,7 +145,7 @@ def soak_summary(windows: list[dict]) -> dict:
 
 
 def print_window(cfg: Config, w: dict, steps: int) -> None:
-    print(f"  [soak] {cfg.label} step {w['step']}/{steps}: RSS {engine.format_bytes(w['rss_bytes'])}, "
+    print(f"  [soak] {cfg.label} step {w['step']}/{steps}: RSS {format_bytes(w['rss_bytes'])}, "
           f"{w['tokens_per_s']:.2f} tok/s, non-finite steps {w['nonfinite_steps']}", file=sys.stderr, flush=True)
 
 
@@ -153,6 +154,6 @@ def print_soak(r: dict) -> None:
     verdict = "; ".join(r["soak_failures"]) or "flat"
     print(f"{r['policy']}{'(' + r['policy_args'] + ')' if r['policy_args'] else ''} kv{r['kv_bits']} "
           f"B={r['batch_size']} ctx={r['context_length']} steps={r['decode_steps']}: RSS "
-          f"{engine.format_bytes(r['rss_baseline_bytes'])} (max drift {100 * r['rss_max_drift']:.2f}%), tok/s "
+          f"{format_bytes(r['rss_baseline_bytes'])} (max drift {100 * r['rss_max_drift']:.2f}%), tok/s "
           f"{r['tokens_per_s_first']:.2f} -> {r['tokens_per_s_last']:.2f}, non-finite {r['nonfinite_steps']}: "
           f"{verdict}", flush=True)

@@ -1,6 +1,6 @@
 """Reuse of shared prompt prefixes: a byte-bounded LRU of prefilled one-row cache snapshots, keyed by tokens.
 
-engine.RowBatch keeps one when built with prefix_bytes > 0 and its policy declares `prefix_reuse`
+runtime.rows.RowBatch keeps one when built with prefix_bytes > 0 and its policy declares `prefix_reuse`
 (cache/contract.py; `full` only: the reuse is exact).  A request whose prompt starts with a kept prefix
 copies that snapshot into its scratch (`adopt`) and prefills only the rest of its prompt.
 

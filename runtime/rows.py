@@ -1,0 +1,326 @@
+"""Continuous batching: RowBatch, a running batch that requests join (staged prefill, Pending) and leave."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from model import Transformer
+from runtime.context import context_rows, prefill_rows
+from runtime.prefix_cache import PrefixCache, common_prefix
+from runtime.steps import chunk_end, decode_step, left_pad, prefill_step, run_decode, run_prefill
+
+
+@dataclass(eq=False)
+class Pending:
+    """A request being admitted (RowBatch.start): its prompt and how far its prefill has come."""
+    ids: list[int]
+    row: int                            # the row it takes once its prompt is prefilled
+    prefix_len: Optional[int] = None    # where a shared prefix ends, when the caller knows (prefix_cache.py)
+    done: int = 0                       # prompt tokens in the scratch so far (reused ones included)
+    reused: int = 0                     # prompt tokens copied from a kept prefix
+    snapshot_at: int = 0                # keep the prefix of this many tokens when the prefill reaches it (0: none)
+    started: bool = False
+    new_tokens: Optional[int] = None    # tokens it may generate (None: max_new_tokens): what its row must hold
+    protocol: str = "aware"             # how its prompt is held: "exact", "aware" or "agnostic" (RowBatch)
+    question: list[int] = field(default_factory=list)   # agnostic: prompt tokens still to append, one a step
+    kept: Optional[object] = None       # exact: the kept prefix its prompt starts with (reused or snapshotted)
+
+
+class RowBatch:
+    """A running batch that requests join and leave (continuous batching; cache/contract.py, "admission").
+
+    A policy with admission "row" takes requests one at a time: each prompt is prefilled alone in a one-row
+    instance of the policy (`scratch`), then moved into a free row (`policy.adopt`) while the other rows keep
+    their state.  Admission is staged: `start` queues a request (it reserves a row), each `advance` runs one
+    prefill chunk (at most prefill_chunk tokens, `chunk_end`; a compressing policy stages the chunks and
+    compresses the prompt with the last, cache/base.py) of the oldest one, so a server alternates one chunk
+    with one decode `step` of the running rows and a long prompt never stalls them for its whole length.
+    `admit` is start + advance until done.  Every `step` decodes all rows together, each at its own position;
+    free rows ride along at position -1 and nothing of theirs is read or kept.  A policy with admission
+    "batch" makes decisions for the whole batch (layer budgets, sharing configurations), so requests start
+    only in an empty batch, all those started together prefilled as one left-padded batch by one advance (as
+    `generate` does).  Storage is fixed when the batch is made: a policy with `ratio=` (its budget a share of
+    each prompt) holds in every row the budget of a max_seq_length-token prompt, and each request resolves its
+    own, smaller or equal, at admission.
+
+    prefix_bytes > 0 keeps prefilled prefixes (prefix_cache.py) when the policy declares prefix_reuse: a prompt
+    starting with a kept prefix prefills only the rest, exactly (protocol "exact").  With agnostic=True a policy
+    without prefix_reuse that admits rows keeps compressed prefixes instead (the question-agnostic protocol of
+    `prefill_context` / `generate(context=)`): a shared prefix is prefilled and compressed once alone, a prompt
+    starting with it has its row adopt it and appends the rest of its prompt one decode step each (`step` feeds
+    them; `joined` lists the rows whose prompt the latest step completed), protocol "agnostic"; where its
+    question and answer do not fit a row's room (max_new_tokens), its whole prompt is prefilled ("aware").
+    `reuse_off` says why a batch keeps no prefixes.  With share_prefix (exact reuse; off for a compiled decode
+    step, which would recompile when rows start and stop sharing) a request's row reads the kept prefix its
+    prompt started with in place instead of a copy (DenseCache.adopt(prefix=)): many questions about one
+    document read its K/V once per step for all their rows.
+
+        batch = RowBatch(model, lambda: make_policy("snapkv"), max_batch=8, max_seq_length=4096, max_new_tokens=256)
+        p = batch.start(ids)                    # while batch.room > 0
+        for row, logits in batch.advance():     # one prefill chunk; requests whose prompt is complete, logits [V]
+            ...
+        logits = batch.step({row: token})       # [B, V]: one decode step of every active row
+        batch.release(row)                      # the request is done: its row is free
+    """
+
+    def __init__(self, model: Transformer, make_policy, max_batch: int, max_seq_length: int, max_new_tokens: int,
+                 prefill=prefill_step, decode=decode_step, prefill_chunk: int = 1024, prefix_bytes: int = 0,
+                 min_prefix: int = 32, agnostic: bool = False, share_prefix: bool = True):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+        self.model, self.make_policy, self.max_batch = model, make_policy, max_batch
+        self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
+        self.prefill, self.decode, self.prefill_chunk = prefill, decode, prefill_chunk
+        self.share_prefix = share_prefix
+        self.policy, self.scratch = make_policy(), make_policy()
+        for policy in (self.scratch, self.policy):     # storage for prompt + max_new_tokens, fixed at setup
+            policy.decode_room = max_new_tokens
+            model.setup_caches(1 if policy is self.scratch else max_batch, max_seq_length, policy)
+        self.rows = self.policy.admission == "row"     # (known once set up: e.g. ds's channel source)
+        if not self.rows:
+            self.scratch = None
+        self.next_pos = [-1] * max_batch      # each row's next position (-1: free)
+        self.batch_size = max_batch           # rows of the policy's storage (batch admission: the group's)
+        self.steps = 0                        # decode steps since the batch was last empty
+        self.pending: list[Pending] = []      # started, not yet admitted (oldest first)
+        self.prefill_since_step = 0           # prompt tokens prefilled while active rows waited for their next step
+        self.prefill_tokens = 0               # prompt tokens prefilled in all (prefix reuse: less than prompted)
+        self.appending: dict[int, Pending] = {}   # agnostic: rows appending the rest of their prompt
+        self.joined: list[int] = []           # rows whose prompt the latest step completed (their logits are its last)
+        self.agnostic = agnostic and self.rows and not self.policy.prefix_reuse
+        self.prefixes, self.reuse_off = None, None
+        if prefix_bytes and self.rows and (self.policy.prefix_reuse or self.agnostic):
+            self.prefixes = PrefixCache(prefix_bytes, min_prefix)
+        elif prefix_bytes:
+            self.reuse_off = (f"policy {self.policy.name!r} keeps no prefixes: it cannot continue a prefilled prefix "
+                              f"exactly (prefix_reuse, cache/contract.py), and " +
+                              ("admits whole batches" if not self.rows else "agnostic reuse is off"))
+
+    @property
+    def active(self) -> list[int]:
+        return [r for r, p in enumerate(self.next_pos) if p >= 0]
+
+    @property
+    def room(self) -> int:
+        """Requests that can start now."""
+        if self.rows:
+            return sum(p < 0 for p in self.next_pos) - len(self.pending)
+        return 0 if self.active else self.max_batch - len(self.pending)
+
+    def start(self, ids: list[int], prefix_len: Optional[int] = None, new_tokens: Optional[int] = None) -> Pending:
+        """Queue the request `ids` (token ids; prefix_len: where a prefix shared with other requests ends, if
+        known; new_tokens: the most it may generate, default max_new_tokens) for admission -> its Pending,
+        holding the row it will take.  ValueError when none is free."""
+        if not ids:
+            raise ValueError("empty prompt")
+        if self.room < 1:
+            raise ValueError("no room to start a request now (batch.room is 0)")
+        taken = {p.row for p in self.pending}
+        row = next(r for r in range(self.max_batch) if self.next_pos[r] < 0 and r not in taken)
+        protocol = "exact" if self.policy.prefix_reuse else "aware"
+        self._snapshot_for(ids)
+        self.pending.append(Pending(list(ids), row, prefix_len, new_tokens=new_tokens, protocol=protocol))
+        return self.pending[-1]
+
+    def _snapshot_for(self, ids: list[int]) -> None:
+        """A request starting while the oldest one's prompt is being prefilled (exact reuse): where they share a
+        prefix the prefill has not yet passed, none is planned, and it is at least min_prefix tokens longer
+        than the kept one that prompt started from, that prefill snapshots it, as if
+        this request had been waiting when it began (prefix_cache.py, boundary); else this request would
+        prefill the shared prefix again."""
+        p = self.pending[0] if self.pending and self.prefixes is not None and not self.agnostic else None
+        if p is None or not p.started or p.snapshot_at:
+            return
+        n = min(common_prefix(p.ids, ids), len(p.ids) - 1)
+        if n - p.reused >= self.prefixes.min_tokens and n > p.done and tuple(p.ids[:n]) not in self.prefixes.entries:
+            p.snapshot_at = n
+
+    def cancel(self, pending: Pending) -> None:
+        """Drop a started request before its prompt is complete (its client left); its row is free again."""
+        if pending in self.pending:
+            self.pending.remove(pending)
+        else:
+            self.release(pending.row)               # an agnostic one appending its question
+
+    def holds(self, pending: Pending) -> bool:
+        """Whether a started request's prompt is still being admitted (False once complete, cancelled or dropped
+        by a failed `advance`)."""
+        return pending in self.pending or self.appending.get(pending.row) is pending
+
+    def advance(self) -> list[tuple[int, torch.Tensor]]:
+        """One admission step: a prefill chunk of the oldest pending request (admission "row"), or every
+        pending request's prefill (admission "batch") -> [(row, logits [V] of the prompt's last position)] of
+        the requests whose prefill is now complete: they decode from the next step.  A failure drops the
+        request it happened in (the whole group under admission "batch"; `holds` tells) and is re-raised."""
+        if not self.pending:
+            return []
+        if not self.rows:
+            return self._prefill_group()
+        p = self.pending[0]
+        try:
+            context = self._context(p) if self.agnostic and self.prefixes is not None and not p.started else None
+            logits = None if context is not None else self._chunk(p)
+        except BaseException:
+            self.pending.remove(p)
+            raise
+        if context is None and logits is None:
+            return []
+        self.pending.remove(p)
+        if not self.active:
+            self.steps = 0
+        if context is None and self.share_prefix and p.kept is not None:    # its row reads the prefix in place
+            self.policy.adopt(p.row, self.scratch, prefix=p.kept)
+        else:
+            self.policy.adopt(p.row, self.scratch if context is None else context)
+        self.next_pos[p.row] = p.done
+        if context is not None:
+            self.policy.hold_question(p.row, p.done, len(p.ids))
+            self.appending[p.row] = p
+            return []
+        return [(p.row, logits)]
+
+    def _context(self, p: Pending):
+        """The agnostic protocol for p: a kept compressed prefix of its prompt, or one it shares with others (the
+        same boundary as exact reuse), compressed now -> that one-row instance, p.question the rest of its prompt,
+        held whole until p's answer starts (the contract's hold_question); None where none is shared, the rest and
+        p's answer would not fit a row's room (decode_room), or the rest is longer than the context's
+        question_room."""
+        room = self.max_new_tokens - (self.max_new_tokens if p.new_tokens is None else p.new_tokens)
+        shortest = max(len(p.ids) - room, 1)
+        n, context = self.prefixes.lookup(p.ids, shortest)
+        at = self.prefixes.boundary(p.ids, [q.ids for q in self.pending if q is not p], p.prefix_len)
+        reused = n
+        if context is None and at >= shortest:
+            n, context, reused = at, self._compress(p.ids[:at]), 0
+        held = None if context is None else context.question_room(0)
+        if context is None or (held is not None and len(p.ids) - n > held):
+            return None                     # (a context compressed now stays kept for the next request)
+        p.started, p.done, p.protocol, p.question, p.reused = True, n, "agnostic", p.ids[n:], reused
+        return context
+
+    def _compress(self, ids: list[int]):
+        """ids prefilled and compressed alone in a one-row instance set up as the rows are (prefill_context's
+        steps), kept in the prefix LRU -> that instance."""
+        try:
+            context = context_rows(self.model, self.make_policy, self.max_new_tokens, self.max_seq_length)
+            prefill_rows(self.model, ids, self.prefill_chunk)
+        finally:
+            self.model.cache = self.policy
+        self.count_prefill(len(ids))
+        self.prefixes.insert(tuple(ids), context, context.kv_bytes()["allocated"])
+        return context
+
+    def admit(self, requests: Sequence[list[int]]) -> list[tuple[int, torch.Tensor]]:
+        """Admit the first of `requests` (token-id lists) that fit now -> [(row, logits [V] of the prompt's
+        last position)]; the others must wait (no free row, or a batch-admission policy still running)."""
+        if self.pending:
+            raise ValueError("admit needs no staged request pending (finish those with advance)")
+        started = [self.start(ids) for ids in requests[:max(self.room, 0)]]
+        done: dict = {}
+        while self.pending:
+            done.update(self.advance())
+        return [(p.row, done[p.row]) for p in started]
+
+    def _prefill_group(self) -> list[tuple[int, torch.Tensor]]:
+        """Admission "batch": every pending request as one left-padded batch in an empty batch."""
+        group, self.pending = [p.ids for p in self.pending], []
+        self.count_prefill(sum(len(ids) for ids in group))
+        tokens, input_pos = left_pad(group, 0, self.model.output.weight.device)
+        self.model.setup_caches(len(group), self.max_seq_length, self.policy)
+        self.batch_size = len(group)
+        self.next_pos = [len(ids) for ids in group] + [-1] * (self.max_batch - len(group))
+        self.steps = 0
+        try:
+            logits = run_prefill(self.model, tokens, input_pos, self.prefill, self.prefill_chunk)
+        except BaseException:
+            self.next_pos = [-1] * self.max_batch       # the group is dropped: the batch is empty again
+            raise
+        return list(enumerate(logits))
+
+    def count_prefill(self, n: int) -> None:
+        self.prefill_tokens += n
+        self.prefill_since_step = self.prefill_since_step + n if self.active else 0   # (no row waits)
+
+    def _chunk(self, p: Pending) -> Optional[torch.Tensor]:
+        """Prefill the next chunk of p's prompt in the scratch -> logits [V] of the prompt's last position
+        once it is complete, else None."""
+        model, device = self.model, self.model.output.weight.device
+        model.cache = self.scratch
+        try:
+            if not p.started:
+                self._begin(p)
+            end = len(p.ids) if self.scratch.prefill_in_one_pass else chunk_end(p.done, len(p.ids), self.prefill_chunk)
+            end = min(end, p.snapshot_at) if p.done < p.snapshot_at else end
+            tokens = torch.tensor([p.ids[p.done:end]], device=device)
+            logits = self.prefill(model, tokens, torch.arange(p.done, end, device=device)[None], p.done)
+            self.count_prefill(end - p.done)
+            p.done = end
+            if end == p.snapshot_at:
+                self._snapshot(p)
+            if end < len(p.ids):
+                return None
+            self.scratch.end_prefill()
+            return logits[0]
+        finally:
+            model.cache = self.policy
+
+    def _begin(self, p: Pending) -> None:
+        """The scratch starts p's prompt: from the longest kept prefix of it, if any; fixes where to snapshot."""
+        self.scratch.reset()
+        if self.prefixes is not None and not self.agnostic:
+            n, snapshot = self.prefixes.lookup(p.ids)
+            if snapshot is not None:
+                self.scratch.adopt(0, snapshot)
+                p.done = p.reused = n
+                p.kept = snapshot
+            at = self.prefixes.boundary(p.ids, [q.ids for q in self.pending if q is not p], p.prefix_len)
+            p.snapshot_at = at if at > p.done else 0
+        device = self.model.output.weight.device
+        self.scratch.before_prefill(torch.arange(p.done, len(p.ids), device=device)[None])
+        p.started = True
+
+    def _snapshot(self, p: Pending) -> None:
+        """Keep the scratch's first p.done tokens as a prefix: a one-row instance sized to them."""
+        snapshot, weight = self.make_policy(), self.model.norm.weight
+        snapshot.decode_room = self.max_new_tokens
+        snapshot.setup(self.model.args, 1, p.done, weight.dtype, weight.device)
+        snapshot.adopt(0, self.scratch)
+        self.prefixes.insert(tuple(p.ids[:p.done]), snapshot, snapshot.kv_bytes()["allocated"])
+        p.kept = snapshot
+
+    def step(self, tokens: dict[int, int]) -> torch.Tensor:
+        """One decode step: tokens {row: the token at the row's next position} for every active row but those
+        appending their prompt (fed its next token here) -> logits [B, V] (rows not given are free, or append:
+        their logits mean nothing, but for the rows in `joined`, whose prompt is now complete)."""
+        answering = [r for r in self.active if r not in self.appending]
+        if sorted(tokens) != answering:
+            raise ValueError(f"step needs one token for each active row {answering}, got rows {sorted(tokens)}")
+        tokens = {**tokens, **{row: p.question[0] for row, p in self.appending.items()}}
+        device = self.model.output.weight.device
+        token = torch.zeros(self.batch_size, 1, dtype=torch.long)
+        pos = torch.full((self.batch_size, 1), -1, dtype=torch.long)
+        for row, t in tokens.items():
+            token[row, 0], pos[row, 0] = t, self.next_pos[row]
+        logits = run_decode(self.model, token.to(device), pos.to(device), self.steps, self.decode)
+        for row in tokens:
+            self.next_pos[row] += 1
+        self.joined = []
+        for row, p in list(self.appending.items()):
+            del p.question[0]
+            if not p.question:
+                del self.appending[row]
+                self.joined.append(row)
+        self.steps += 1
+        self.prefill_since_step = 0
+        return logits
+
+    def release(self, row: int) -> None:
+        """The request in `row` is done (finished or abandoned): the row is free for the next one."""
+        if self.next_pos[row] < 0:
+            raise ValueError(f"row {row} holds no request")
+        self.next_pos[row] = -1
+        self.appending.pop(row, None)
+        if self.rows:
+            self.policy.release(row)
