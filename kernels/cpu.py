@@ -4,7 +4,7 @@ sparse readers', KIVI's, the dense caches' and the weight-quantized linear layer
 
 
     cpu_kernels_available()            builds the extension on first call (torch.utils.cpp_extension,
-                                       -O3 -march=native, ~30 s once; cached under
+                                       -O3 -march=native, minutes once, saying so on stderr; cached under
                                        ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), then True;
                                        False with one warning if it cannot be built (no compiler)
     sparse_decode_attention_cpu(...)   == kernels.sparse_decode_attention_torch (fp32, D 64 or 128)
@@ -133,14 +133,49 @@ def _watch_lock(name: str, done: threading.Event) -> None:
         _clear_stale_lock(name)
 
 
+BUILD_MINUTES = 3        # a cold build: 336 s of CPU time (user + sys) on a 2-core AMD EPYC VM, 2026-11-29
+
+
+def build_dir(name: str) -> Path:
+    """The folder torch.utils.cpp_extension builds extension `name` in (its _get_build_directory, without
+    creating it): $TORCH_EXTENSIONS_DIR/name, else ~/.cache/torch_extensions/py311_cpu/name."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+        accel = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
+                 f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{py}_{accel}")
+    return Path(root) / name
+
+
+def needs_build(library: Path, sources: list[Path]) -> bool:
+    """Whether loading compiles: the built library is missing or older than a source (ninja's test; the
+    name's build tag already covers the CPU, the venv and the sources' contents)."""
+    try:
+        built = library.stat().st_mtime
+    except FileNotFoundError:
+        return True
+    return any(p.stat().st_mtime > built for p in sources)
+
+
+def build_message(folder: Path) -> str:
+    """The one line printed on stderr before a build that is not cached."""
+    return (f"kvc: building the C++ kernels for this machine (first use; about {BUILD_MINUTES} minutes on 2 cores, "
+            f"cached in {folder}; KVC_CPU_KERNELS=0 skips them) ...")
+
+
 def _build() -> bool:
-    """Build (or load the cached build of) the C++ ops; while torch waits on another process's build
-    lock, a watchdog clears the lock once it is stale (its owner was killed)."""
+    """Build (or load the cached build of) the C++ ops, saying so on stderr when it compiles; while torch
+    waits on another process's build lock, a watchdog clears the lock once it is stale (its owner was killed)."""
     global _eager
     done = threading.Event()
     try:
         name = f"kvc_cpu_kernels_{_build_tag()}"
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import LIB_EXT, load
+        folder = build_dir(name)
+        if needs_build(folder / f"{name}{LIB_EXT}", SOURCES + HEADERS):
+            print(build_message(folder), file=sys.stderr, flush=True)
         threading.Thread(target=_watch_lock, args=(name, done), daemon=True).start()
         _eager = load(name=name, sources=[str(p) for p in SOURCES],
                       extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=True, verbose=False)
