@@ -2,7 +2,7 @@
 
 Storage per layer l (capacity C_l slots, allocated when the prompt arrives, never in decode):
     k, v   [B, H_kv, C_l, D]  keys (rotated at their absolute position) and values, held by the
-                              policy's K/V format object `slots` (DenseSlots: the compute dtype;
+                              policy's K/V format object `slots` (cache/slots.py's DenseSlots: the compute dtype;
                               cache/quantized.py's KIVISlots: KIVI-packed, chosen by --kv-bits)
     pos    [B, H_kv, C_l]     absolute position held by each slot, -1 = empty
     score  [B, H_kv, C_l]     fp32 keep score per slot, in evicting layers (and with decode_attention):
@@ -18,14 +18,9 @@ then `compress` keeps the top `layer_budget` of `keep_scores` per KV head (by de
 depend on every layer (D2O, SimLayerKV) set `defer_compression`: the prompt's K/V wait in
 `pending` until `end_prefill`, where `plan` fixes the budgets on the host.
 
-The prompt comes in one pass (engine.generate, the evals), or in chunks when the instance holds rows that
-join a running batch (decode_room set: engine.RowBatch interleaves the chunks with the other rows' decode
-steps; `prefill_in_one_pass`).  Chunks are *staged*: the prompt's K/V wait uncompressed in `staged` (per
-layer [B, H_kv, T, D], T the prompt's length), each chunk attends causally to everything staged so far,
-and the keep decision runs once, at `end_prefill`, on the whole prompt, exactly as in one pass.  The
-statistics come out the same because the policy says which queries they read (`prefill_queries`): the
-last n (the window's queries are staged too, [B, H_q, n, D], and read once the prompt is complete), or
-every query (then each chunk's statistics, column sums over the keys staged so far, add up).
+The prompt comes in one pass (engine.generate, the evals), or in chunks, *staged* (cache/staging.py), when
+the instance holds rows that join a running batch (decode_room set; `prefill_in_one_pass`): the keep
+decision then runs once, at `end_prefill`, on the whole prompt, exactly as in one pass.
 
 Decode, per layer, without host syncs: an *appending* layer (SnapKV, PyramidKV, SimLayerKV's
 full layers) writes the new token into the next empty slot (capacity = kept prompt tokens +
@@ -33,354 +28,30 @@ room for every generated token); an *evicting* layer (StreamingLLM, H2O, D2O, la
 overwrites the slot `decode_victim` names (by default the unprotected slot of lowest `score`;
 the sinks and the recent window are protected), so its size never grows.  Attention reads the C_l
 slots (empty ones masked): the cost follows what is kept, never max_seq_length.
-A question appended after a compressed context (the agnostic protocol, `hold_question`) is held whole:
-while a row appends it, an evicting layer never picks its tokens as victims (they count as protected,
-like the sinks and the recent window), so the victims come from the context; from the row's first
-answer token on they are ordinary tokens again.
+A question appended after a compressed context (`hold_question`, cache/rows.py) is held whole: an evicting
+layer takes no victim among its tokens while the row appends it.
 Policies that need the step's attention probabilities (H2O, D2O) attend over the old slots plus
 the new token with one joint softmax (`attend_with_new`) before choosing the victim, exactly as
 if the cache briefly held C_l + 1 tokens, without copying it.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from cache.params import param, param_values, policy_params  # noqa: F401  (param, policy_params: for policies)
-from kernels.cpu import decode_attention
+from cache.params import DEFAULT_BUDGET, HEAD_AGG, param_values, policy_params
+from cache.rows import RowAdmission
+from cache.scoring import ALWAYS, NEVER, first_min, recent_and_sinks, reduce_heads, select_top
+from cache.slots import DenseSlots
+from cache.staging import ChunkStaging
 from model import ModelArgs, attention_mask, grouped_attention
 
-NEVER = float("-inf")    # a keep score that is never selected
-ALWAYS = float("inf")    # a keep score that is always selected (sinks, windows)
-
-
-# --------------------------------------------------------------------------- scoring mechanics
-
-def attention_probs(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, sliding_window=None) -> Tensor:
-    """Causal attention probabilities in fp32, per KV head and group member.
-
-    q [B, H_q, T, D] at positions q_pos [B, T]; k [B, H_kv, L, D] at k_pos [B, L].
-    Returns [B, H_kv, G, T, L]; rows of padding queries (q_pos < 0) are zero."""
-    B, Hq, T, D = q.shape
-    Hkv, L = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    logits = q.float().reshape(B, Hkv, G * T, D) @ k.float().transpose(-1, -2) / math.sqrt(D)
-    visible = attention_mask(q_pos, k_pos, G, sliding_window)[:, None]           # [B, 1, G*T, L]
-    probs = logits.masked_fill(~visible, NEVER).softmax(-1).view(B, Hkv, G, T, L)
-    return probs * (q_pos >= 0)[:, None, None, :, None]
-
-
-def last_rows(q: Tensor, q_pos: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-    """The last `rows` queries q [B, H, T, D] and their positions q_pos [B, T], left-padded
-    with padding queries (position -1) when T < rows.  The output has exactly `rows` rows
-    whatever T is, so a compiled prefill needs no T-vs-rows guard."""
-    q = F.pad(q, (0, 0, rows, 0))[:, :, -rows:]
-    return q, F.pad(q_pos, (rows, 0), value=-1)[:, -rows:]
-
-
-HEAD_AGG = ("mean", "max", "query")
-
-
-def reduce_heads(probs: Tensor, agg: str) -> Tensor:
-    """Attention of the G query heads of each KV head, probs [B, H_kv, G, ...] -> one score per KV head
-    [B, H_kv, ...] ("mean" over the group, or its "max") or per query head [B, H_kv * G, ...] ("query":
-    each query head selects its own tokens, as the authors' code of SnapKV/PyramidKV does by repeating
-    the KV heads)."""
-    if agg == "mean":
-        return probs.mean(2)
-    if agg == "max":
-        return probs.amax(2)
-    return probs.flatten(1, 2)
-
-
-def sink_param(default: int):
-    """The n_sink parameter of the base's sinks-and-recent-window option, with a policy's default."""
-    return param(default, "first tokens of the sequence, always kept (attention sinks)")
-
-
-def recent_param(default: int, help: str = "most recent tokens, always kept (in decode the new token is one)"):
-    """The n_recent parameter of the same option (EvictionPolicy.recent_window), with a policy's default."""
-    return param(default, help)
-
 
 @dataclass(eq=False)
-class HeadAgg:
-    """Parameter of the policies and readers that reduce a KV head's query heads to one score per token."""
-    head_agg: str = param("mean", "how a KV head's query heads score a token: mean, max (per query), "
-                                  "or query (each query head keeps its own tokens: G x the KV memory)")
-
-
-@dataclass(eq=False)
-class DecodeEviction:
-    """Parameter of the policies whose layers evict during decode (memory flat): `decode_evict=false` makes
-    them compress at prefill only and append every decode token, as kvpress's presses do (memory then
-    grows with the question and the answer, as an appending policy's)."""
-    decode_evict: bool = param(True, "evict a kept token for each decode token, so memory stays flat (false: "
-                                     "compress at prefill only and append decode tokens, as kvpress)")
-
-
-DEFAULT_BUDGET = 256      # tokens per layer and KV head when neither budget nor ratio is given
-
-
-@dataclass(eq=False)
-class Budget:
-    """Parameters of the policies that keep a token budget per layer and KV head: `budget` (tokens) or
-    `ratio` (the share of each prompt removed), not both; neither: budget=DEFAULT_BUDGET.  A ratio resolves
-    per request and per row (`EvictionPolicy.resolve_budget`)."""
-    budget: Optional[int] = param(None, f"tokens kept per layer and KV head, window included ({DEFAULT_BUDGET} "
-                                        f"when ratio is not given)", parse=int)
-    ratio: Optional[float] = param(None, "instead of budget: the share of a prompt's tokens removed, in (0, 1) "
-                                         "(kvpress's compression_ratio): a prompt of n tokens keeps "
-                                         "int(n * (1 - ratio)) per layer and KV head", parse=float)
-
-
-def column_scores(q: Tensor, k: Tensor, q_pos: Tensor, rows: int | None = None, sliding_window=None,
-                  chunks: int = 16, agg: str = "mean", k_pos: Tensor | None = None) -> Tensor:
-    """Attention each key receives, reduced over the query heads of its KV head by `agg` (reduce_heads)
-    query by query, then summed over the last `rows` queries (all if None) -> [B, H_kv, T] fp32, or
-    [B, H_q, T] for agg="query".
-
-    With rows = w this is SnapKV's observation-window score; with all rows it is H2O's
-    accumulated attention.  The queries go through in a fixed number of `chunks` (padded with
-    position -1, which contribute nothing): memory O(T^2 / chunks), and the loop does not
-    depend on T, so a compiled prefill does not specialize on the prompt length.  Keys k [B, H_kv, L, D] are
-    at k_pos [B, L] (None: the queries' own positions, L = T); the result is [B, H, L]."""
-    k_pos = q_pos if k_pos is None else k_pos
-    if rows is not None:
-        q, q_pos = last_rows(q, q_pos, rows)
-        chunks = max(1, rows // 512)
-    B, H, T, D = q.shape
-    size = (T + chunks - 1) // chunks + 1     # + 1: a chunk of one row would be specialized
-    q = F.pad(q, (0, 0, 0, chunks * size - T)).view(B, H, chunks, size, D)
-    q_pos_chunks = F.pad(q_pos, (0, chunks * size - T), value=-1).view(B, chunks, size)
-    total = 0
-    for i in range(chunks):
-        probs = attention_probs(q[:, :, i], k, q_pos_chunks[:, i], k_pos, sliding_window)
-        total = total + reduce_heads(probs, agg).sum(-2)
-    return total
-
-
-def pool1d(scores: Tensor, kernel: int, kind: str = "max", within: Tensor | None = None) -> Tensor:
-    """Smooth scores [..., T] along T: odd `kernel`, stride 1, padding kernel // 2 (SnapKV).
-
-    `within` (bool, broadcastable to scores) limits the pool to those columns, as if the
-    others were padding (e.g. SnapKV pools only the tokens before its window); the result at
-    columns outside it is meaningless.  Written with masks and shifted copies (not slices at
-    the boundary, not max_pool1d, whose shape function pins T), so a compiled prefill does not
-    specialize on the prompt length."""
-    if kernel <= 1:
-        return scores
-    r, T = kernel // 2, scores.shape[-1]
-    within = torch.ones_like(scores, dtype=torch.bool) if within is None else within.expand(scores.shape)
-
-    def windows(x: Tensor, pad: float) -> list[Tensor]:   # x[..., t - r + i] for i < kernel
-        x = F.pad(x, (r, r), value=pad)
-        return [x[..., i:i + T] for i in range(kernel)]
-
-    if kind == "max":
-        return torch.stack(windows(scores.masked_fill(~within, NEVER), NEVER)).amax(0)
-    total = sum(windows(scores * within, 0.0))      # the mean over the in-range columns
-    count = sum(windows(within.to(scores.dtype), 0.0))
-    return total / count.clamp(min=1)
-
-
-def select_top(scores: Tensor, capacity: int, limit: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The `capacity` best columns of scores [B, H, T]: the valid ones first, in column order.
-
-    Returns (idx [B, H, capacity], valid [B, H, capacity]); valid is False where no keepable
-    column was left (score -inf, or T < capacity) and, with limit [B], past row b's limit[b] best
-    (its own budget); such idx point at a real column.  The output shape never depends on T, so
-    compiled prefill graphs need no T-vs-capacity guard.  Equal scores go to the earlier column (a stable
-    sort, not topk, whose choice among ties depends on T): a left-padded row keeps what it keeps alone, also
-    where max pooling makes plateaus of equal scores (SnapKV)."""
-    B, H, T = scores.shape
-    padded = torch.cat([scores, scores.new_full((B, H, capacity), NEVER)], dim=-1)
-    top, idx = padded.sort(dim=-1, descending=True, stable=True)
-    top, idx = top[..., :capacity], idx[..., :capacity]        # best first
-    valid = top > NEVER
-    if limit is not None:
-        valid &= torch.arange(capacity, device=scores.device) < limit[:, None, None]
-    order = torch.where(valid, idx, idx + T + capacity).argsort(dim=-1)
-    return idx.gather(-1, order).clamp(max=T - 1), valid.gather(-1, order)
-
-
-def split_integer(total: int, weights: list[float]) -> list[int]:
-    """Integers proportional to `weights` that sum exactly to `total` (largest remainders)."""
-    raw = [total * w / sum(weights) for w in weights]
-    out = [math.floor(r) for r in raw]
-    for i in sorted(range(len(raw)), key=lambda i: out[i] - raw[i])[:total - sum(out)]:
-        out[i] += 1
-    return out
-
-
-def pyramid_budgets(n_layers: int, budget: int, window: int, beta: float) -> list[int]:
-    """PyramidKV's per-layer budgets (window included) summing exactly to n_layers * budget.
-
-    The schedule applies to what is left after the window (the paper's "remaining" budget):
-    top layer k^{m-1} = k_total / (beta m), bottom k^0 = 2 k_total / m - k^{m-1}, arithmetic in
-    between; integer parts by largest remainders, so nothing overshoots."""
-    remaining = n_layers * (budget - window)
-    if n_layers == 1:
-        return [budget]
-    top = remaining / (beta * n_layers)
-    bottom = 2 * remaining / n_layers - top
-    steps = [bottom - (bottom - top) * i / (n_layers - 1) for i in range(n_layers)]
-    return [window + b for b in split_integer(remaining, steps)]
-
-
-def fill_to_cap(budgets: list[int], cap: int) -> list[int]:
-    """Budgets capped at `cap` (what a layer can hold: the prompt length) with the surplus of the capped
-    layers handed to the others in proportion to their own budgets, until none is left or every layer
-    is full: the total is min(sum(budgets), len(budgets) * cap)."""
-    out = [min(b, cap) for b in budgets]
-    surplus = sum(budgets) - sum(out)
-    while surplus > 0:
-        room = [i for i, b in enumerate(out) if b < cap]
-        if not room:
-            break
-        for i, extra in zip(room, split_integer(surplus, [max(budgets[i], 1) for i in room])):
-            take = min(extra, cap - out[i])
-            out[i] += take
-            surplus -= take
-    return out
-
-
-def recent_and_sinks(q_pos: Tensor, n_sink: int, window: "int | Tensor") -> Tensor:
-    """Mask [B, T]: the first n_sink tokens and the last `window` tokens (an int, or per row [B, 1]) of each
-    sequence."""
-    length = q_pos.max(dim=-1, keepdim=True).values + 1
-    return (q_pos >= 0) & ((q_pos < n_sink) | (q_pos >= length - window))
-
-
-def first_min(x: Tensor) -> Tensor:
-    """Index of the first minimum along the last dim (ties -> lowest index, also when compiled:
-    Inductor's argmin does not promise the first of equal values)."""
-    index = torch.arange(x.shape[-1], device=x.device)
-    return torch.where(x == x.amin(-1, keepdim=True), index, x.shape[-1]).amin(-1)
-
-
-def cosine(a: Tensor, b: Tensor) -> Tensor:
-    """Cosine similarity of every row of a [B, H, T, D] with every row of b [B, H, n, D] -> [B, H, T, n]."""
-    return F.normalize(a.float(), dim=-1) @ F.normalize(b.float(), dim=-1).transpose(-1, -2)
-
-
-def joint_softmax(s_old: Tensor, s_new: Tensor) -> tuple[Tensor, Tensor]:
-    """Softmax over the concatenation [s_old, s_new] of scores [..., C] and [..., 1], without making it."""
-    top = torch.maximum(s_old.amax(-1, keepdim=True), s_new)
-    e_old, e_new = (s_old - top).exp(), (s_new - top).exp()
-    z = e_old.sum(-1, keepdim=True) + e_new
-    return e_old / z, e_new / z
-
-
-def attend_with_new(q: Tensor, kc: Tensor, vc: Tensor, visible: Tensor, k: Tensor, v: Tensor):
-    """Decode attention over cached slots plus the new token, one joint softmax in fp32.
-
-    q [B, H_q, 1, D]; kc, vc [B, H_kv, C, D]; visible [B, H_kv, C]; k, v [B, H_kv, 1, D].
-    Returns (out [B, H_q, 1, D], probs of the slots [B, H_kv, G, C], prob of the new token
-    [B, H_kv, G, 1]), i.e. softmax over C + 1 keys without concatenating the cache."""
-    B, Hq, _, D = q.shape
-    Hkv = kc.shape[1]
-    qg = q.reshape(B, Hkv, Hq // Hkv, D)
-    s_old = (qg @ kc.transpose(-1, -2)).float() / math.sqrt(D)                      # [B, Hkv, G, C]
-    s_old = s_old.masked_fill(~visible[:, :, None, :], NEVER)
-    s_new = (qg.float() * k.float()).sum(-1, keepdim=True) / math.sqrt(D)           # [B, Hkv, G, 1]
-    p_old, p_new = joint_softmax(s_old, s_new)
-    out = (p_old.to(vc.dtype) @ vc).float() + p_new * v.float()
-    return out.to(q.dtype).reshape(B, Hq, 1, D), p_old, p_new
-
-
-# --------------------------------------------------------------------------- K/V format: compute dtype
-
-class DenseSlots:
-    """How an eviction policy's slots hold K/V by default: in the compute dtype, per layer k, v [B, H, C, D]
-    (None until the layer is allocated).  cache/quantized.py's `KIVISlots` holds them KIVI-packed behind
-    the same methods (`with_kv_bits` puts one in `policy.slots`).  The methods that touch slots take the
-    layer's slot table pos [B, H, C] (-1 = empty) and the current query positions q_pos [B, T]; this
-    format needs neither."""
-
-    bits, group, residual = 16, 0, 0      # kv_bits, kv_group, kv_residual of the policy
-
-    def setup(self, n_layers: int, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
-        """Host side: the shapes; no layer allocated yet."""
-        self.shape, self.dtype, self.device = (batch, heads, head_dim), dtype, device
-        self.k: list = [None] * n_layers
-        self.v: list = [None] * n_layers
-
-    def allocate(self, layer: int, capacity: int) -> None:
-        """The layer's buffers, `capacity` slots (host side)."""
-        B, H, D = self.shape
-        self.k[layer] = torch.zeros(B, H, capacity, D, dtype=self.dtype, device=self.device)
-        self.v[layer] = torch.zeros(B, H, capacity, D, dtype=self.dtype, device=self.device)
-
-    def row(self, layer: int, row: int) -> list[Tensor]:
-        """Row `row` of the layer's buffers (release/adopt copy them)."""
-        return [self.k[layer][row], self.v[layer][row]]
-
-    def write_kept(self, layer: int, kc: Tensor, vc: Tensor, pos: Tensor, q_pos: Tensor) -> None:
-        """The kept prompt tokens kc, vc [B, H, n, D] into slots [0, n) (pos already holds them)."""
-        n = kc.shape[2]
-        self.k[layer][:, :, :n] = kc
-        self.v[layer][:, :, :n] = vc
-
-    def write(self, layer: int, slot: Tensor, k: Tensor, v: Tensor, pos: Tensor, q_pos: Tensor,
-              where: Tensor | None = None) -> None:
-        """k, v [B, H, 1, D] into slot [B, H] (pos already holds it); where [B, H] bool: only there."""
-        at = slot[:, :, None, None].expand(-1, -1, 1, k.shape[-1])
-        kc, vc = self.k[layer], self.v[layer]
-        if where is not None:
-            keep = ~where[:, :, None, None]
-            k = torch.where(keep, kc.gather(2, at), k.to(kc.dtype))
-            v = torch.where(keep, vc.gather(2, at), v.to(vc.dtype))
-        kc.scatter_(2, at, k.to(kc.dtype))
-        vc.scatter_(2, at, v.to(vc.dtype))
-
-    def read(self, layer: int, slot: Tensor, pos: Tensor, q_pos: Tensor) -> tuple[Tensor, Tensor]:
-        """(k, v) [B, H, 1, D] held by slot [B, H]."""
-        at = slot[:, :, None, None].expand(-1, -1, 1, self.k[layer].shape[3])
-        return self.k[layer].gather(2, at), self.v[layer].gather(2, at)
-
-    def cosine(self, layer: int, k: Tensor, pos: Tensor, q_pos: Tensor) -> Tensor:
-        """Cosine similarity of k [B, H, 1, D] with every slot's key -> [B, H, C] fp32."""
-        return cosine(k, self.k[layer])[:, :, 0]
-
-    def attend(self, layer: int, q: Tensor, visible: Tensor, pos: Tensor, q_pos: Tensor) -> Tensor:
-        """Decode attention of q [B, H_q, 1, D] over the visible [B, H, C] slots -> [B, H_q, 1, D]."""
-        return decode_attention(q, self.k[layer], self.v[layer], visible)
-
-    def attend_and_probs(self, layer: int, q: Tensor, k: Tensor, v: Tensor, visible: Tensor, pos: Tensor,
-                         q_pos: Tensor):
-        """`attend_with_new` over the layer's slots plus the new token -> (out, p_old, p_new)."""
-        return attend_with_new(q, self.k[layer], self.v[layer], visible, k, v)
-
-    def dense(self, layer: int, pos: Tensor, q_pos: Tensor) -> tuple[Tensor, Tensor]:
-        """(k, v) [B, H, C, D] of every slot in the compute dtype (the buffers themselves)."""
-        return self.k[layer], self.v[layer]
-
-    def tensors(self, layer: int) -> tuple[Tensor, Tensor]:
-        """(k, v) [B, H, C, D]: the buffers a sparse reader reads in place (`storage`)."""
-        return self.k[layer], self.v[layer]
-
-    def kv_store(self, layer: int, pos: Tensor, q_pos: Tensor):
-        raise NotImplementedError("compute-dtype slots have no packed store: read them through storage(layer)")
-
-    def nbytes(self, layer: int, n: int | None = None) -> int:
-        """Bytes of the layer's buffers, or of those holding slots [0, n)."""
-        k = self.k[layer]
-        return 2 * k[:, :, 0].numel() * k.element_size() * (k.shape[2] if n is None else n)
-
-    def describe(self) -> dict:
-        return {}
-
-
-# --------------------------------------------------------------------------- the policy base
-
-@dataclass(eq=False)
-class EvictionPolicy:
+class EvictionPolicy(RowAdmission, ChunkStaging):
     """Base class.  A policy is a dataclass whose fields are its parameters (cache/params.py; groups:
     Budget, HeadAgg, sink_param/recent_param) and either scores each token by its own K/V
     (`token_scores`: prefill and decode) or overrides `keep_scores` (which prompt tokens to keep) and,
@@ -393,6 +64,7 @@ class EvictionPolicy:
     budget = None                  # tokens kept per layer and KV head (the Budget parameter; None: no budget)
     ratio = None                   # or the share of each prompt removed (the Budget parameter)
     is_sparse_reader = False
+    storage_kind = "slots"         # per-layer slot tables; their K/V format is `slots` (cache/contract.py)
     decode_attention = False       # decode needs the step's attention probabilities
     head_agg = "mean"              # how the query heads of a KV head score a token (the HeadAgg parameter)
     head_aggs = HEAD_AGG           # the values head_agg may take
@@ -606,21 +278,10 @@ class EvictionPolicy:
             for layer in range(len(self.k)):
                 self.allocate(layer)
 
-    def plan_rows(self) -> None:
-        """Host side, once the layers' plans are known (before `allocate`): each row's token budget from its
-        prompt length (`resolve_budget`), its per-layer budgets (`layer_budgets`) and recent windows, and the
-        budget each layer's storage holds: the largest row's (fixed storage: the bound fixed at setup)."""
-        rows = ([self.layer_budgets(self.resolve_budget(n), n) for n in self.lengths] if self.budgeted else
-                [[self.layer_budget(layer) for layer in range(len(self.k))]] * len(self.lengths))
-        if self.budgeted:
-            self.row_tokens = [self.resolve_budget(n) for n in self.lengths]
-            if not self.fixed_storage:
-                self.budgets = [max(column) for column in zip(*rows)]
-        windows = [[self.recent_window(layer, b) for layer, b in enumerate(row)] for row in rows]
-        self.row_budget.copy_(torch.tensor(rows))
-        self.row_window.copy_(torch.tensor(windows))
 
-    def begin(self, input_pos: Tensor) -> None:
+    def begin(self, input_pos: Tensor, n_filled: Optional[int] = None) -> None:
+        if n_filled is not None:
+            self.n_filled = n_filled
         B, T = input_pos.shape
         if self.pending:            # the prompt went through model(...) directly: finish it
             self.end_prefill()
@@ -690,67 +351,6 @@ class EvictionPolicy:
             return int(filled[-1]) + 1 if len(filled) else 0
         return min(self.pos[layer].shape[2], self.kept[layer] + self.n_filled - self.prompt_length)
 
-    # ----------------------------------------------------------------- rows that join and leave
-    def row_tensors(self, layer: int, row: int) -> list[Tensor]:
-        """Row `row` of what layer `layer` holds: slot table, slot scores, K/V (its format's)."""
-        kept = [self.pos[layer][row]] + ([self.score[layer][row]] if self.score[layer] is not None else [])
-        return kept + self.slots.row(layer, row)
-
-    def release(self, row: int) -> None:
-        """Forget row `row`'s request (host side): its slots become empty; the other rows go on."""
-        for pos in self.pos:
-            pos[row] = -1
-        self.row_question[row] = 0
-        self.row_now[row] = -1
-        self.row_tokens[row] = None
-        self.aligned = False
-        self.n_filled = max(int(pos.amax()) + 1 for pos in self.pos)     # the longest row's tokens
-
-    def adopt(self, row: int, other: "EvictionPolicy", other_row: int = 0) -> None:
-        """Take over request `other_row` of `other` (this policy's spec, set up with the same decode_room
-        and max_seq_length but its own batch size, its prompt complete) into row `row` (host side)."""
-        if self.admission != "row":
-            raise ValueError(f"{self.name} admits whole batches (admission 'batch'): rows cannot join a running batch")
-        if self.decode_room is None or other.decode_room != self.decode_room:
-            raise ValueError("rows join a running batch only with the same decode_room set before setup")
-        self.release(row)
-        for layer in range(len(self.pos)):
-            for dst, src in zip(self.row_tensors(layer, row), other.row_tensors(layer, other_row)):
-                dst.copy_(src)
-        self.row_budget[row], self.row_window[row] = other.row_budget[other_row], other.row_window[other_row]
-        self.row_tokens[row] = other.row_tokens[other_row]
-        self.row_now[row] = other.q_pos[other_row].amax() if other.q_pos is not None else other.row_now[other_row]
-        self.n_filled = max(self.n_filled, other.n_filled)
-        self.prompt_length = max(self.prompt_length, other.prompt_length)
-        self.kept = [max(a, b) for a, b in zip(self.kept, other.kept)]      # what describe() reports
-
-    def question_room(self, row: int) -> Optional[int]:
-        """The longest question row `row` can hold whole (`hold_question`): in each evicting layer its budget
-        less the sinks (so a victim is left outside the sinks and the question); None when no layer evicts."""
-        budgets = [int(self.row_budget[row, layer]) if self.budgeted else self.layer_budget(layer)
-                   for layer, appends in enumerate(self.layer_appends) if not appends]
-        return min(budgets) - self.n_sink if budgets else None
-
-    def hold_question(self, row: int, start: int, end: int) -> None:
-        """Host side (the agnostic protocol): positions [start, end) of row `row`, a question appended one decode
-        step each after its context, are never an evicting layer's victims while the row's position is below
-        `end` (`held`): all of them are held when its first answer token is sampled; after that they are
-        ordinary tokens.  release, adopt and reset forget it.  ValueError when the question cannot be held
-        whole (longer than question_room)."""
-        room = self.question_room(row)
-        if not 0 <= start < end:
-            raise ValueError(f"a held question needs 0 <= start < end, got [{start}, {end})")
-        if room is not None and end - start > room:
-            raise ValueError(f"{self.name}: a question of {end - start} tokens cannot be held whole: an evicting "
-                             f"layer keeps {room + self.n_sink} tokens per KV head, {self.n_sink} of them sinks")
-        self.row_question[row, 0], self.row_question[row, 1] = start, end
-
-    def held(self, layer: int) -> Tensor:
-        """Slots [B, H, C] holding a question that is still being appended (hold_question)."""
-        start, end = self.row_question[:, 0, None, None], self.row_question[:, 1, None, None]
-        pos = self.pos[layer]
-        return (pos >= start) & (pos < end) & (self.q_pos[:, None, :] < end)
-
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.staged is not None:
             return self.prefill_staged(layer, q, k, v)
@@ -774,42 +374,6 @@ class EvictionPolicy:
             if self.defer_compression:
                 self.allocate(layer)
             self.compress(layer, *self.pending.pop(layer))
-
-    # ----------------------------------------------------------------- a prompt in chunks (module doc)
-    def start_staging(self) -> None:
-        """Host side, at the first of several prompt chunks: per layer the prompt's K, V [B, H_kv, T, D], the
-        queries of its last prefill_queries() positions [B, H_q, n, D] (None: every query counts) and the
-        statistics summed so far; all dropped once the prompt is compressed (end_prefill)."""
-        B, T, D = self.batch, self.prompt_length, self.args.head_dim
-        n = self.prefill_queries()
-        self.staged_window = None if n is None else min(n, T)
-        z = dict(dtype=self.dtype, device=self.device)
-        self.staged = [{"k": torch.empty(B, self.args.n_kv_heads, T, D, **z),
-                        "v": torch.empty(B, self.args.n_kv_heads, T, D, **z),
-                        "q": None if n is None else torch.empty(B, self.args.n_heads, self.staged_window, D, **z),
-                        "stats": {}} for _ in range(self.args.n_layers)]
-
-    def prefill_staged(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """One chunk (q [B, H_q, T, D], k, v [B, H_kv, T, D]) of a staged prompt: staged, attended over all staged
-        so far; after the last chunk the layer's prompt waits in `pending` for end_prefill."""
-        start, end, T = self.chunk_start, self.n_filled, self.prompt_length
-        st = self.staged[layer]
-        st["k"][:, :, start:end], st["v"][:, :, start:end] = k, v
-        ks, vs = st["k"][:, :, :end], st["v"][:, :, :end]
-        out = grouped_attention(q, ks, vs, self.mask)
-        if self.staged_window is None:      # every query: add this chunk's column sums
-            stats = self.prefill_stats(layer, q, ks, self.q_pos, self.prompt_pos[:, :end])
-            st["stats"] = {name: F.pad(x, (0, T - x.shape[-1])) + st["stats"].get(name, 0) for name, x in stats.items()}
-        else:                               # the window's queries (prompt columns [w0, T)) in this chunk
-            w0 = T - self.staged_window
-            lo = max(start, w0)
-            if lo < end:
-                st["q"][:, :, lo - w0:end - w0] = q[:, :, lo - start:]
-            if end == T:
-                st["stats"] = self.prefill_stats(layer, st["q"], st["k"], self.prompt_pos[:, w0:], self.prompt_pos)
-        if end == T:
-            self.pending[layer] = (st["k"], st["v"], st["stats"])
-        return out
 
     def compress(self, layer: int, k: Tensor, v: Tensor, stats: dict) -> None:
         """Keep the prompt tokens with the best keep_scores, the sinks and the recent window in the layer's

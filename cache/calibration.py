@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 import atomic_io
-from cache.base import attention_probs, last_rows
+from cache.scoring import attention_probs, last_rows
 from cache.shard import SINGLE, Shard, shard_of
 from model import DenseCache, ModelArgs
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cache.base import (NEVER, Budget, EvictionPolicy, HeadAgg, column_scores, cosine, param, reduce_heads, sink_param,
-                        split_integer)
+from cache.base import EvictionPolicy
+from cache.params import Budget, HeadAgg, param, sink_param
+from cache.scoring import NEVER, column_scores, cosine, reduce_heads, split_integer
 from cache.shard import shard_of
 
 

@@ -11,8 +11,9 @@ from torch import Tensor
 
 from dataclasses import dataclass
 
-from cache.base import (Budget, DecodeEviction, EvictionPolicy, HeadAgg, column_scores, recent_param, reduce_heads,
-                        sink_param)
+from cache.base import EvictionPolicy
+from cache.params import Budget, DecodeEviction, HeadAgg, recent_param, sink_param
+from cache.scoring import column_scores, reduce_heads
 
 
 @dataclass(eq=False)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from cache.base import Budget, DecodeEviction, EvictionPolicy, recent_param, sink_param
+from cache.base import EvictionPolicy
+from cache.params import Budget, DecodeEviction, recent_param, sink_param
 
 
 @dataclass(eq=False)

@@ -77,7 +77,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from cache.base import NEVER, EvictionPolicy, column_scores, pool1d, select_top
+from cache.base import EvictionPolicy
+from cache.scoring import NEVER, column_scores, pool1d, select_top
 from cache.calibration import (POD_FILE, attention_rows, ensure_pod, group_heads, key_saving, pod_path, read_pod_file,
                                similarity_sums)
 from cache.params import param, param_values

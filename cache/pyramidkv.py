@@ -13,7 +13,8 @@ largest row's.
 """
 from dataclasses import dataclass
 
-from cache.base import fill_to_cap, param, policy_params, pyramid_budgets
+from cache.params import param, policy_params
+from cache.scoring import fill_to_cap, pyramid_budgets
 from cache.snapkv import SnapKVPolicy
 
 

@@ -87,7 +87,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from cache.base import NEVER, EvictionPolicy, joint_softmax
+from cache.base import EvictionPolicy
+from cache.scoring import NEVER, joint_softmax
 from cache.sparse_read import InnerStorage
 from kernels.kivi_attention import (KIVIBuffers, kivi_attention, kivi_gather, kivi_scores, kivi_values,
                                     ring_flags, ring_rows, whole_groups)

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cache.base import EvictionPolicy, attention_probs, last_rows, param, recent_param, sink_param
+from cache.base import EvictionPolicy
+from cache.params import param, recent_param, sink_param
+from cache.scoring import attention_probs, last_rows
 from cache.shard import shard_of
 
 DELTA_BY_FAMILY = {"llama3": 0.9, "llama2": 0.65, "mistral": 0.8, "qwen": 0.85, "other": 0.9}

@@ -10,7 +10,9 @@ from torch import Tensor
 
 from dataclasses import dataclass
 
-from cache.base import Budget, EvictionPolicy, HeadAgg, column_scores, param, pool1d
+from cache.base import EvictionPolicy
+from cache.params import Budget, HeadAgg, param
+from cache.scoring import column_scores, pool1d
 
 
 @dataclass(eq=False)

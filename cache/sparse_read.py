@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cache.base import HEAD_AGG, EvictionPolicy, HeadAgg
-from cache.params import param, param_values, policy_params  # noqa: F401  (param, policy_params: for readers)
+from cache.base import EvictionPolicy
+from cache.params import HEAD_AGG, HeadAgg, param, param_values, policy_params  # noqa: F401  (for readers)
 from kernels import sparse_decode_attention
 from kernels.cpu import cpu_kernels_available, select_top_cpu, use_cpu_kernel
 from kernels.kivi_attention import kivi_attention

@@ -9,7 +9,8 @@ a ratio) are always kept, and a token's score is its position (the oldest unprot
 """
 from dataclasses import dataclass
 
-from cache.base import Budget, DecodeEviction, EvictionPolicy, sink_param
+from cache.base import EvictionPolicy
+from cache.params import Budget, DecodeEviction, sink_param
 
 
 @dataclass(eq=False)

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from cache.base import Budget, DecodeEviction, EvictionPolicy, column_scores
+from cache.base import EvictionPolicy
+from cache.params import Budget, DecodeEviction
+from cache.scoring import column_scores
 from cache.shard import shard_of
 
 

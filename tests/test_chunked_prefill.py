@@ -1,4 +1,4 @@
-"""Compressing policies take their prompt in chunks (cache/base.py, "staged" prefill) with the one-pass result:
+"""Compressing policies take their prompt in chunks (cache/staging.py, "staged" prefill) with the one-pass result:
 the same kept positions, the same prompt logits and the same next decode step, on the policy matrix's tiny
 random Llama; and RowBatch admits a compressing policy's prompt over several `advance` calls while
 another row decodes, its greedy answer equal to engine.generate's alone (the tiny checkpoint; the default model

@@ -5,7 +5,7 @@ import torch
 
 import engine
 from cache import POLICIES, make_policy
-from cache.base import Budget
+from cache.params import Budget
 from runtime.context import append_tokens, encode_question, prefill_context, question_rows
 from runtime.rows import RowBatch
 from runtime.steps import UsageError, run_decode, run_prefill

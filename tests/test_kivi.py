@@ -193,14 +193,14 @@ def test_reads_equal_attention_over_the_dequantized_cache(bits):
     torch.testing.assert_close(store.attend(q, shared, pos, now, S), naive_attention(q, kd, vd, shared.expand(B, H, S)))
     k_new, v_new = torch.randn(B, H, 1, 16, generator=g), torch.randn(B, H, 1, 16, generator=g)
     out, p_old, p_new = store.attend_and_probs(q, visible, pos, now, k_new, v_new, S)
-    from cache.base import attend_with_new
+    from cache.scoring import attend_with_new
     ref_out, ref_old, ref_new = attend_with_new(q, kd, vd, visible, k_new, v_new)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(p_old, ref_old)
     torch.testing.assert_close(p_new, ref_new)
     qg = q.view(B, H, 3, 16)
     torch.testing.assert_close(store.scores(qg, pos, now, S), qg @ kd.transpose(-1, -2))
-    from cache.base import cosine
+    from cache.scoring import cosine
     torch.testing.assert_close(store.cosine(k_new, pos, now, S), cosine(k_new, kd)[:, :, 0])
     idx = torch.randint(0, S, (B, H, 7), generator=g)
     gk, gv = store.gather(idx, pos, now)

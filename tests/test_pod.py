@@ -239,7 +239,7 @@ def test_every_layer_its_own_block_equals_full_cache(kind, args, tmp_path):
 def test_snapkv_selection_is_made_by_the_first_layer_and_shared_by_its_block(tmp_path):
     """POD+SnapKV: per KV head, the block's first layer keeps the top distant prompt tokens by
     SnapKV's pooled window scores; the other layers of the block keep the same tokens."""
-    from cache.base import column_scores, pool1d
+    from cache.scoring import column_scores, pool1d
     args = made_up_args(layers=3, n_heads=4, n_kv_heads=2, head_dim=8)
     head_blocks = [[[0, 1, 2]], [[0], [1, 2]]]
     policy = make_policy("pod", f"n_sink=2,n_recent=4,budget=12,obs_window=3,kernel=3,"

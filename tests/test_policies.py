@@ -10,7 +10,8 @@ import torch
 import checkpoint
 import engine
 from cache import POLICIES, PolicyError, make_policy, policy_params
-from cache.base import EvictionPolicy, column_scores, fill_to_cap, pool1d, pyramid_budgets, split_integer
+from cache.base import EvictionPolicy
+from cache.scoring import column_scores, fill_to_cap, pool1d, pyramid_budgets, split_integer
 from cache.simlayerkv import DELTA_BY_FAMILY, model_family
 from model import ModelArgs
 from runtime.steps import decode_step, run_decode, run_prefill

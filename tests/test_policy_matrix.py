@@ -343,7 +343,9 @@ from dataclasses import dataclass
 
 import torch
 from cache import register
-from cache.base import Budget, EvictionPolicy, NEVER
+from cache.base import EvictionPolicy
+from cache.params import Budget
+from cache.scoring import NEVER
 
 
 @register

@@ -16,7 +16,7 @@ import torch
 
 import engine
 from cache import POLICIES, PolicyError, make_policy, policy_params
-from cache.base import fill_to_cap, pyramid_budgets
+from cache.scoring import fill_to_cap, pyramid_budgets
 from cache.quantized import with_kv_bits
 from runtime.context import prefill_context
 from runtime.rows import RowBatch
