@@ -8,7 +8,7 @@ At prefill each layer and KV head keeps the `budget` prompt tokens of lowest key
 step the new token is stored and the kept token of highest key norm leaves, so memory stays flat
 (`decode_evict=false`: kvpress's rule, prefill compression only, decode tokens appended).
 Defaults as kvpress's KnormPress and the authors' code: no sinks and no recent window (n_sink=0,
-n_recent=0; both available through the eviction base) and every layer compressed.  `ratio=` keeps
+n_recent=0; both available through the one-method tier, cache/scored.py) and every layer compressed.  `ratio=` keeps
 kvpress's share of the prompt (its compression_ratio); `budget=` a fixed count per layer and head.
 Deviation (docs/policies.md): a slot cache always stores the new token, even when its key norm is the highest.
 """
@@ -16,20 +16,15 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from cache.base import EvictionPolicy
-from cache.params import Budget, DecodeEviction, recent_param, sink_param
+from cache.params import recent_param, sink_param
+from cache.scored import ScoredEviction
 
 
 @dataclass(eq=False)
-class KnormPolicy(DecodeEviction, Budget, EvictionPolicy):
+class KnormPolicy(ScoredEviction):
     name = "knorm"
     n_sink: int = sink_param(0)
     n_recent: int = recent_param(0)
-
-    def validate(self) -> None:
-        super().validate()
-        if self.n_recent < 0:
-            raise ValueError(f"n_recent must not be negative, got {self.n_recent}")
 
     def token_scores(self, layer: int, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
         """-||k||_2 [B, H_kv, T] of each key k [B, H_kv, T, D]: the lowest norms are kept."""

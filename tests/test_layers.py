@@ -17,7 +17,8 @@ from a higher one; layer 0 units are leaves and import nothing from the project:
        tokenizer.py, tp.py                  the tokenizer (tp.py reads cache/shard.py)
     4  runtime/                             the steps, sampling, RowBatch, the context protocol, kept prefixes
     5  engine.py                            loading, generate, the CLI
-    6  eval/, scripts/, serve.py (serve_engine, serve_metrics)  programs on the engine
+    6  eval/, server/, serve.py             programs on the engine: the evals, the server (serve.py its command)
+    7  scripts/                             benchmarks, peers, tools
 
 Circles are looked for twice: between modules (a package's __init__ counts as one module, so a
 submodule importing the __init__ that imports it is a circle) and between units.  A new top-level
@@ -33,7 +34,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [("model", "atomic_io"), ("kernels",), ("cache",), ("checkpoint", "quantize", "tokenizer", "tp"),
-          ("runtime",), ("engine",), ("eval", "scripts", "serve", "serve_engine", "serve_metrics")]
+          ("runtime",), ("engine",), ("eval", "server", "serve"), ("scripts",)]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 NOT_PRODUCT = {"tests", "checkpoints", "runs", "build", "downloaded", "data", "docs"}
 
@@ -206,7 +207,7 @@ def test_the_checker_catches_a_function_level_circle_and_an_upward_import(tmp_pa
 
 def test_the_checker_wants_a_layer_for_a_new_unit_and_leaves_for_layer_0(tmp_path):
     files = write_tree(tmp_path, {"model.py": "import atomic_io\n", "atomic_io.py": "",
-                                  "server.py": "import model\n"})
+                                  "webapp.py": "import model\n"})
     assert layer_violations(import_edges(tmp_path, files)) == [
         "model.py:1: model (layer 0) imports atomic_io (layer 0)",
-        "server.py:1: unit 'server' has no layer (declare it in tests/test_layers.py LAYERS)"]
+        "webapp.py:1: unit 'webapp' has no layer (declare it in tests/test_layers.py LAYERS)"]

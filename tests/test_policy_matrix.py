@@ -27,6 +27,7 @@ import torch
 
 from cache import POLICIES, PolicyError, make_policy, policy_params
 from cache.quantized import with_kv_bits
+from cache.scored import ScoredEviction
 from model import DenseCache, ModelArgs, Transformer
 from runtime.rows import RowBatch
 from runtime.steps import run_decode, run_prefill
@@ -329,6 +330,23 @@ def test_bad_parameters_are_clear_errors(policy_name):
     for old, new in cls.renamed.items():
         with pytest.raises(PolicyError, match=f"'{old}' is now '{new}'"):
             make_policy(policy_name, {old: "1"})
+
+
+ONE_METHOD = sorted(n for n, cls in POLICIES.items() if issubclass(cls, ScoredEviction))
+
+
+@pytest.mark.parametrize("name", ONE_METHOD)
+def test_one_method_tier_refuses_negative_windows(name):
+    """Every policy on the one-method tier (cache/scored.py) refuses a negative n_sink or n_recent by name, also
+    where the policy wrote no validate of its own (knorm accepted n_recent=-5 before the tier)."""
+    for key in ("n_sink", "n_recent"):
+        if key in policy_params(POLICIES[name]):
+            with pytest.raises(PolicyError, match=f"{name}.*{key} must be a non-negative integer, got -5"):
+                make_policy(name, {key: "-5"})
+
+
+def test_the_one_method_tier_holds_knorm_and_streaming():
+    assert {"knorm", "streaming"} <= set(ONE_METHOD)
 
 
 def test_every_policy_follows_the_contract(policy_name):

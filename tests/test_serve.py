@@ -1,7 +1,12 @@
-"""serve.py on the tiny random checkpoint: a real uvicorn server on a free 127.0.0.1 port, driven over HTTP."""
+"""serve.py (server/) on the tiny random checkpoint: a real uvicorn server on a free 127.0.0.1 port, driven over HTTP."""
 import contextlib
 import json
+import os
+import queue
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,8 +21,8 @@ import engine
 from runtime.context import prefill_context
 from runtime.prefix_cache import common_prefix
 from runtime.steps import Sampler
-import serve
-import serve_engine
+from server import loop
+from server.app import build_engine, build_parser, make_app
 from cache import make_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @contextlib.contextmanager
 def running(checkpoint, *flags):
     """A server for the flags on a free port -> (httpx client, its Engine); always shut down."""
-    srv = serve.build_engine(serve.build_parser().parse_args(["--checkpoint", str(checkpoint), *flags]))
+    srv = build_engine(build_parser().parse_args(["--checkpoint", str(checkpoint), *flags]))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(serve.make_app(srv, "tiny"), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(make_app(srv, "tiny"), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     srv.thread.start()
     thread.start()
@@ -185,7 +190,7 @@ PROMPTS = {"The quick brown fox jumps over the lazy dog. " * 3: 20, "Hello": 9,
 def alone(checkpoint, flags, prompts, spec=None, chat=False) -> list:
     """engine.generate's greedy answer for each prompt alone (a user message in the chat template with chat=True),
     with the server's policy (`spec`, default its only one) and storage flags."""
-    args = serve.build_parser().parse_args(["--checkpoint", str(checkpoint), *flags])
+    args = build_parser().parse_args(["--checkpoint", str(checkpoint), *flags])
     spec = spec or args.policies[0]
     model, tokenizer = engine.load_model(checkpoint, "cpu")
     return [engine.generate(model, tokenizer, [p], n, policy=engine.kv_policy(make_policy(spec), args), chat=chat)
@@ -232,7 +237,7 @@ def test_a_requests_own_failure_fails_it_alone(tiny_dir, monkeypatch):
              "--max-seq-length", "256"]
     with running(tiny_dir, *flags) as (client, srv):
         encode, prefill, hold_back, sampler = (srv.tokenizer.encode, srv.lanes["full"].batch.prefill,
-                                               serve_engine.hold_back, Sampler.__call__)
+                                               loop.hold_back, Sampler.__call__)
         bad_ids = encode("Bad prefill")
 
         def bad_encode(text, *a, **k):
@@ -256,7 +261,7 @@ def test_a_requests_own_failure_fails_it_alone(tiny_dir, monkeypatch):
             return sampler(self, logits)
         monkeypatch.setattr(srv.tokenizer, "encode", bad_encode)
         monkeypatch.setattr(srv.lanes["full"].batch, "prefill", bad_prefill)
-        monkeypatch.setattr(serve_engine, "hold_back", bad_hold_back)
+        monkeypatch.setattr(loop, "hold_back", bad_hold_back)
         monkeypatch.setattr(Sampler, "__call__", bad_sampler)
         faults = {"tokenizer fault": {"prompt": "Bad tokenizer"}, "prefill fault": {"prompt": "Bad prefill"},
                   "stop fault": {"prompt": "Hello", "stop": "Bad stop", "kv_policy": "snapkv"},
@@ -358,7 +363,7 @@ def test_agnostic_prefix_reuse_for_a_compressing_policy(tiny_dir):
     cached = [out["usage"]["prompt_tokens_details"]["cached_tokens"] for out in got] + \
         [chunks[-2]["usage"]["prompt_tokens_details"]["cached_tokens"]]
     assert cached == [0, 0, split] and prefix["hits"] == 1 and prefix["reused_tokens"] == split
-    args = serve.build_parser().parse_args(["--checkpoint", str(tiny_dir), *flags])
+    args = build_parser().parse_args(["--checkpoint", str(tiny_dir), *flags])
     model, tokenizer = engine.load_model(tiny_dir, "cpu")
     new_policy = lambda: engine.kv_policy(make_policy(SPECS["snapkv"]), args)        # noqa: E731
     ctx = prefill_context(model, tokenizer, ids[0][:split], new_policy, room=32)   # the rows' decode_room
@@ -494,7 +499,31 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_row(tiny_dir):
 
 
 def test_hold_back_keeps_partial_characters_and_stop_prefixes():
-    assert serve_engine.hold_back("abc", []) == 0
-    assert serve_engine.hold_back("ab\ufffd", []) == 1                 # half a UTF-8 character
-    assert serve_engine.hold_back("xab", ["abc", "zz"]) == 2           # may become the stop string "abc"
-    assert serve_engine.hold_back("abc", ["xy"]) == 0
+    assert loop.hold_back("abc", []) == 0
+    assert loop.hold_back("ab\ufffd", []) == 1                 # half a UTF-8 character
+    assert loop.hold_back("xab", ["abc", "zz"]) == 2           # may become the stop string "abc"
+    assert loop.hold_back("abc", ["xy"]) == 0
+
+
+def test_cli_says_where_it_serves_once_bound(tiny_dir):
+    """python serve.py prints one line on stderr, "serving on http://127.0.0.1:PORT", once uvicorn has bound the
+    port: a request sent right after it is answered.  SIGTERM then stops the server (exit 0)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVC_CPU_KERNELS": "0"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(tiny_dir), "--host", "127.0.0.1",
+                             "--port", str(port)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    try:
+        deadline, said = time.monotonic() + 120, []
+        while not said or not said[-1].startswith("serving on"):
+            said.append(lines.get(timeout=max(deadline - time.monotonic(), 0.01)))
+        assert said[-1] == f"serving on http://127.0.0.1:{port}\n", said
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

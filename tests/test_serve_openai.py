@@ -13,8 +13,10 @@ import httpx
 import openai
 import pytest
 
+from cache import PolicyError
 from runtime.steps import UsageError
 import serve
+from server.app import build_engine, build_parser
 from tests.test_serve import PROMPTS, ROOT, SPECS, TWO, alone, running, wait_for
 
 
@@ -117,7 +119,7 @@ def test_wait_policy_flag():
     assert serve.wait_policy_flag(["serve.py", "--omp-wait-policy", "active"]) == "active"
     assert serve.wait_policy_flag(["serve.py", "--omp-wait-policy=inherit"]) == "inherit"
     with pytest.raises(SystemExit):
-        serve.build_parser().parse_args(["--checkpoint", "x", "--omp-wait-policy", "spin"])
+        build_parser().parse_args(["--checkpoint", "x", "--omp-wait-policy", "spin"])
 
 
 def test_cli_stops_on_sigterm_after_the_requests_in_flight(tiny_dir):
@@ -131,8 +133,8 @@ def test_cli_stops_on_sigterm_after_the_requests_in_flight(tiny_dir):
     for flags, message in ((["--tp", "2"], "serve.py does not support --tp"),
                            (["--policies", "full; nope"], "unknown policy 'nope'"),
                            (["--policies", "full; full:kv_bits=4"], "'full' is listed twice")):
-        with pytest.raises((UsageError, serve.PolicyError), match=message):
-            serve.build_engine(serve.build_parser().parse_args(["--checkpoint", str(tiny_dir), *flags]))
+        with pytest.raises((UsageError, PolicyError), match=message):
+            build_engine(build_parser().parse_args(["--checkpoint", str(tiny_dir), *flags]))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -7,7 +7,7 @@ read its `out` queue.
                  max_new_tokens=256)
     srv.thread.start(); srv.submit(job); ...; srv.stop()
 
-serve.py calls `srv.run()` in the main thread instead (uvicorn's loop runs in another): PyTorch's OpenMP threads run
+server/app.py's main calls `srv.run()` in the main thread instead (uvicorn's loop runs in another): PyTorch's OpenMP threads run
 the forwards faster for the process's main thread than for another (docs/serving.md, Threads).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from runtime.rows import Pending, RowBatch
 from runtime.steps import Sampler, decode_step, prefill_step, warmup_length
-from serve_metrics import Histogram
+from server.metrics import Histogram
 from tokenizer import unfinished_tail
 
 log = logging.getLogger("serve")
