@@ -7,8 +7,8 @@ read its `out` queue.
                  max_new_tokens=256)
     srv.thread.start(); srv.submit(job); ...; srv.stop()
 
-server/app.py's main calls `srv.run()` in the main thread instead (uvicorn's loop runs in another): PyTorch's OpenMP threads run
-the forwards faster for the process's main thread than for another (docs/serving.md, Threads).
+server/app.py's main calls `srv.run()` in the main thread instead (uvicorn's loop runs in another): PyTorch's
+OpenMP threads run the forwards faster for the process's main thread than for another (docs/serving.md, Threads).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""serve.py (server/) on the tiny random checkpoint: a real uvicorn server on a free 127.0.0.1 port, driven over HTTP."""
+"""serve.py on the tiny random checkpoint: a real uvicorn server on a free 127.0.0.1 port, driven over HTTP."""
 import contextlib
 import json
 import os
