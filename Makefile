@@ -29,8 +29,9 @@ run: install model
 	$(PY) engine.py --checkpoint $(CHECKPOINT) --chat --prompt "$(PROMPT)" --max-new-tokens 64
 
 # Two pytest workers (one torch thread each, see tests/conftest.py); TEST_WORKERS=0 runs in one process.
+# The 25 slowest tests are printed; every test file's total time is kept in runs/test-durations.txt.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 --durations-file=runs/test-durations.txt
 
 test: install-test model
 	$(PYTEST) tests

@@ -28,6 +28,39 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--durations-file", metavar="PATH", default=None,
+                     help="write each test file's total duration there, slowest first (make test: "
+                          "runs/test-durations.txt)")
+
+
+_file_seconds: dict = {}        # test file -> [seconds (setup + call + teardown), tests]
+
+
+def pytest_runtest_logreport(report):
+    """Sum each test's phases per file (under xdist the controller gets every worker's reports)."""
+    entry = _file_seconds.setdefault(report.nodeid.split("::")[0], [0.0, 0])
+    entry[0] += report.duration
+    entry[1] += report.when == "setup"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--durations-file", None)
+    if path and not hasattr(session.config, "workerinput"):        # the controller, or a run without xdist
+        from atomic_io import write_text
+        write_text(Path(path), durations_text(_file_seconds, int(exitstatus)))
+
+
+def durations_text(files: dict, exitstatus: int) -> str:
+    """{file: [seconds, tests]} -> the durations file: a header, then one line per file, slowest first."""
+    rows = sorted(files.items(), key=lambda kv: -kv[1][0])
+    total = sum(s for s, _ in files.values())
+    lines = [f"# seconds per test file (setup + call + teardown of its tests, summed over workers), slowest "
+             f"first; {total:.0f} s over {len(rows)} files, exit status {exitstatus}"]
+    lines += [f"{s:9.1f} s {n:5d} tests  {name}" for name, (s, n) in rows]
+    return "\n".join(lines) + "\n"
+
+
 def pytest_collection_modifyitems(items):
     """Every test that loads the real default model carries the `model` marker (deselect with
     -m "not model"): the ones that use a model fixture get it here, so the marker cannot go stale.

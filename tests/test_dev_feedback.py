@@ -3,10 +3,9 @@ environment variable the code reads listed in docs/usage.md, and `make test`'s p
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
-
-import pytest
 
 from tests.conftest import ROOT
 
@@ -96,3 +95,34 @@ def test_every_documented_environment_variable_is_in_the_code():
 
 def test_the_readme_points_to_the_list():
     assert "docs/usage.md#environment-variables" in (ROOT / "README.md").read_text()
+
+
+# --------------------------------------------------------------------------- make test's durations file
+
+def test_durations_text_sums_per_file_slowest_first():
+    from tests.conftest import durations_text
+    text = durations_text({"tests/test_a.py": [1.5, 3], "tests/test_b.py": [20.25, 1]}, 1)
+    lines = text.splitlines()
+    assert lines[0].startswith("# seconds per test file") and "22 s over 2 files, exit status 1" in lines[0]
+    assert lines[1].split() == ["20.2", "s", "1", "tests", "tests/test_b.py"]
+    assert lines[2].split() == ["1.5", "s", "3", "tests", "tests/test_a.py"]
+
+
+def test_make_test_keeps_the_durations_and_pytests_exit_status():
+    """The file the README names; no pipe in the recipe (a `| tee` would return tee's status)."""
+    make = subprocess.run(["make", "-n", "test", "test-fast"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "VENV": str(ROOT / ".venv")})
+    runs = [line for line in make.stdout.splitlines() if " -m pytest " in line]
+    assert len(runs) == 2, make.stdout + make.stderr
+    for line in runs:
+        assert "--durations-file=runs/test-durations.txt" in line and "|" not in line
+    assert "runs/test-durations.txt" in (ROOT / "README.md").read_text()
+
+
+def test_the_durations_file_is_written_at_the_end(tmp_path):
+    out = tmp_path / "durations.txt"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                        f"--durations-file={out}", "tests/test_dev_feedback.py", "-k", "sums_per_file"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert out.read_text().splitlines()[1].endswith("1 tests  tests/test_dev_feedback.py")
