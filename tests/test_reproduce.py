@@ -58,6 +58,10 @@ def test_load_tables_names_the_file_missing_a_key(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="x.json: missing machine"):
         reproduce.load_tables(tmp_path)
+    bad = table("x", "1. X", command=[])
+    (tmp_path / "x.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="x.json: missing command"):
+        reproduce.load_tables(tmp_path)
 
 
 def test_headline_is_replaced_between_its_markers_only():
