@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a file (python eval/needle.py): the engine sits in the repo root
-    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 

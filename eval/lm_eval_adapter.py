@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 if __name__ == "__main__":
     if importlib.util.find_spec("lm_eval") is None:
         sys.exit("error: lm-evaluation-harness is not installed: pip install -e '.[lmeval]'")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dataclasses import dataclass, fields  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import json  # noqa: E402
 import random  # noqa: E402

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import math  # noqa: E402
 import time  # noqa: E402

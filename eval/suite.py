@@ -72,7 +72,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse  # noqa: E402
 import csv  # noqa: E402

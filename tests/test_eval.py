@@ -189,7 +189,7 @@ def test_bad_input_is_one_line_exit_2(module, argv, message, default_dir, tmp_pa
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
 
-def test_runs_as_a_file(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "eval" / "perplexity.py"), "--kv-bits", "4", "--kv-residual", "7"],
+def test_runs_as_a_module(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "eval.perplexity", "--kv-bits", "4", "--kv-residual", "7"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith("error: --kv-residual 7") and "Traceback" not in p.stderr
