@@ -13,25 +13,33 @@ longer than the default budgets, and checks:
   - greedy runs are deterministic (bit for bit);
   - under `full_cache_args(n)` the logits equal the full cache's (where the policy makes that promise);
   - bad parameters are clear PolicyErrors naming the parameter;
+  - what is kept: a policy whose kept set is the top budget of its own token scores (decided from its class:
+    keeps_top_token_scores) keeps, per layer, row and KV head, the top budget of its rule written out naively
+    (REFERENCE_RULES) plus its sinks and recent window, after prefill and after each decode step; every other
+    policy is named in KEPT_SET_ORACLES with the tests that check its kept set;
   - requests that join and leave rows of a running batch (RowBatch) get the tokens and logits they
     get alone, with nothing allocated after the batch starts.
 """
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from cache import POLICIES, PolicyError, make_policy, policy_params
 from cache.quantized import with_kv_bits
+from cache.base import EvictionPolicy
+from cache.knorm import KnormPolicy
 from cache.scored import ScoredEviction
 from model import DenseCache, ModelArgs, Transformer
 from runtime.rows import RowBatch
 from runtime.steps import run_decode, run_prefill
-from tests.helpers import left_padded
+from tests.helpers import kept, left_padded
 
 ARGS = ModelArgs(vocab_size=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, intermediate_size=128,
                  max_position_embeddings=2048)
@@ -338,20 +346,162 @@ ONE_METHOD = sorted(n for n, cls in POLICIES.items() if issubclass(cls, ScoredEv
 @pytest.mark.parametrize("name", ONE_METHOD)
 def test_one_method_tier_refuses_negative_windows(name):
     """Every policy on the one-method tier (cache/scored.py) refuses a negative n_sink or n_recent by name, also
-    where the policy wrote no validate of its own (knorm accepted n_recent=-5 before the tier)."""
+    where the policy wrote no validate of its own (a copy of the guide's old knorm accepted n_recent=-5)."""
     for key in ("n_sink", "n_recent"):
         if key in policy_params(POLICIES[name]):
             with pytest.raises(PolicyError, match=f"{name}.*{key} must be a non-negative integer, got -5"):
                 make_policy(name, {key: "-5"})
 
 
-def test_the_one_method_tier_holds_knorm_and_streaming():
-    assert {"knorm", "streaming"} <= set(ONE_METHOD)
-
-
 def test_every_policy_follows_the_contract(policy_name):
     from cache.contract import CachePolicy
     assert isinstance(make_policy(policy_name), CachePolicy)
+
+
+# --------------------------------------------------------------------------- what is kept
+
+RULE_HOOKS = ("keep_scores", "decode_victim", "observe", "prefill_stats", "plan", "on_compress", "on_evict",
+              "layer_budget", "layer_budgets", "compress", "store", "decode", "lowest", "protected")
+
+
+def keeps_top_token_scores(cls: type) -> bool:
+    """The class's kept set is the top budget of its own `token_scores` plus the sinks and the recent window: an
+    eviction policy that evicts in decode and overrides none of the hooks that make another rule."""
+    return (isinstance(cls, type) and issubclass(cls, EvictionPolicy) and not cls.is_sparse_reader
+            and not cls.decode_attention and not cls.appending and not cls.defer_compression
+            and all(getattr(cls, hook) is getattr(EvictionPolicy, hook) for hook in RULE_HOOKS))
+
+
+SCORED = sorted(n for n, cls in POLICIES.items() if keeps_top_token_scores(cls))
+
+# Each scored policy's rule written out naively: (keep score of a token from its key k [D] and position p,
+# the recent window of a row whose budget is `budget`, from the policy's parameters).
+REFERENCE_RULES = {
+    "knorm": (lambda k, p: -math.sqrt(sum(x * x for x in k.tolist())), lambda budget, policy: policy.n_recent),
+    "streaming": (lambda k, p: float(p), lambda budget, policy: budget - policy.n_sink),
+}
+
+# The policies with other rules, and the tests that check what they keep (or read) against an oracle.
+KEPT_SET_ORACLES = {
+    "full": ["tests/test_policy_matrix.py::test_cell_full_cache_promise"],
+    "snapkv": [
+        "tests/test_policies.py::test_snapkv_avg_pooling_keeps_topk_of_pooled_group_mean_window_scores_plus_window",
+        "tests/test_policies.py::test_snapkv_max_pooling_differs_from_no_pooling_and_window_always_kept"],
+    "pyramidkv": ["tests/test_policies.py::test_pyramid_budgets_sum_exactly_and_follow_the_schedule",
+                  "tests/test_policies.py::test_pyramidkv_at_budget_900_keeps_what_a_1000_token_prompt_allows"],
+    "h2o": ["tests/test_policies.py::test_h2o_prefill_keeps_sinks_recent_and_heaviest_column_sums",
+            "tests/test_policies.py::test_h2o_decode_accumulates_attention_and_evicts_the_lowest"],
+    "tova": ["tests/test_policies.py::test_tova_prefill_keeps_what_the_last_query_attends_to_most",
+             "tests/test_policies.py::test_tova_decode_evicts_the_slot_the_new_query_attends_to_least"],
+    "d2o": ["tests/test_policies.py::test_d2o_prefill_merges_evicted_tokens_with_weighted_average",
+            "tests/test_policies.py::test_d2o_decode_merge_and_ema_follow_the_formulas",
+            "tests/test_policies.py::test_d2o_layer_budgets_split_by_variance_and_sum_to_total"],
+    "simlayerkv": ["tests/test_policies.py::test_simlayerkv_lazy_layers_keep_initial_and_recent_ring",
+                   "tests/test_policies.py::test_simlayerkv_flags_layers_whose_mass_exceeds_delta"],
+    "pod": ["tests/test_pod.py::test_snapkv_selection_is_made_by_the_first_layer_and_shared_by_its_block",
+            "tests/test_pod.py::test_every_layer_its_own_block_equals_full_cache"],
+    "ds": ["tests/test_hshare.py::test_ds_selects_sinks_recent_and_top_middle_by_heavy_channel_scores"],
+    "quest": ["tests/test_hshare.py::test_quest_reads_sinks_recent_and_the_pages_of_highest_upper_bound"],
+    "hshare": ["tests/test_hshare.py::test_hshare_critical_sets_rank_as_decode_does",
+               "tests/test_hshare.py::test_greedy_sharing_follows_algorithm_1_on_a_hand_made_matrix"],
+}
+
+KEPT_ARGS = ModelArgs(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=8, head_dim=8)
+KEPT_LENGTHS, KEPT_STEPS, KEPT_BUDGET = [24, 17], 5, 10
+
+
+def expected_kept(keys: dict, n_seen: int, budget: int, n_sink: int, window: int, score) -> list[int]:
+    """The oracle: of the tokens seen (position -> key [D]), the first n_sink and the last `window` always, then the
+    best `score` (ties: the earlier position) up to `budget`, sorted."""
+    always = {p for p in keys if p < n_sink or p >= n_seen - window}
+    rest = sorted((p for p in keys if p not in always), key=lambda p: (-score(keys[p], p), p))
+    return sorted(always | set(rest[:max(0, budget - len(always))]))
+
+
+def check_kept_set(cls: type, rule, args: dict) -> None:
+    """Random K/V through a bare `cls(**args)` (2 layers, rows of KEPT_LENGTHS left-padded, 2 KV heads): after
+    prefill and after each of KEPT_STEPS decode steps, what each layer, row and KV head holds equals expected_kept
+    of every token it was fed (in decode the window holds the new token at least: a slot cache always stores it)."""
+    score, window = rule
+    policy = cls(**args)
+    B, T, L, H = len(KEPT_LENGTHS), max(KEPT_LENGTHS), KEPT_ARGS.n_layers, KEPT_ARGS.n_kv_heads
+    policy.setup(KEPT_ARGS, B, T + KEPT_STEPS, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    seen = {(layer, b, h): {} for layer in range(L) for b in range(B) for h in range(H)}   # position -> key
+    prompt_pos = torch.stack([torch.arange(T) - (T - n) for n in KEPT_LENGTHS]).clamp(min=-1)
+    for step in range(-1, KEPT_STEPS):              # -1: the prompt
+        input_pos = prompt_pos if step < 0 else torch.tensor(KEPT_LENGTHS)[:, None] + step
+        if step >= 0:
+            policy.before_decode_step(step)
+        policy.begin(input_pos)
+        for layer in range(L):
+            n = input_pos.shape[1]
+            q = torch.randn(B, KEPT_ARGS.n_heads, n, 8, generator=g)
+            k, v = torch.randn(B, H, n, 8, generator=g), torch.randn(B, H, n, 8, generator=g)
+            for b in range(B):
+                for t, p in enumerate(input_pos[b].tolist()):
+                    for h in range(H):
+                        if p >= 0:
+                            seen[(layer, b, h)][p] = k[b, h, t]
+            (policy.prefill if step < 0 else policy.decode)(layer, q, k, v)
+        if step < 0:
+            policy.end_prefill()
+        for layer in range(L):
+            held = kept(policy, layer)
+            w = window(args["budget"], policy) if step < 0 else max(window(args["budget"], policy), 1)
+            when = "prefill" if step < 0 else f"decode step {step}"
+            for b, n in enumerate(KEPT_LENGTHS):
+                for h in range(H):
+                    want = expected_kept(seen[(layer, b, h)], n + step + 1, args["budget"], policy.n_sink, w, score)
+                    assert held[b][h] == want, (f"{cls.__name__} after {when}, layer {layer}, row {b}, KV head {h}: "
+                                                f"kept {held[b][h]}, the rule keeps {want}")
+
+
+def kept_set_args(cls: type, windows: bool) -> dict:
+    """budget=KEPT_BUDGET, with windows: n_sink=2 and n_recent=3 where the policy has them (else its defaults)."""
+    declared = policy_params(cls)
+    return {"budget": KEPT_BUDGET, **({k: v for k, v in (("n_sink", 2), ("n_recent", 3)) if k in declared}
+                                      if windows else {})}
+
+
+@pytest.mark.parametrize("windows", [True, False], ids=["windows", "defaults"])
+@pytest.mark.parametrize("name", SCORED)
+def test_kept_set_is_the_top_budget(name, windows):
+    assert name in REFERENCE_RULES, f"{name} keeps the top of its token_scores: write its rule in REFERENCE_RULES"
+    cls = POLICIES[name]
+    check_kept_set(cls, REFERENCE_RULES[name], kept_set_args(cls, windows))
+
+
+class NegatedKnorm(KnormPolicy):
+    """knorm with its score negated: keeps the keys of highest norm, the tokens knorm evicts."""
+    name = "knorm-negated-test"
+
+    def token_scores(self, layer, k, v, pos):
+        return -super().token_scores(layer, k, v, pos)
+
+
+@pytest.mark.parametrize("windows", [True, False], ids=["windows", "defaults"])
+def test_the_kept_set_cell_fails_a_negated_score(windows):
+    """A test of the test: the negated knorm passes every other cell of the matrix, but not this one."""
+    assert keeps_top_token_scores(NegatedKnorm)
+    with pytest.raises(AssertionError, match="the rule keeps"):
+        check_kept_set(NegatedKnorm, REFERENCE_RULES["knorm"], kept_set_args(NegatedKnorm, windows))
+
+
+def test_every_kept_set_has_an_oracle():
+    """Every registered policy is checked by the kept-set cell (its rule is a token score) or named in
+    KEPT_SET_ORACLES with tests that exist, so a new policy cannot join without an oracle for what it keeps."""
+    root = Path(__file__).resolve().parent.parent
+    for name in sorted(POLICIES):
+        problem = ("checked by the kept-set cell, yet named in KEPT_SET_ORACLES" if name in SCORED else
+                   "no oracle for what it keeps: name its tests in KEPT_SET_ORACLES")
+        assert (name in SCORED) != (name in KEPT_SET_ORACLES), f"{name}: {problem}"
+    assert set(KEPT_SET_ORACLES) <= set(POLICIES), sorted(set(KEPT_SET_ORACLES) - set(POLICIES))
+    for name, tests in KEPT_SET_ORACLES.items():
+        for test in tests:
+            path, _, function = test.partition("::")
+            assert f"def {function}(" in (root / path).read_text(), f"{name}: {test} does not exist"
+    assert {"knorm", "streaming"} <= set(SCORED) & set(ONE_METHOD)
 
 
 # --------------------------------------------------------------------------- joining the matrix
