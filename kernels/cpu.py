@@ -159,6 +159,16 @@ def needs_build(library: Path, sources: list[Path]) -> bool:
     return any(p.stat().st_mtime > built for p in sources)
 
 
+def extension_name() -> str:
+    return f"kvc_cpu_kernels_{_build_tag()}"
+
+
+def build_needed(name: str) -> bool:
+    """Whether loading extension `name` compiles it (needs_build of its library in build_dir)."""
+    from torch.utils.cpp_extension import LIB_EXT
+    return needs_build(build_dir(name) / f"{name}{LIB_EXT}", SOURCES + HEADERS)
+
+
 def build_message(folder: Path) -> str:
     """The one line printed on stderr before a build that is not cached."""
     return (f"kvc: building the C++ kernels for this machine (first use; about {BUILD_MINUTES} minutes on 2 cores, "
@@ -171,11 +181,10 @@ def _build() -> bool:
     global _eager
     done = threading.Event()
     try:
-        name = f"kvc_cpu_kernels_{_build_tag()}"
-        from torch.utils.cpp_extension import LIB_EXT, load
-        folder = build_dir(name)
-        if needs_build(folder / f"{name}{LIB_EXT}", SOURCES + HEADERS):
-            print(build_message(folder), file=sys.stderr, flush=True)
+        name = extension_name()
+        from torch.utils.cpp_extension import load
+        if build_needed(name):
+            print(build_message(build_dir(name)), file=sys.stderr, flush=True)
         threading.Thread(target=_watch_lock, args=(name, done), daemon=True).start()
         _eager = load(name=name, sources=[str(p) for p in SOURCES],
                       extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=True, verbose=False)

@@ -28,6 +28,23 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+def pytest_sessionstart(session):
+    """Say so when the C++ kernels are not built yet: the first test that uses them builds them, minutes
+    during which the output is silent (the build's own line is captured with the test's stderr)."""
+    if os.environ.get("KVC_CPU_KERNELS", "1") == "0" or hasattr(session.config, "workerinput"):
+        return
+    from kernels import cpu
+    try:
+        name = cpu.extension_name()
+    except OSError:                         # a source missing: the build warns and the twins run
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and cpu.build_needed(name):
+        reporter.write_line(
+            f"kvc: the C++ kernels are not built for this machine yet: the first test that uses them builds them "
+            f"(about {cpu.BUILD_MINUTES} minutes on 2 cores, cached in {cpu.build_dir(name)})")
+
+
 def pytest_addoption(parser):
     parser.addoption("--durations-file", metavar="PATH", default=None,
                      help="write each test file's total duration there, slowest first (make test: "
