@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence, TextIO
 import torch
 
 from cache import PolicyError, make_policy, policy_names
+from cache.full import FullCache
 from cache.kv_dtype import kv_storage
 from cache.quantized import GROUP, RESIDUAL, check_format
 from checkpoint import WEIGHTS, CheckpointError, build_model, read_checkpoint, release_freed_memory
@@ -167,7 +168,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
     Prompts are left-padded to a common length; every sequence keeps its own positions
     (0 at its first real token) and padding is never attended.  Each sequence stops at its
     own EOS; the loop ends when all have (checked every `stop_check_every` steps, the only
-    host sync of the decode loop).  `policy` is a cache policy object (DenseCache if None).
+    host sync of the decode loop).  `policy` is a cache policy object (`full` if None).
     compile=True runs the compiled decode step (`compiled_steps`, warmed up first); compile_prefill=True
     compiles the prefill step as well.  on_token(tokens [B]) is called as each step's tokens are sampled
     (the CLI streams with it: `stream_printer`); after a sequence's EOS its entries are padding.
@@ -180,14 +181,14 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
                              "(prefill_context), and compile is not supported")
         return answer_questions(model, tokenizer, context, prompts, max_new_tokens, temperature, top_k, top_p, seed,
                                 stop_check_every)
+    policy = policy if policy is not None else FullCache()
     device = model.output.weight.device
     ids = encode_prompts(tokenizer, prompts, chat)
     lengths = [len(x) for x in ids]
     max_seq_length = check_length(max(lengths), max_new_tokens, max_seq_length, model.args.max_position_embeddings)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_ids[0]
     tokens, input_pos = left_pad(ids, pad, device)
-    if policy is not None:
-        policy.prepare(model, tokenizer)        # calibration files it needs, made on first use
+    policy.prepare(model, tokenizer)            # calibration files it needs, made on first use
     if compile:
         prefill, decode = compiled_steps(device, compile_prefill)
         warm_up(model, prefill, decode, tokens.new_full((len(ids), warmup_length(policy)), pad), policy)

@@ -5,10 +5,11 @@ Single file, no imports from the rest of the project: copy it into your own code
     model = Transformer(ModelArgs.from_hf_config(json.load(open("config.json"))))
     model.load_state_dict(...)            # names as in `Transformer.state_dict()`
     model.setup_caches(max_batch_size=1, max_seq_length=4096)   # DenseCache by default
-    logits = model(tokens, input_pos)     # tokens [B, T], input_pos [T] or [B, T]
+    logits = model(tokens, input_pos)     # the prompt: tokens [B, T], input_pos [T] or [B, T]
+    logits = model(token, pos, decode=True)   # then one token per row and step: token [B, 1]
 
 Each call appends its T tokens to the cache (call `model.reset_caches()` to start new
-sequences).  `input_pos` gives every token's absolute position (RoPE is applied at it and
+sequences); the caller says which forwards are decode steps.  `input_pos` gives every token's absolute position (RoPE is applied at it and
 the cache records it); a negative position marks left padding, which is never attended.
 
 The cache is a *policy* object (duck-typed; see `DenseCache` for the contract, and the
@@ -223,63 +224,35 @@ def attention_mask(q_pos: Tensor, k_pos: Tensor, group: int, sliding_window: Opt
 
 
 class DenseCache:
-    """The full-cache policy: every token kept, stored in preallocated per-layer buffers.
+    """The plain static cache: every token kept, in preallocated per-layer buffers k, v [B, H_kv, S, D].
 
-    It implements the cache-policy contract that `Transformer` calls (setup, reset, before_prefill, begin,
-    prefill, end_prefill, before_decode_step, decode, storage, kept_positions, kv_bytes, describe, and
-    release/adopt for requests that join and leave rows of a running batch); the project's
-    cache/contract.py is its one annotated description.
-    DenseCache alone also declares `fused_dense_decode` (below): whether a decode step may bypass `decode`
-    for one op on its buffers (EagerOps.dense_decode).
-
-    Slots fill left to right.  While every row has seen the same tokens ("aligned": a static batch, left
-    padding included) a forward's T tokens go to slots [n_filled, n_filled + T) of every row.  Once a row
-    has been released or adopted (rows at their own lengths), a decode token goes to its row's own next
-    slot (`length` [B]); attention reads slots [0, n_filled) with n_filled = the longest row, a host int
-    (never a tensor: the live length is a shape).  A compiled decode step should pass n_filled in and
-    assign it, so the compiler sees a dynamic int instead of a constant (see engine.py).
+    The members `Transformer` calls: setup, reset, begin (once per forward), prefill / decode (each layer);
+    the project's `cache/` package has compressing policies with the same members (cache/contract.py) and
+    `full`, this cache with rows that join and leave a running batch (cache/full.py).
+    Slots fill left to right: a forward's T tokens go to slots [n_filled, n_filled + T) of every row (a
+    static batch, left padding included); attention reads slots [0, n_filled).  n_filled is a host int
+    (never a tensor: the live length is a shape); a compiled decode step passes it to `begin` (through
+    `Transformer.forward`), so the compiler sees a dynamic int instead of a constant.
     """
 
-    name = "full"
-    renamed: dict = {}              # old parameter name -> new one (refused with a message naming it)
-    prefill_in_one_pass = False     # prompts may come in chunks
-    is_sparse_reader = False
-    decode_attention = False
-    kv_bits, kv_group = 16, 0       # compute-dtype storage
-    plain_full = True               # `full` in the compute dtype (its storage subclasses: False; a subclass
-                                    # under another name is another policy, whose storage is never swapped)
-    reader_composable = True        # a sparse reader may replace its decode attention
-    admission = "row"               # requests join and leave single rows of a running batch
-    prefix_reuse = True             # a prefilled prefix can be copied (adopt) and its prompt continued
-    decode_room = None              # generated tokens a row may hold (the full cache needs no bound)
-    n_filled = 0                    # live length (set per forward; see below)
-    # decode() is DenseCache's own: write k, v at slot `start` of k[layer], v[layer], attend over slots
+    n_filled = 0                    # tokens held (prompt + generated), a host int
+    aligned = True                  # every row's next slot is n_filled (cache/full.py's rows: each its own)
+    # decode() is this class's own: write k, v at slot `start` of k[layer], v[layer], attend over slots
     # [0, n_filled) with row 0 of `mask` through decode_kernel.  Then EagerOps.dense_decode may do that
     # whole step as one op (head split included) instead of calling decode(); a subclass or an instance
     # that replaces decode (or stores K/V otherwise) sets this False, and its decode is called.
     fused_dense_decode = True
-
-    @classmethod
-    def full_cache_args(cls, n_tokens: int):
-        return {}
-
-    def prepare(self, model, tokenizer) -> None:
-        pass
     # decode_kernel(q [B, H_q, 1, D], k, v [B, H_kv, n, D], visible [B, 1, n] bool) -> [B, H_q, 1, D]:
     # a faster kernel for one-token steps (Transformer.setup_caches passes its own in); None =
     # grouped_attention with the step's mask.  A row with nothing visible (a free row) gets any finite output.
     decode_kernel = None
-    # prefix_kernel: prefix_attention's contract (rows reading a shared prefix, see adopt), a loader's
-    # kernel (Transformer.setup_caches passes it in) or the function itself
-    prefix_kernel = None
+    prefix_kernel = None            # the same for rows reading a shared prefix (cache/full.py; unused here)
+    k = v = pos = None              # per-layer K/V buffers, slot positions [B, S] (setup)
 
     def setup(self, args: ModelArgs, max_batch_size: int, max_seq_length: int,
               dtype: torch.dtype, device) -> None:
         self.k, self.v = self.allocate_kv(args, max_batch_size, max_seq_length, dtype, device)
         self.pos = torch.full((max_batch_size, max_seq_length), -1, dtype=torch.long, device=device)
-        self.length = torch.zeros(max_batch_size, dtype=torch.long, device=device)   # slots each row holds
-        self.rows = torch.arange(max_batch_size, device=device)
-        self.own_from = torch.zeros(max_batch_size, dtype=torch.long, device=device)  # see adopt(prefix=)
         self.group = args.n_heads // args.n_kv_heads
         self.sliding_window = args.sliding_window
         self.reset()
@@ -297,15 +270,15 @@ class DenseCache:
 
     def reset(self) -> None:
         self.pos.fill_(-1)
-        self.length.zero_()
         self.n_filled = 0
-        self.aligned = True     # every row's next slot is n_filled (else each row's own: `length`)
-        self.start = 0          # (aligned) the first slot this forward writes
+        self.start = 0          # the first slot this forward writes
         self.mask = self.bias = None
-        self.own_from.zero_()
-        self.prefix = None      # the kept prefix that rows read in place (adopt(prefix=)), or None
 
-    def begin(self, input_pos: Tensor) -> None:
+    def begin(self, input_pos: Tensor, n_filled: Optional[int] = None) -> None:
+        """Once per forward, input_pos [B, T]: claim the T tokens' slots and build the forward's mask.
+        n_filled: the tokens held before this forward, as the caller counts them (None: this cache's count)."""
+        if n_filled is not None:
+            self.n_filled = n_filled
         B, T = input_pos.shape
         end = self.n_filled + T
         if end > self.capacity:
@@ -313,16 +286,7 @@ class DenseCache:
                              f"(raise max_seq_length in setup_caches)")
         if B != self.pos.shape[0]:
             raise ValueError(f"batch {B} does not match the cache's batch {self.pos.shape[0]}")
-        if self.aligned:                                  # slots [n_filled, end) of every row
-            self.start = self.n_filled
-            self.pos[:, self.start:end] = input_pos
-        else:                                             # one token per row, each at its own next slot
-            if T != 1:
-                raise ValueError("rows at their own lengths take one token per forward (prefill a request "
-                                 "alone, then adopt it)")
-            self.slot = self.length.clone()
-            self.pos[self.rows, self.slot] = input_pos[:, 0]
-            self.length += input_pos[:, 0] >= 0           # released rows (position -1) stay empty
+        self.claim(input_pos, end)
         self.n_filled = end
         # one mask per forward, shared by all layers
         self.mask = attention_mask(input_pos, self.pos[:, :end], self.group, self.sliding_window)
@@ -331,17 +295,16 @@ class DenseCache:
         self.decode_visible = self.mask[:, :1] & (input_pos[:, :1, None] >= 0)
         self.bias = None                # prefill's (below)
 
+    def claim(self, input_pos: Tensor, end: int) -> None:
+        """Record the forward's positions in slots [n_filled, end) of every row."""
+        self.start = self.n_filled
+        self.pos[:, self.start:end] = input_pos
+
     def store(self, layer: int, k: Tensor, v: Tensor):
-        """Write this forward's k, v [B, H_kv, T, D] into their slots; returns the slot: an int (aligned
-        rows, the first of the T) or LongTensor [B] (rows at their own lengths)."""
-        kc, vc = self.k[layer], self.v[layer]
-        if self.aligned:
-            kc[:, :, self.start:self.n_filled] = k
-            vc[:, :, self.start:self.n_filled] = v
-            return self.start
-        kc[self.rows, :, self.slot] = k[:, :, 0].to(kc.dtype)
-        vc[self.rows, :, self.slot] = v[:, :, 0].to(vc.dtype)
-        return self.slot
+        """Write this forward's k, v [B, H_kv, T, D] into slots [start, n_filled); returns the first slot."""
+        self.k[layer][:, :, self.start:self.n_filled] = k
+        self.v[layer][:, :, self.start:self.n_filled] = v
+        return self.start
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [B, H_q, T, D], k/v [B, H_kv, T, D] (RoPE applied) -> attention output [B, H_q, T, D]."""
@@ -353,12 +316,7 @@ class DenseCache:
         return grouped_attention(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.bias)
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.prefix is not None:                       # rows read a kept prefix in place (adopt)
-            self.store(layer, k, v)
-            n, P = self.n_filled, self.prefix.n_filled
-            attend = self.prefix_kernel or prefix_attention
-            return attend(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.decode_visible,
-                          self.prefix.k[layer][:, :, :P], self.prefix.v[layer][:, :, :P], self.own_from)
+        """One token: q [B, H_q, 1, D], k/v [B, H_kv, 1, D] -> [B, H_q, 1, D]."""
         if self.decode_kernel is None:
             return self.prefill(layer, q, k, v)
         self.store(layer, k, v)
@@ -379,83 +337,17 @@ class DenseCache:
     def before_decode_step(self, step: int) -> None:
         pass
 
-    # ----------------------------------------------------------------- rows that join and leave
-    def row_tensors(self, row: int, n: int) -> list[Tensor]:
-        """What row `row` holds in its first n slots (k, v of every layer, positions)."""
-        return [t[row, :, :n] for t in self.k + self.v] + [self.pos[row, :n]]
-
-    def release(self, row: int) -> None:
-        """Forget row `row`'s request (host side): its slots become empty; the other rows go on."""
-        if self.aligned:                # each row held n_filled slots
-            self.length.fill_(self.n_filled)
-            self.aligned = False
-        self.pos[row] = -1
-        self.length[row] = 0
-        self.n_filled = int(self.length.max())
-        if self.prefix is not None:
-            self.own_from[row] = 0
-            if not bool(self.own_from.any()):     # no row reads the kept prefix any more
-                self.prefix = None
-
-    def adopt(self, row: int, other: "DenseCache", other_row: int = 0, prefix: Optional["DenseCache"] = None) -> None:
-        """Take over request `other_row` of `other` (set up like this cache but for its batch size, its
-        prompt complete) into the free row `row` (host side, between decode steps).
-
-        prefix: a kept one-row instance whose P filled slots are the first P of that request's (prefix_reuse:
-        the request started from it).  Where this cache can (`shares_prefix`), the row then reads those P
-        slots from `prefix` in place at decode (prefix_attention; one prefix at a time, shared by every row
-        that adopts it) and only the rest is copied; else the whole request is copied."""
-        n = other.n_filled
-        if n > self.capacity:
-            raise ValueError(f"a request of {n} tokens does not fit the cache's {self.capacity} slots")
-        self.release(row)
-        share = prefix is not None and self.shares_prefix(prefix)
-        first = prefix.n_filled if share else 0
-        if share:                                  # this class's storage: K/V after the prefix, every position
-            if first > n:
-                raise ValueError(f"a prefix of {first} tokens is longer than the request's {n}")
-            for dst, src in zip(self.k + self.v, other.k + other.v):
-                dst[row, :, first:n] = src[other_row, :, first:n]
-            self.pos[row, :n] = other.pos[other_row, :n]
-            self.prefix = prefix
-            self.own_from[row] = first
-        else:
-            for dst, src in zip(self.row_tensors(row, n), other.row_tensors(other_row, n)):
-                dst.copy_(src)
-        self.length[row] = n
-        self.n_filled = max(self.n_filled, n)
-        # one row: its next slot is n_filled, a prompt may go on (not while it reads a prefix: decode only)
-        self.aligned = self.pos.shape[0] == 1 and self.prefix is None
-
-    def shares_prefix(self, prefix: "DenseCache") -> bool:
-        """Whether rows may read `prefix` in place (adopt): `full` in the compute dtype (its decode is this
-        class's), no sliding window, and no other prefix read by a row now."""
-        return self.plain_full and not self.sliding_window and (self.prefix is None or self.prefix is prefix)
-
-    def question_room(self, row: int) -> Optional[int]:
-        return None                 # every token is kept
-
-    def hold_question(self, row: int, start: int, end: int) -> None:
-        pass                        # nothing is evicted: the question is held whole
-
-    # ----------------------------------------------------------------- introspection
     def kept_positions(self, layer: int) -> Tensor:
         pos = self.pos[:, :self.n_filled]
-        kept = pos[:, None, :].expand(-1, self.k[layer].shape[1], -1)
-        return kept  # [B, H_kv, n] (padding slots hold -1)
+        return pos[:, None, :].expand(-1, self.k[layer].shape[1], -1)   # [B, H_kv, n] (padding slots hold -1)
 
     def kv_bytes(self) -> dict:
         per_slot = sum(t[:, :, 0].numel() * t.element_size() for t in self.k + self.v)
-        B = self.pos.shape[0]
-        live = per_slot * self.n_filled if self.aligned else per_slot * int(self.length.sum()) // B
-        read = per_slot * self.n_filled
-        if self.prefix is not None:                 # a shared prefix counts once; rows skip their copy's slots
-            saved = int(self.own_from.sum()) - self.prefix.n_filled
-            live, read = live - per_slot * saved // B, read - per_slot * saved // B
-        return {"allocated": per_slot * self.capacity, "live": live, "read_per_step": read}
+        return {"allocated": per_slot * self.capacity, "live": per_slot * self.n_filled,
+                "read_per_step": per_slot * self.n_filled}
 
     def describe(self) -> dict:
-        return {"policy": self.name, "capacity": self.capacity if hasattr(self, "pos") else None}   # None: not set up
+        return {"policy": "full", "capacity": self.capacity if self.k is not None else None}   # None: not set up
 
 
 # --------------------------------------------------------------------------- eager ops
@@ -662,7 +554,7 @@ class Transformer(nn.Module):
         self.rope_cos = self.rope_sin = None
         # the full cache's decode attention (see DenseCache.decode_kernel); a loader may plug in a kernel
         self.decode_kernel = None
-        self.prefix_kernel = None       # the same for rows reading a shared prefix (DenseCache.prefix_kernel)
+        self.prefix_kernel = None       # the same for rows reading a shared prefix (cache/full.py's prefix_kernel)
         self.ops = TORCH_OPS            # every layer's small ops (see EagerOps); a loader may choose others
 
     def use_ops(self, ops: EagerOps) -> None:
@@ -688,28 +580,39 @@ class Transformer(nn.Module):
         if isinstance(policy, DenseCache) and policy.prefix_kernel is None:
             policy.prefix_kernel = self.prefix_kernel
         policy.setup(self.args, max_batch_size, max_seq_length, weight.dtype, weight.device)
-        self.cache = policy
+        self.use_cache(policy)
         self.max_seq_length = max_seq_length
         self.rope_cos, self.rope_sin = rope_tables(self.args, max_seq_length, weight.device)
         return policy
 
+    def use_cache(self, cache) -> None:
+        """Run the next forwards over `cache` (set up for this model): the one place the model's cache
+        changes (setup_caches; a batch of rows switching between its scratch and its rows)."""
+        self.cache = cache
+
     def reset_caches(self) -> None:
         self.cache.reset()
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, last_only: bool = False) -> Tensor:
-        """tokens [B, T], input_pos [T] or [B, T] -> logits [B, T, V] (or [B, 1, V] if last_only)."""
+    def forward(self, tokens: Tensor, input_pos: Tensor, last_only: bool = False, decode: bool = False,
+                n_filled: Optional[int] = None) -> Tensor:
+        """tokens [B, T], input_pos [T] or [B, T] -> logits [B, T, V] (or [B, 1, V] if last_only).
+
+        decode=True: a decode step (T = 1, after the prompt): the cache's decode hook, else its prefill hook (a
+        prompt or a chunk of it).  n_filled: the tokens the cache holds before this forward, passed by a compiled
+        step so that the compiler sees a dynamic int (None: the cache's own count)."""
         if self.cache is None:
             raise RuntimeError("call model.setup_caches(...) before the forward pass")
         B, T = tokens.shape
+        if decode and T != 1:
+            raise ValueError(f"a decode step takes one token per row, got {T}")
         if input_pos.dim() == 1:
             input_pos = input_pos[None].expand(B, T)
-        decoding = T == 1 and self.cache.n_filled > 0
-        self.cache.begin(input_pos)
+        self.cache.begin(input_pos, n_filled)
         rope_idx = input_pos.clamp(min=0)
         cos, sin = self.rope_cos[rope_idx][:, None], self.rope_sin[rope_idx][:, None]
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, self.cache, decoding, self.ops)
+            x = layer(x, cos, sin, self.cache, decode, self.ops)
         if last_only:
             x = x[:, -1:]
         return self.output(self.norm(x, self.ops))

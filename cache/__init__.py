@@ -11,8 +11,9 @@ A reader alone (`hshare`) reads the full cache.
 """
 from __future__ import annotations
 
-from model import DenseCache
+from cache.contract import contract_members
 from cache.d2o import D2OPolicy
+from cache.full import FullCache
 from cache.ds import DSPolicy
 from cache.h2o import H2OPolicy
 from cache.hshare import HSharePolicy
@@ -34,18 +35,17 @@ POLICIES: dict[str, type] = {}
 def register(cls: type) -> type:
     """Add a policy class (it follows cache/contract.py) under `cls.name`; usable as a decorator.  A
     registered policy is reachable from every command's spec and joins tests/test_policy_matrix.py."""
-    missing = [m for m in ("name", "renamed", "admission", "prefill_in_one_pass", "prefix_reuse", "is_sparse_reader",
-                           "decode_attention", "reader_composable", "kv_bits", "kv_group", "full_cache_args")
-               if not hasattr(cls, m)]
+    missing = [m for m in contract_members() if m not in dir(cls)]
     if missing:
-        raise TypeError(f"{cls.__name__} does not declare {', '.join(missing)} (see cache/contract.py)")
+        raise TypeError(f"{cls.__name__} does not declare {', '.join(missing)} (the CachePolicy members of "
+                        f"cache/contract.py)")
     if cls.name in POLICIES and POLICIES[cls.name] is not cls:
         raise ValueError(f"a policy named {cls.name!r} is already registered ({POLICIES[cls.name].__name__})")
     POLICIES[cls.name] = cls
     return cls
 
 
-for _cls in (DenseCache, StreamingPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy, D2OPolicy, SimLayerKVPolicy,
+for _cls in (FullCache, StreamingPolicy, H2OPolicy, SnapKVPolicy, PyramidKVPolicy, D2OPolicy, SimLayerKVPolicy,
              TOVAPolicy, KnormPolicy, DSPolicy, QuestPolicy, HSharePolicy, PODPolicy):
     register(_cls)
 

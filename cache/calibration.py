@@ -36,7 +36,8 @@ from torch import Tensor
 import atomic_io
 from cache.scoring import attention_probs, last_rows
 from cache.shard import SINGLE, Shard, shard_of
-from model import DenseCache, ModelArgs
+from cache.full import FullCache
+from model import ModelArgs
 
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "data" / "calibration"
 CHANNELS_FILE = "heavy_channels.json"
@@ -236,7 +237,7 @@ def calibration_blocks(tokenizer, data: Path, tokens: int, block: int) -> list[l
     return blocks
 
 
-class ChannelStats(DenseCache):
+class ChannelStats(FullCache):
     """The full cache, plus the per-layer sum of |q_d k_d| over every prefilled token."""
 
     name = "channel-stats"
@@ -246,8 +247,8 @@ class ChannelStats(DenseCache):
         self.total = torch.zeros(args.n_layers, args.n_kv_heads, args.head_dim, dtype=torch.float64)
         self.terms = 0
 
-    def begin(self, input_pos):
-        super().begin(input_pos)
+    def begin(self, input_pos, n_filled=None):
+        super().begin(input_pos, n_filled)
         self.q_pos = input_pos
         self.terms += int((input_pos >= 0).sum()) * self.group
 
@@ -256,7 +257,7 @@ class ChannelStats(DenseCache):
         return super().prefill(layer, q, k, v)
 
 
-class RowRecorder(DenseCache):
+class RowRecorder(FullCache):
     """The full cache, keeping each layer's attention rows of the last `queries` tokens."""
 
     name = "pod-rows"
@@ -268,8 +269,8 @@ class RowRecorder(DenseCache):
         super().reset()
         self.rows: dict = {}
 
-    def begin(self, input_pos):
-        super().begin(input_pos)
+    def begin(self, input_pos, n_filled=None):
+        super().begin(input_pos, n_filled)
         self.q_pos = input_pos
 
     def prefill(self, layer, q, k, v):
@@ -277,7 +278,7 @@ class RowRecorder(DenseCache):
         return super().prefill(layer, q, k, v)
 
 
-def _run_blocks(model, recorder: DenseCache, blocks: list[list[int]], on_block) -> None:
+def _run_blocks(model, recorder: FullCache, blocks: list[list[int]], on_block) -> None:
     """Prefill every block as a fresh sequence through `recorder`; on_block(i) after each."""
     model.setup_caches(1, len(blocks[0]), recorder)
     device = model.output.weight.device

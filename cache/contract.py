@@ -1,7 +1,7 @@
 """The cache-policy contract: what `model.Transformer` and `runtime/` call on a policy, in one place.
 
-A policy is any object with these members (`model.DenseCache`, the `full` policy, is the smallest
-one; `cache/base.py`'s EvictionPolicy and `cache/sparse_read.py`'s SparseReader implement the
+A policy is any object with these members (`cache/full.py`'s FullCache, the `full` policy, is the smallest
+one: model.py's plain DenseCache with rows; `cache/base.py`'s EvictionPolicy and `cache/sparse_read.py`'s SparseReader implement the
 mechanics most policies share, so a new policy usually writes only its scoring rule: see
 docs/adding-a-policy.md).  Shapes: B batch rows, T tokens of this forward, H_q query heads,
 H_kv KV heads, G = H_q / H_kv, D head_dim, C a layer's slots.
@@ -11,10 +11,11 @@ When each member is called, for one request:
     prepare(model, tokenizer)        once, before setup (engine.generate, the evals, the benchmark)
     setup(args, B, S, dtype, device) model.setup_caches: allocate what does not depend on the prompt
     before_prefill(input_pos)        host side, the whole prompt's positions [B, T]
-    begin(input_pos); prefill(...)   each prompt chunk (one chunk if prefill_in_one_pass), every layer
+    begin(input_pos, n); prefill(...)  each prompt chunk (one chunk if prefill_in_one_pass), every layer
     end_prefill()                    the prompt is complete
     before_decode_step(step)         host side, before decode step 0, 1, ...
-    begin(input_pos); decode(...)    each decode step ([B, 1]), every layer
+    begin(input_pos, n); decode(...) each decode step ([B, 1]), every layer; the caller says which forward is
+                                     a decode step (model.forward's decode=True) and may pass n_filled
     reset()                          the next request reuses the storage
 
 Requests that join and leave a running batch (runtime.rows.RowBatch, the server's continuous batching), for a
@@ -44,7 +45,7 @@ RowBatch's agnostic rows alike) is held whole:
                                      hold_question refuses a longer one (ValueError)
 
 The scratch's prompt comes in chunks of RowBatch's prefill_chunk (runtime.steps.chunk_end: a chunk after the first
-holds at least 2 tokens, since model.forward runs a later one-token forward as a decode step), each chunk one
+holds at least 2 tokens: compressing policies take a one-token forward after the prompt's first as a decode step), each chunk one
 step of the staged admission (RowBatch.start / advance, interleaved with the running rows' decode steps).  A
 compressing policy (cache/base.py's EvictionPolicy) takes the chunks *staged*: its prompt's K/V wait
 uncompressed in a buffer of the prompt's length, each chunk attends to everything staged so far, and
@@ -81,8 +82,14 @@ Capabilities are declared as class attributes (never probed with hasattr):
                          exactly (above): only `full` in a plain dtype; compressing policies compress the
                          prompt as a whole, readers index a complete prompt, KIVI reads a later chunk's
                          prefix dequantized (chunk boundaries change its numbers)
+    storage_kind         what holds the K/V: "dense" (`full`: every token, compute dtype; --kv-bits and
+                         --kv-dtype swap it for "kivi" or "dense_dtype", and rows may share its prefix),
+                         "slots" (the eviction family's slot tables; --kv-bits packs them in place),
+                         "reader" (a sparse reader: its inner policy's), "own" (pod: a layout of its own)
     (model.DenseCache and its subclasses also declare fused_dense_decode: False when they replace its
     decode or storage, see model.DenseCache)
+Attributes a policy sets up (setup, adopt) are declared in its __init__ / __post_init__ as None, never
+probed; `cache.register` refuses a class that lacks a member of CachePolicy below (contract_members).
 `full_cache_args(n)` states the policy's promise about the full cache: the arguments under which it
 keeps and reads every one of n tokens, so its logits equal the full cache's (None: no such promise).
 The policy test matrix (tests/test_policy_matrix.py) checks every registered policy against this.
@@ -119,6 +126,7 @@ class CachePolicy(Protocol):
     decode_room: Optional[int]      # generated tokens a row holds, set before setup (None: up to max_seq_length)
     renamed: dict                   # old parameter name -> new one (refused with a message naming it)
     n_filled: int                   # tokens seen so far (prompt + generated; the longest row), a host int
+    storage_kind: str               # "dense", "dense_dtype", "kivi", "slots", "reader" or "own" (module docstring)
 
     def prepare(self, model, tokenizer) -> None:
         """Host side: make per-checkpoint side data that is missing (calibration files beside
@@ -135,8 +143,9 @@ class CachePolicy(Protocol):
         """Host side, once per request, input_pos [B, T] of the whole prompt (-1 = left padding):
         validate and allocate what depends on the prompt length (never inside a compiled step)."""
 
-    def begin(self, input_pos: Tensor) -> None:
-        """Once per forward before the layers, input_pos [B, T]: claim slots, build masks."""
+    def begin(self, input_pos: Tensor, n_filled: Optional[int] = None) -> None:
+        """Once per forward before the layers, input_pos [B, T]: claim slots, build masks.  n_filled: the
+        tokens held before this forward as the caller counts them (a compiled step's dynamic int), or None."""
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [B, H_q, T, D], k/v [B, H_kv, T, D] (RoPE applied) -> attention output [B, H_q, T, D];
@@ -185,3 +194,9 @@ class CachePolicy(Protocol):
     def full_cache_args(cls, n_tokens: int) -> Optional[dict]:
         """Arguments under which the policy keeps and reads all of n_tokens (logits equal the full
         cache's), or None when it makes no such promise."""
+
+
+def contract_members() -> list[str]:
+    """Every attribute and method CachePolicy declares: what `cache.register` checks a class for."""
+    methods = [n for n, v in vars(CachePolicy).items() if not n.startswith("_") and callable(getattr(CachePolicy, n))]
+    return sorted(set(CachePolicy.__annotations__) | set(methods))

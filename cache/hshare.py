@@ -436,10 +436,10 @@ class HSharePolicy(LabelReader):
         d = super().describe()
         d.update(layer_ratio=self.layer_ratio, head_ratio=self.head_ratio, query_ratio=self.query_ratio,
                  select_every=self.a)
-        if hasattr(self, "n_src_layers"):
+        if self.args is not None:
             d.update(selecting_layers=self.n_src_layers, selecting_heads_per_layer=self.n_src_heads,
                      head_granularity="kv")
-        if getattr(self, "built", False):
+        if self.built:
             d["layer_roots"] = list(self.roots)
             if self.head_sharing:
                 d["head_roots"] = [list(r) for r in self.head_roots]

@@ -22,21 +22,23 @@ from torch import Tensor
 
 from cache.quantized import with_kv_bits
 from kernels.cpu import cpu_kernels_available, dense_attention_cpu, use_cpu_kernel
-from model import DenseCache, grouped_attention
+from cache.full import FullCache
+from model import grouped_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class StoredDenseCache(DenseCache):
-    """`full` with its K/V stored in `kv_dtype`: an ordinary subclass of model.DenseCache (`kv_storage`
+class StoredDenseCache(FullCache):
+    """`full` with its K/V stored in `kv_dtype`: an ordinary subclass of cache.full.FullCache (`kv_storage`
     returns one in place of the plain `full`)."""
 
     name = "full"
-    plain_full = False
+    storage_kind = "dense_dtype"
     fused_dense_decode = False          # its own decode (below)
 
     def __init__(self, kv_dtype: torch.dtype):
         self.kv_dtype = kv_dtype
+        self.compute_dtype, self.dense_ok = None, False     # (setup)
 
     def setup(self, args, max_batch_size: int, max_seq_length: int, dtype: torch.dtype, device) -> None:
         self.compute_dtype = dtype
@@ -92,8 +94,8 @@ def kv_storage(policy, bits: int, group: int, residual: int, kv_dtype: Optional[
             raise ValueError(f"--kv-bits 32 stores float32, not --kv-dtype {kv_dtype}")
         if dtype is None or dtype == compute_dtype:
             return policy
-        if not (isinstance(policy, DenseCache) and policy.plain_full and policy.name == "full"):
-            name = getattr(policy, "name", type(policy).__name__)
+        if policy.storage_kind != "dense":
+            name = policy.name
             raise ValueError(f"--kv-bits {bits} / --kv-dtype: only `full` stores K/V in another dtype than the "
                              f"compute dtype, not {name!r}")
         return StoredDenseCache(dtype)

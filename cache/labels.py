@@ -263,7 +263,7 @@ class LabelReader(SparseReader):
 
     def describe(self) -> dict:
         d = super().describe()
-        if not hasattr(self, "C"):
+        if self.args is None:                               # not set up yet
             return d
         d["heavy_channels"] = self.C
         d["heavy_channels_source"] = ("calibrated: " + self.channels_source if self.calibrated is not None else

@@ -131,6 +131,7 @@ class PODPolicy:
     is_sparse_reader = False
     decode_attention = False
     reader_composable = False    # keeps storage of its own (ring + distant store)
+    storage_kind = "own"         # a proximal ring and a distant store (module doc)
     kv_bits, kv_group = 16, 0
     n_filled = 0
 
@@ -144,6 +145,7 @@ class PODPolicy:
     check_chunk = EvictionPolicy.check_chunk     # its ring and distant store are filed from the whole prompt
 
     def __post_init__(self):
+        self.args = None             # the model's shape (setup)
         if self.n_sink < 0 or self.n_recent == 0 or self.n_recent < -1:
             raise ValueError(f"need n_sink >= 0 and n_recent >= 1 (or -1), got {self.n_sink}, {self.n_recent}")
         if self.tau > 1:
@@ -272,10 +274,10 @@ class PODPolicy:
         self.head_sel: dict = {}             # budget: the current block's selection per KV head
         self.configured = True
 
-    def begin(self, input_pos: Tensor) -> None:
+    def begin(self, input_pos: Tensor, n_filled: Optional[int] = None) -> None:
         """Once per forward: the prompt/step bookkeeping is EvictionPolicy's (the same attributes:
         one-pass prompt, n_filled, q_pos, the prompt's mask); a decode step then places its token."""
-        EvictionPolicy.begin(self, input_pos)
+        EvictionPolicy.begin(self, input_pos, n_filled)
         if self.n_filled > input_pos.shape[1]:
             self.begin_step(input_pos[:, 0])
 
@@ -492,7 +494,7 @@ class PODPolicy:
 
     def describe(self) -> dict:
         d = {"policy": self.name, **param_values(self)}
-        if not hasattr(self, "args"):
+        if self.args is None:                               # not set up yet
             return d
         L = self.args.n_layers
         d.update(n_recent=self.n_r, proximal=self.R, blocks_source=self.blocks_source)

@@ -8,7 +8,7 @@ Storage by composition: every `EvictionPolicy` (streaming, h2o, snapkv, pyramidk
 holds its K/V format as an object, `policy.slots`: cache/base.py's `DenseSlots` (compute dtype) by
 default; `with_kv_bits` puts a `KIVISlots` (one `SlotStore` per layer, the same methods) there instead,
 on the same policy object.  The plain `full` cache becomes `KIVIDenseCache`, an ordinary subclass of
-model.DenseCache.  Selection (what to keep, which slot to evict) is the policy's own code, unchanged; kept
+cache.full.FullCache.  Selection (what to keep, which slot to evict) is the policy's own code, unchanged; kept
 prompt tokens are selected (and D2O-merged) in full precision, then packed.  The sparse readers read
 packed storage ("Sparse readers" below); POD is refused with a clear error.
 
@@ -87,7 +87,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from cache.base import EvictionPolicy
 from cache.scoring import NEVER, joint_softmax
 from cache.sparse_read import InnerStorage
 from kernels.kivi_attention import (KIVIBuffers, kivi_attention, kivi_gather, kivi_scores, kivi_values,
@@ -98,7 +97,8 @@ from kernels.backend import resolve_backend
 from kernels.kivi_codec import (QuantizedTensor, codes_per_word, dequantize_keys, dequantize_values, quantize_keys,
                                 quantize_values)
 from kernels.kivi_write_triton import kivi_write_triton, write_triton_supported
-from model import DenseCache, grouped_attention
+from cache.full import FullCache
+from model import grouped_attention
 
 BITS = (2, 4, 8)
 GROUP, RESIDUAL = 32, 128      # KIVI's main setting: G = 32, R = 128
@@ -401,21 +401,22 @@ STORAGE_ERROR = ("KIVI-packed slots (--kv-bits {bits}): storage(layer) has no fu
                  "kv_store(layer) and SlotStore.gather (see cache/quantized.py)")
 
 
-class KIVIDenseCache(DenseCache):
+class KIVIDenseCache(FullCache):
     """`full` with KIVI-packed storage: every token kept, the newest R in the ring.  An ordinary subclass
-    of model.DenseCache (`with_kv_bits` returns one in place of the plain `full`)."""
+    of cache.full.FullCache (`with_kv_bits` returns one in place of the plain `full`)."""
 
     name = "full"
-    plain_full = False
+    storage_kind = "kivi"
     fused_dense_decode = False          # packed slots: decode() below
     prefix_reuse = False                # a later chunk reads the prefix dequantized: chunk boundaries matter
 
     def __init__(self, bits: int = 4, group: int = GROUP, residual: int = RESIDUAL, backend: str = "auto"):
         check_format(None, bits, group, residual)
         self.kv_bits, self.kv_group, self.kv_residual, self.backend = bits, group, residual, backend
+        self.stores = self.now = None       # per layer a SlotStore; [B] each row's newest position (setup)
 
     def allocate_kv(self, args, max_batch_size: int, max_seq_length: int, dtype: torch.dtype, device):
-        """One packed SlotStore per layer, as both K and V (model.DenseCache.setup keeps the rest)."""
+        """One packed SlotStore per layer, as both K and V (FullCache.setup keeps the rest)."""
         # one spare group: reads go over whole groups of the live length, which then never reaches
         # the buffers' size (compiled graphs would otherwise change when it does)
         spare = max_seq_length + self.kv_group
@@ -424,8 +425,8 @@ class KIVIDenseCache(DenseCache):
                        for _ in range(args.n_layers)]
         return self.stores, self.stores
 
-    def begin(self, input_pos: Tensor) -> None:
-        super().begin(input_pos)
+    def begin(self, input_pos: Tensor, n_filled: Optional[int] = None) -> None:
+        super().begin(input_pos, n_filled)
         self.now = input_pos.amax(-1)       # [B] the newest position: the ring holds (now - R, now]
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -439,7 +440,7 @@ class KIVIDenseCache(DenseCache):
         return out
 
     def store(self, layer: int, k: Tensor, v: Tensor):
-        """Write the decode token k, v [B, H_kv, 1, D] into its row's next slot; returns the slot (model.DenseCache.store)."""
+        """Write the decode token k, v [B, H_kv, 1, D] into its row's next slot; returns the slot (FullCache.store)."""
         pos = self.pos[:, None]
         slot = self.start if self.aligned else self.slot
         at = pos.new_full(k.shape[:2], slot) if self.aligned else slot[:, None].expand(k.shape[:2])
@@ -563,16 +564,11 @@ def with_kv_bits(policy, bits: int, group: int = GROUP, residual: int = RESIDUAL
         policy.inner = with_kv_bits(policy.inner, bits, group, residual, backend)
         policy.storage_ = InnerStorage(policy.inner)
         return policy
-    if isinstance(policy, DenseCache) and policy.plain_full and policy.name == "full":
+    if policy.storage_kind == "dense":
         return KIVIDenseCache(bits, group, residual, backend)
-    if not isinstance(policy, EvictionPolicy):
-        raise ValueError(f"--kv-bits {bits}: policy {name!r} has no KIVI storage yet (supported: full, "
-                         f"{', '.join(sorted(supported_names()))}, and the sparse readers over any of them; "
-                         f"pod keeps its own storage)")
+    if policy.storage_kind != "slots":
+        raise ValueError(f"--kv-bits {bits}: policy {name!r} has no KIVI storage yet (supported: full, the eviction "
+                         f"policies, and the sparse readers over any of them; pod keeps its own storage)")
     policy.slots = KIVISlots(bits, group, residual, backend)
     return policy
 
-
-def supported_names() -> list[str]:
-    from cache import POLICIES
-    return [name for name, cls in POLICIES.items() if isinstance(cls, type) and issubclass(cls, EvictionPolicy)]

@@ -1,6 +1,6 @@
 """Shared mechanics of the query-aware sparse readers (Double Sparsity, Quest, HShare).
 
-A sparse reader keeps an *inner* storage policy (the full `DenseCache` by default, or an eviction
+A sparse reader keeps an *inner* storage policy (`full`, cache/full.py, by default, or an eviction
 policy such as SnapKV) and replaces only decode attention:
 
     prefill      delegated to the inner policy (dense, causal attention over the prompt)
@@ -41,6 +41,7 @@ from cache.params import HEAD_AGG, HeadAgg, param, param_values, policy_params  
 from kernels import sparse_decode_attention
 from kernels.cpu import cpu_kernels_available, select_top_cpu, use_cpu_kernel
 from kernels.kivi_attention import kivi_attention
+from cache.full import FullCache
 from model import DenseCache, ModelArgs
 
 INF = float("inf")
@@ -235,7 +236,7 @@ class SparseReader(HeadAgg):
     [B, H_kv, N] slots to read.  The rest (delegation, sink/recent bias, attention) lives here."""
 
     name = "sparse"
-    inner: object = field(default=None, repr=False)     # storage policy read (None: a DenseCache)
+    inner: object = field(default=None, repr=False)     # storage policy read (None: `full`)
     preset: str = param("long", "paper preset: short (N_c=128: 8 sinks/32 recent/88 middle) or long "
                                 "(N_c=512: 16/64/432)")
     n_critical: int = param(0, "N_c, tokens read per attention (0 = from preset)")
@@ -246,6 +247,7 @@ class SparseReader(HeadAgg):
     head_aggs = HEAD_AGG            # the head aggregations a reader supports
     renamed = {}
     is_sparse_reader = True
+    storage_kind = "reader"        # reads its inner policy's storage (`inner.storage_kind`)
     decode_attention = False
     reader_composable = False       # one reader per policy
     prefix_reuse = False            # adopt builds the index of a complete prompt
@@ -265,7 +267,9 @@ class SparseReader(HeadAgg):
         return self.inner.kv_group
 
     def __post_init__(self):
-        self.inner = self.inner if self.inner is not None else DenseCache()
+        self.inner = self.inner if self.inner is not None else FullCache()
+        self.args = None                # the model's shape (setup)
+        self.built = False              # the index is built over a complete prompt (end_prefill, adopt)
         check_composable(self.inner)
         self.resolve()
         self.validate()
@@ -343,7 +347,9 @@ class SparseReader(HeadAgg):
     def before_prefill(self, input_pos: Tensor) -> None:
         self.inner.before_prefill(input_pos)
 
-    def begin(self, input_pos: Tensor) -> None:
+    def begin(self, input_pos: Tensor, n_filled: Optional[int] = None) -> None:
+        if n_filled is not None:
+            self.n_filled = n_filled
         T = input_pos.shape[1]
         self.decoding = T == 1 and self.inner.n_filled > 0
         if self.decoding and not self.built:      # the prompt came through model(...) directly
@@ -517,9 +523,9 @@ class SparseReader(HeadAgg):
     def describe(self) -> dict:
         d = {"policy": self.name, **param_values(self),
              "n_middle": self.n_critical - self.n_sink - self.n_recent}
-        if not hasattr(self, "args"):                       # not set up yet
+        if self.args is None:                               # not set up yet
             d["inner"] = getattr(self.inner, "name", type(self.inner).__name__)
-        elif isinstance(self.inner, DenseCache) and self.inner.plain_full and self.inner.name == "full":
+        elif self.inner.storage_kind == "dense":
             d["capacity"] = self.inner.capacity
         else:
             d["inner"] = self.inner.describe()

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from eval import common, measure  # noqa: E402
 from eval.common import UsageError  # noqa: E402
 from eval.perplexity import text_windows  # noqa: E402
-from model import DenseCache  # noqa: E402
+from cache.full import FullCache  # noqa: E402
 from runtime.steps import run_decode, run_prefill  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def reference(loaded: common.Loaded, ids: list[int], new_tokens: int) -> list[in
     device = model.output.weight.device
     tokens = torch.tensor(ids, device=device)[None]
     pos = torch.arange(len(ids) + new_tokens, device=device)[None]
-    model.setup_caches(1, len(ids) + new_tokens, None)
+    model.setup_caches(1, len(ids) + new_tokens, FullCache())
     out = []
     with torch.inference_mode():
         logits = run_prefill(model, tokens, pos[:, :len(ids)], loaded.prefill)
@@ -93,7 +93,7 @@ def evaluate(loaded: common.Loaded, new_policy: Callable, windows: list[tuple[in
 
 # --------------------------------------------------------------------------- proximal agreement (POD Fig. 1c)
 
-class ProximalCache(DenseCache):
+class ProximalCache(FullCache):
     """The full cache with every query restricted to its proximal keys: positions < n_sink, or
     within the last n_recent positions up to the query's own (kp > qp - n_recent)."""
 
@@ -104,8 +104,8 @@ class ProximalCache(DenseCache):
             raise ValueError("n_sink must be >= 0 and n_recent >= 1")
         self.n_sink, self.n_recent = n_sink, n_recent
 
-    def begin(self, input_pos):
-        super().begin(input_pos)
+    def begin(self, input_pos, n_filled=None):
+        super().begin(input_pos, n_filled)
         B, T = input_pos.shape
         qp = input_pos[:, :, None]
         kp = self.pos[:, None, :self.n_filled]
@@ -117,10 +117,10 @@ class ProximalCache(DenseCache):
         return {"policy": self.name, "n_sink": self.n_sink, "n_recent": self.n_recent}
 
 
-def last_logits(model, ids: list[int], last: int, cache: Optional[DenseCache] = None,
+def last_logits(model, ids: list[int], last: int, cache: Optional[FullCache] = None,
                 chunk: int = 512) -> torch.Tensor:
     """Logits [last, V] (float32) at the last `last` positions of `ids`, from one chunked
-    forward pass over the whole window with `cache` (DenseCache if None)."""
+    forward pass over the whole window with `cache` (`full` if None)."""
     device = model.output.weight.device
     tokens = torch.tensor(ids, device=device)[None]
     T = tokens.shape[1]

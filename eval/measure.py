@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 import engine
+from cache.full import FullCache
 from runtime.context import prefill_context
 from runtime.steps import UsageError, decode_step, prefill_step, run_decode, run_prefill
 
@@ -90,7 +91,7 @@ def answer(loaded, new_policy, ids: list[int], split: int, max_new_tokens: int, 
 def forced_logits(model, tokens: torch.Tensor, context_length: int, policy=None, prefill=prefill_step,
                   decode=decode_step, usage: Optional[Usage] = None) -> torch.Tensor:
     """Logits [E, V] (float32) predicting tokens[C:] (tokens: LongTensor [W], C = context_length,
-    E = W - C): prefill tokens[:C] with `policy` (DenseCache if None), then feed tokens[C:W-1]
+    E = W - C): prefill tokens[:C] with `policy` (`full` if None), then feed tokens[C:W-1]
     one decode step at a time, so decode-time eviction and merging act as during generation.
     No host sync inside the loop; its cost goes to `usage`."""
     W, C = tokens.shape[0], context_length
@@ -99,7 +100,7 @@ def forced_logits(model, tokens: torch.Tensor, context_length: int, policy=None,
     device = model.output.weight.device
     tokens = tokens.to(device)
     pos = torch.arange(W, device=device)[None]
-    model.setup_caches(1, W, policy)  # one slot to spare: a full cache is a special shape when compiled
+    model.setup_caches(1, W, policy if policy is not None else FullCache())  # one slot to spare: a full cache is a special shape when compiled
     with torch.inference_mode():
         t0 = time.perf_counter()
         logits = [run_prefill(model, tokens[None, :C], pos[:, :C], prefill)]

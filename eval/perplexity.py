@@ -35,7 +35,7 @@ def window_nll(model, tokens: torch.Tensor, context_length: int, policy=None,
                prefill=prefill_step, decode=decode_step, usage=None) -> torch.Tensor:
     """Per-token NLL [E] (float32) of tokens[context_length:] (tokens: LongTensor [W], E = W - C).
 
-    Prefill tokens[:C] with `policy` (DenseCache if None), then decode tokens[C:W-1] one step
+    Prefill tokens[:C] with `policy` (`full` if None), then decode tokens[C:W-1] one step
     at a time; no host sync inside the loop (see `measure.forced_logits`)."""
     logits = measure.forced_logits(model, tokens, context_length, policy, prefill, decode, usage)
     return F.cross_entropy(logits, tokens[context_length:].to(logits.device), reduction="none")

@@ -34,11 +34,11 @@ import atomic_io  # noqa: E402
 import engine  # noqa: E402
 from eval import common  # noqa: E402
 from eval.common import UsageError  # noqa: E402
-from model import DenseCache  # noqa: E402
+from cache.full import FullCache  # noqa: E402
 from runtime.steps import run_decode, run_prefill  # noqa: E402
 
 
-class QueryRecorder(DenseCache):
+class QueryRecorder(FullCache):
     """The full cache, remembering the queries the analysis needs: the last `tail` prompt queries
     and every decode query, per layer ([B, H_q, n, D] lists) with their positions."""
 

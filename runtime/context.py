@@ -8,7 +8,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from model import DenseCache, Transformer
+from cache.full import FullCache
+from model import Transformer
 from runtime.stats import GenerationResult, generation_stats
 from runtime.steps import Sampler, UsageError, decode_step, prefill_step, run_decode, run_prefill, until_eos
 from tokenizer import Tokenizer
@@ -130,7 +131,7 @@ def prefill_context(model: Transformer, tokenizer: Tokenizer, context, new_polic
     (template end included) and its answer may add."""
     ids, suffix = encode_context(tokenizer, context, chat)
     check_context(len(ids), room, model.args.max_position_embeddings)
-    new_policy = new_policy or DenseCache
+    new_policy = new_policy or FullCache
     new_policy().prepare(model, tokenizer)            # calibration files the policy needs, made on first use
     policy = context_rows(model, new_policy, room, len(ids) + room)
     ctx = Context(ids, suffix, room, policy, new_policy, 0.0)

@@ -207,7 +207,7 @@ class RowBatch:
             context = context_rows(self.model, self.make_policy, self.max_new_tokens, self.max_seq_length)
             prefill_rows(self.model, ids, self.prefill_chunk)
         finally:
-            self.model.cache = self.policy
+            self.model.use_cache(self.policy)
         self.count_prefill(len(ids))
         self.prefixes.insert(tuple(ids), context, context.kv_bytes()["allocated"])
         return context
@@ -247,7 +247,7 @@ class RowBatch:
         """Prefill the next chunk of p's prompt in the scratch -> logits [V] of the prompt's last position
         once it is complete, else None."""
         model, device = self.model, self.model.output.weight.device
-        model.cache = self.scratch
+        model.use_cache(self.scratch)
         try:
             if not p.started:
                 self._begin(p)
@@ -264,7 +264,7 @@ class RowBatch:
             self.scratch.end_prefill()
             return logits[0]
         finally:
-            model.cache = self.policy
+            model.use_cache(self.policy)
 
     def _begin(self, p: Pending) -> None:
         """The scratch starts p's prompt: from the longest kept prefix of it, if any; fixes where to snapshot."""

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from cache.full import FullCache
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -69,14 +70,12 @@ def decode_step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor
 
     `n_filled` (the cache's live length) comes in as an argument so `torch.compile` treats it
     as a dynamic int: one compiled graph serves every step."""
-    model.cache.n_filled = n_filled
-    return model(token, input_pos)[:, -1]
+    return model(token, input_pos, decode=True, n_filled=n_filled)[:, -1]
 
 
 def prefill_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, n_filled: int) -> torch.Tensor:
     """One prefill chunk: tokens [B, T] -> last-position logits [B, V]."""
-    model.cache.n_filled = n_filled
-    return model(tokens, input_pos, last_only=True)[:, -1]
+    return model(tokens, input_pos, last_only=True, n_filled=n_filled)[:, -1]
 
 
 def chunk_end(done: int, total: int, chunk: int) -> int:
@@ -164,7 +163,7 @@ def warm_up(model: Transformer, prefill, decode, tokens: torch.Tensor, policy=No
     """Run the compiled steps once on a short prompt (tokens [B, T>=2]) so compilation happens
     before timing; the graphs are dynamic in lengths, so the real request reuses them."""
     B, T = tokens.shape
-    model.setup_caches(B, T + steps + 16, policy)  # never full: a full cache is a special shape
+    model.setup_caches(B, T + steps + 16, policy if policy is not None else FullCache())  # never full: a special shape
     pos = torch.arange(T, device=tokens.device).repeat(B, 1)  # made like generate()'s inputs
     with torch.inference_mode():
         run_prefill(model, tokens, pos, prefill)

@@ -199,7 +199,7 @@ class Engine:
 
     def iterate(self, lane: Lane, waiting: list) -> None:
         """Drop the requests whose clients went away, one admission step, then one decode step of every active row."""
-        self.model.cache = lane.batch.policy        # the lanes share the model: this lane's cache
+        self.model.use_cache(lane.batch.policy)       # the lanes share the model: this lane's cache
         for job in list(lane.rows.values()):
             if job.cancelled:
                 self.finish(lane, job, "cancelled")
@@ -361,7 +361,7 @@ class Engine:
         (--compile) is compiled before the first request."""
         with torch.inference_mode():
             for lane in self.lanes.values():
-                self.model.cache = lane.batch.policy
+                self.model.use_cache(lane.batch.policy)
                 ids = [0] * warmup_length(lane.batch.policy)
                 rows = {row: int(logits.argmax()) for row, logits in lane.batch.admit([ids] * self.max_batch)}
                 for _ in range(3):

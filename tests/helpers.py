@@ -105,9 +105,8 @@ def compiled_and_eager_decode(model, ids, steps: int = 8):
             if s == 2:
                 graphs = counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs, "decode recompiled after warm-up"
-        model.cache.n_filled = T
-        for s in range(steps):
-            eager.append(decode_step(model, ids[:, s:s + 1], torch.full((B, 1), T + s), model.cache.n_filled))
+        for s in range(steps):          # the same steps again: the cache's own count restarts at T
+            eager.append(decode_step(model, ids[:, s:s + 1], torch.full((B, 1), T + s), T + s))
     return torch.stack(compiled), torch.stack(eager)
 
 

@@ -24,7 +24,8 @@ import cache
 import engine
 from cache import PolicySpec
 from cache.params import param
-from model import DenseCache, ModelArgs, Transformer
+from cache.full import FullCache
+from model import ModelArgs, Transformer
 from runtime.steps import compiled_steps, prefill_step
 from tests.helpers import default_sigint
 
@@ -41,7 +42,7 @@ SCHEMA = {"policy": str, "policy_args": str, "batch_size": int, "context_length"
 
 
 @dataclass(eq=False)
-class ProbeCache(DenseCache):
+class ProbeCache(FullCache):
     """A second registered policy (the dense cache under another name, with one parameter), so the
     tests exercise the registry path, per-policy arguments and pairwise ratios."""
     name = "probe"

@@ -394,7 +394,7 @@ def test_full_in_prompt_chunks_then_decode_close_to_one_forward(tmp_path):
     with torch.no_grad():
         model.setup_caches(1, 64, with_kv_bits(make_policy("full"), 8, 8, 16))
         got = [model(ids[:, :25], torch.arange(25)), model(ids[:, 25:50], torch.arange(25, 50))]
-        got += [model(ids[:, t:t + 1], torch.tensor([t])) for t in range(50, 60)]
+        got += [model(ids[:, t:t + 1], torch.tensor([t]), decode=True) for t in range(50, 60)]
         model.setup_caches(1, 64)
         ref = model(ids, torch.arange(60))
     torch.testing.assert_close(torch.cat(got, 1), ref, atol=5e-3, rtol=0)

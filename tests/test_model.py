@@ -25,7 +25,7 @@ def test_tiny_prefill_chunks_and_decode_match_hf(kind, tmp_path):
         ref = hf(ids).logits
         ours.setup_caches(1, 64)
         got = [ours(ids[:, :13], torch.arange(13)), ours(ids[:, 13:24], torch.arange(13, 24))]
-        got += [ours(ids[:, t:t + 1], torch.tensor([t])) for t in range(24, 40)]
+        got += [ours(ids[:, t:t + 1], torch.tensor([t]), decode=True) for t in range(24, 40)]
     got = torch.cat(got, dim=1)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
@@ -52,7 +52,7 @@ def test_left_padded_batch_equals_single_sequences(kind, tmp_path):
         ours.setup_caches(3, 32)
         batch = [ours(tokens, pos)[:, -1:]]
         for s in range(steps):
-            batch.append(ours(follow[:, s:s + 1], pos[:, -1:] + 1 + s))
+            batch.append(ours(follow[:, s:s + 1], pos[:, -1:] + 1 + s, decode=True))
         batch = torch.cat(batch, dim=1)
         for b, p in enumerate(prompts):
             ours.setup_caches(1, 32)
@@ -71,7 +71,7 @@ def test_decode_attends_live_length_only(tmp_path, monkeypatch):
     with torch.no_grad():
         ours.setup_caches(1, 256)
         ours(torch.randint(0, 128, (1, 10)), torch.arange(10))
-        ours(torch.randint(0, 128, (1, 1)), torch.tensor([10]))
+        ours(torch.randint(0, 128, (1, 1)), torch.tensor([10]), decode=True)
     assert set(seen[:2]) == {10} and set(seen[2:]) == {11}
     assert ours.cache.kv_bytes()["live"] * 256 == ours.cache.kv_bytes()["allocated"] * 11
 

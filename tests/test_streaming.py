@@ -32,7 +32,7 @@ def test_decode_evicts_oldest_non_sink_and_stays_flat(tmp_path):
         allocated = policy.kv_bytes()["allocated"]
         last = pos[:, -1:]
         for step in range(1, 11):
-            model(torch.randint(0, 128, (2, 1)), last + step)
+            model(torch.randint(0, 128, (2, 1)), last + step, decode=True)
             rows = kept(policy)
             assert all(h == [0, 1] + list(range(20 + step - 6, 20 + step)) for h in rows[0])
             n1 = 5 + step                                         # row 1 fills its empty slots first
@@ -53,7 +53,7 @@ def test_budget_covering_everything_equals_full_cache(kind, tmp_path):
         with torch.no_grad():
             model.setup_caches(3, 64, policy)
             logits = [model(tokens, pos)[:, -1:]]
-            logits += [model(follow[:, s:s + 1], pos[:, -1:] + 1 + s) for s in range(8)]
+            logits += [model(follow[:, s:s + 1], pos[:, -1:] + 1 + s, decode=True) for s in range(8)]
         outs.append(torch.cat(logits, dim=1))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 

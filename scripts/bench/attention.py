@@ -34,8 +34,7 @@ def dense_step(layers):
 
 def attention_step(cache, pos, layers, qkv, n_filled):
     """One decode step's attention for every layer: the policy's `begin` + `decode` hooks."""
-    cache.n_filled = n_filled
-    cache.begin(pos)
+    cache.begin(pos, n_filled)
     return [cache.decode(layer, q, k, v) for layer, (q, k, v) in zip(layers, qkv)]
 
 

@@ -16,9 +16,9 @@ from typing import Callable, Optional
 
 import torch
 
-from bench.specs import CAPACITY_MARGIN, Config, build_policy
 import runtime.stats
 import runtime.steps
+from bench.specs import CAPACITY_MARGIN, Config, build_policy
 
 
 # --------------------------------------------------------------------------- the machine
@@ -38,7 +38,7 @@ def malloc_trim() -> None:
 
 def release(model) -> None:
     """Drop the model's cache (and everything a previous run left) before the next allocation."""
-    model.cache = None
+    model.use_cache(None)
     gc.collect()
     if model.output.weight.device.type == "cuda":
         torch.cuda.empty_cache()
