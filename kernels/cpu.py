@@ -66,14 +66,17 @@ HEADERS = [Path(__file__).with_name("cpu_vec.h")]      # what the sources #inclu
 def _build_tag() -> str:
     """A short hash of the CPU's feature flags (-march=native code must not be reused on another CPU),
     of the sources (an edited source must not load a stale build; checkouts with different kernels
-    never share one build) and of the Python environment (two venvs compile against different torch
-    headers: sharing a build directory would make each rebuild the other's extension).  OSError if a source
-    is missing (an install without them: _build then warns and the twins run)."""
+    never share one build), of the Python environment (two venvs compile against different torch
+    headers: sharing a build directory would make each rebuild the other's extension) and of the sources'
+    folder (torch's build file names the sources by absolute path: two checkouts of the same kernels
+    sharing a venv would otherwise rebuild the whole extension, minutes, each time the other one loaded it).
+    OSError if a source is missing (an install without them: _build then warns and the twins run)."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    text = flags.encode() + sys.prefix.encode() + b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    folder = str(SOURCES[0].parent.resolve())
+    text = flags.encode() + sys.prefix.encode() + folder.encode() + b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     return hashlib.sha1(text).hexdigest()[:10]
 
 

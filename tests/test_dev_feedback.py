@@ -28,6 +28,19 @@ def test_a_build_is_needed_when_the_library_is_missing_or_older_than_a_source(tm
     assert cpu.needs_build(library, sources)                       # a header edited after the build
 
 
+def test_two_checkouts_of_the_same_kernels_build_apart(tmp_path, monkeypatch):
+    """torch's build file names the sources by absolute path: one build shared by two checkouts would be
+    rebuilt whole at every switch (what made a targeted pytest file take minutes), with no line printed."""
+    import shutil
+    here = cpu.extension_name()
+    copies = []
+    for p in cpu.SOURCES + cpu.HEADERS:
+        copies.append(Path(shutil.copy(p, tmp_path / p.name)))
+    monkeypatch.setattr(cpu, "SOURCES", copies[:len(cpu.SOURCES)])
+    monkeypatch.setattr(cpu, "HEADERS", copies[len(cpu.SOURCES):])
+    assert cpu.extension_name() != here
+
+
 def test_the_build_dir_is_torchs(tmp_path, monkeypatch):
     from torch.utils.cpp_extension import _get_build_directory
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
