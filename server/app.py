@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mb", type=float, default=256,
                    help="MiB per policy of prefilled prompt prefixes kept for reuse (a prompt starting with a kept "
                         "prefix prefills only the rest: exact with full, compressed without the question with "
-                        "--agnostic-reuse: prefix_cache.py); 0: off")
+                        "--agnostic-reuse: runtime/prefix_cache.py); 0: off")
     p.add_argument("--agnostic-reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="a policy that compresses the prompt keeps shared prefixes compressed without their question "
                         "and appends each request's question (the question-agnostic protocol; responses say "

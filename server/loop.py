@@ -87,7 +87,7 @@ class Lane:
     rows: dict = field(default_factory=dict)             # row -> Job (the engine thread's own)
     kv: dict = field(default_factory=dict)               # the policy's latest kv_bytes(), read by /metrics
     kv_at: float = 0.0                                   # when it was read (time.monotonic)
-    prefixes: dict = field(default_factory=dict)         # its kept prefixes' stats (prefix_cache.py), read with kv
+    prefixes: dict = field(default_factory=dict)         # its kept prefixes' stats (runtime/prefix_cache.py), read with kv
 
 
 class Engine:
@@ -104,7 +104,7 @@ class Engine:
                  prefix_bytes: int = 0, agnostic: bool = True):
         """policies: {name: (spec text, a function making a fresh policy instance)}, the first the default;
         steps: the (prefill, decode) step functions (runtime.steps.compiled_steps for --compile); prefill_chunk: prompt
-        tokens prefilled between two decode steps; prefix_bytes: kept prefixes per lane (prefix_cache.py);
+        tokens prefilled between two decode steps; prefix_bytes: kept prefixes per lane (runtime/prefix_cache.py);
         agnostic: compressing policies keep compressed prefixes (RowBatch's agnostic protocol)."""
         self.model, self.tokenizer = model, tokenizer
         self.prefill_chunk, self.prefix_bytes, self.agnostic = prefill_chunk, prefix_bytes, agnostic

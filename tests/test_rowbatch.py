@@ -1,5 +1,5 @@
 """RowBatch's staged admission (start / advance: one prefill chunk between decode steps) and its reuse
-of prefilled prefixes (prefix_cache.py), on the policy matrix's tiny random Llama."""
+of prefilled prefixes (runtime/prefix_cache.py), on the policy matrix's tiny random Llama."""
 from __future__ import annotations
 
 import pytest
