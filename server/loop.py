@@ -87,7 +87,7 @@ class Lane:
     rows: dict = field(default_factory=dict)             # row -> Job (the engine thread's own)
     kv: dict = field(default_factory=dict)               # the policy's latest kv_bytes(), read by /metrics
     kv_at: float = 0.0                                   # when it was read (time.monotonic)
-    prefixes: dict = field(default_factory=dict)         # its kept prefixes' stats (runtime/prefix_cache.py), read with kv
+    prefixes: dict = field(default_factory=dict)         # its kept prefixes' stats (runtime/prefix_cache.py)
 
 
 class Engine:
