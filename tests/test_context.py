@@ -5,6 +5,7 @@ import torch
 
 import engine
 from cache import POLICIES, make_policy
+from cache.full import FullCache
 from cache.params import Budget
 from runtime.context import append_tokens, encode_question, prefill_context, question_rows
 from runtime.rows import RowBatch
@@ -61,10 +62,10 @@ def test_full_cache_answers_equal_one_prompt(engine_dir, essay_text):
     with torch.inference_mode():
         question_rows(model, ctx)
         logits = append_tokens(model, ids, len(ctx.ids))
-        model.setup_caches(1, ctx.max_seq_length)
+        model.setup_caches(1, ctx.max_seq_length, FullCache())
         joined = torch.tensor([ctx.ids + ids])
         want = run_prefill(model, joined, torch.arange(joined.shape[1])[None])
-        model.setup_caches(1, ctx.max_seq_length)
+        model.setup_caches(1, ctx.max_seq_length, FullCache())
         run_prefill(model, joined[:, :len(ctx.ids)], torch.arange(len(ctx.ids))[None])
         decoded = append_tokens(model, ids, len(ctx.ids))
     assert (logits - want).abs().max() <= 1e-5 * want.abs().max()      # measured: 3e-5 .. 5e-5 on logits up to ~20

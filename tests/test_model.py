@@ -7,6 +7,7 @@ import torch
 
 import engine
 from cache import make_policy
+from cache.full import FullCache
 import model as model_module
 from model import ModelArgs
 from runtime.steps import compiled_steps, run_prefill, warm_up
@@ -194,7 +195,7 @@ def test_generate_compiled_warms_up_and_never_recompiles(policy, tmp_path):
         prefill, decode = compiled_steps(torch.device("cpu"), prefill=True)
         ids = torch.tensor([prompts[0] * 2])
         warm_up(ours, prefill, decode, ids[:, :4])
-        ours.setup_caches(1, ids.shape[1] + 4)
+        ours.setup_caches(1, ids.shape[1] + 4, FullCache())
         with torch.inference_mode():
             run_prefill(ours, ids, torch.arange(ids.shape[1])[None], prefill)
         assert counters["stats"]["unique_graphs"] == graphs, "a sliced warm-up prompt recompiled"
