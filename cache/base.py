@@ -308,7 +308,7 @@ class EvictionPolicy(RowAdmission, ChunkStaging):
                                  f"{self.prompt_length} tokens")
             if T == 1 and self.n_filled:
                 raise ValueError("a later prompt chunk of one token would run as a decode step (model.forward): "
-                                 "chunks after the first need at least 2 tokens (engine.chunk_end)")
+                                 "chunks after the first need at least 2 tokens (runtime.steps.chunk_end)")
         elif not self.n_filled and T < self.prompt_length:
             raise ValueError(f"policy {self.name!r} takes the prompt in one pass here (prefill_in_one_pass): got "
                              f"{T} of its {self.prompt_length} tokens")

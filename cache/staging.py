@@ -1,7 +1,7 @@
 """A prompt in chunks for the eviction family (a mixin of EvictionPolicy, cache/base.py, whose state it reads).
 
 The prompt comes in one pass (engine.generate, the evals), or in chunks when the instance holds rows that
-join a running batch (decode_room set: engine.RowBatch interleaves the chunks with the other rows' decode
+join a running batch (decode_room set: runtime.rows.RowBatch interleaves the chunks with the other rows' decode
 steps; `prefill_in_one_pass`).  Chunks are *staged*: the prompt's K/V wait uncompressed in `staged` (per
 layer [B, H_kv, T, D], T the prompt's length), each chunk attends causally to everything staged so far,
 and the keep decision runs once, at `end_prefill`, on the whole prompt, exactly as in one pass.  The
