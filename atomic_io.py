@@ -15,24 +15,8 @@ import json
 import os
 import shutil
 import signal
-import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
-
-PAUSE_ENV = "KVPOLICY_TEST_PAUSE"   # tests: pause (and say so on stderr) at the named point of a write
-
-
-def test_pause(point: str) -> None:
-    """If $KVPOLICY_TEST_PAUSE names `point`, announce it on stderr and sleep, so a test can interrupt
-    the write exactly there.  Sleeps in short naps: a signal that lands after the announcement but
-    before a long sleep starts does not interrupt that sleep (CI saw a 60 s wait); between naps Python
-    runs the pending handler."""
-    if os.environ.get(PAUSE_ENV) == point:
-        print(f"paused at {point}", file=sys.stderr, flush=True)
-        for _ in range(600):
-            time.sleep(0.1)
-
 
 def temp_sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -61,7 +45,6 @@ def atomic_file(path, mode: str = "w", **kwargs):
             yield f
             f.flush()
             os.fsync(f.fileno())
-        test_pause(f"commit {path.name}")
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -97,7 +80,6 @@ def atomic_dir(path):
     tmp.mkdir()
     try:
         yield tmp
-        test_pause(f"commit {path.name}")
         with _signals_blocked():
             if path.exists():
                 os.rename(path, old)

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from atomic_io import atomic_dir, test_pause, write_json
+from atomic_io import atomic_dir, write_json
 from checkpoint.check import CheckpointError, check_config
 from checkpoint.quantized_dir import QUANT_METHOD, collect_qweights, flatten_qweights, read_quantization
 from model import ModelArgs
@@ -204,6 +204,5 @@ def write_converted_dir(out: Path, args: ModelArgs, hf_tensors: dict, tokenizer,
         tensors = {k: v for k, v in tensors.items() if not k.startswith("lm_head.")}
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        test_pause("converted weights")
         tokenizer.write_hf_files(tmp)
         write_json(tmp / "config.json", config, indent=2)

@@ -1,6 +1,6 @@
 """All-or-nothing writes (atomic_io): quantize.py, scripts/convert_checkpoint.py, the model fetch and the
 shared JSON/CSV writer are interrupted with SIGINT and SIGTERM midway (at a pause point the write
-announces: $KVPOLICY_TEST_PAUSE), and must leave the old state or nothing, and no temporaries."""
+announces: tests/pause_at.py runs them), and must leave the old state or nothing, and no temporaries."""
 import os
 import signal
 import subprocess
@@ -33,8 +33,10 @@ def tiny_dir(tmp_path_factory, default_dir):
 
 
 def interrupt(cmd: list, point: str, sig: int, cwd: Path) -> subprocess.CompletedProcess:
-    """Run cmd until it announces the pause `point`, send `sig`, return the finished process."""
-    env = {**os.environ, atomic_io.PAUSE_ENV: point, "OMP_NUM_THREADS": "1"}
+    """Run cmd ([python, program, args...]) under tests/pause_at.py until it announces the pause `point`, send
+    `sig`, return the finished process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [cmd[0], str(ROOT / "tests" / "pause_at.py"), point, *cmd[1:]]
     p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=default_sigint)
     lines = []
