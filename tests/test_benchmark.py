@@ -46,6 +46,7 @@ class ProbeCache(FullCache):
     """A second registered policy (the dense cache under another name, with one parameter), so the
     tests exercise the registry path, per-policy arguments and pairwise ratios."""
     name = "probe"
+    storage_kind = "own"        # another policy than `full`: --kv-bits never swaps its storage
     window: int = param(8, "a dummy parameter")
 
     def describe(self) -> dict:
@@ -444,10 +445,10 @@ def test_compiled_decode_loop_never_recompiles():
         assert s["decode_recompiles"] == 0
     assert counters["stats"]["unique_graphs"] == compiled, "the compiled steps recompiled after warm-up"
     # and the compiled steps compute what eager does
-    model.setup_caches(2, 64)
+    model.setup_caches(2, 64, FullCache())
     with torch.inference_mode():
         eager = measure.run_prefill(model, prefill_step, tokens[:, :37], 16)
-    model.setup_caches(2, 64)
+    model.setup_caches(2, 64, FullCache())
     with torch.inference_mode():
         comp = measure.run_prefill(model, compiled_steps(torch.device("cpu"), prefill=True)[0], tokens[:, :37], 16)
     torch.testing.assert_close(comp, eager, atol=1e-4, rtol=1e-4)
