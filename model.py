@@ -237,6 +237,7 @@ class DenseCache:
 
     n_filled = 0                    # tokens held (prompt + generated), a host int
     aligned = True                  # every row's next slot is n_filled (cache/full.py's rows: each its own)
+    prefill_in_one_pass = False     # a prompt may come in chunks (forwards of T >= 1 tokens before decode)
     # decode() is this class's own: write k, v at slot `start` of k[layer], v[layer], attend over slots
     # [0, n_filled) with row 0 of `mask` through decode_kernel.  Then EagerOps.dense_decode may do that
     # whole step as one op (head split included) instead of calling decode(); a subclass or an instance

@@ -358,7 +358,7 @@ class SlotStore:
 
     def attend_and_probs(self, q: Tensor, visible: Tensor, pos: Tensor, now: Tensor, k: Tensor, v: Tensor,
                          n: int) -> tuple[Tensor, Tensor, Tensor]:
-        """cache.base.attend_with_new over the packed slots t < n plus the new token k, v [B, H, 1, D]:
+        """cache.scoring.attend_with_new over the packed slots t < n plus the new token k, v [B, H, 1, D]:
         (out [B, H_q, 1, D], p_old [B, H, Gq, n], p_new [B, H, Gq, 1]), one joint softmax in fp32."""
         B, Hq, _, D = q.shape
         Gq = Hq // self.heads
@@ -482,7 +482,7 @@ class KIVIDenseCache(FullCache):
 
 class KIVISlots:
     """KIVI-packed slots for an eviction policy (`with_kv_bits` puts one in `policy.slots`): one SlotStore per
-    layer (`k[layer] is v[layer]`), the methods of cache.base.DenseSlots; the residual follows now = the
+    layer (`k[layer] is v[layer]`), the methods of cache.slots.DenseSlots; the residual follows now = the
     newest query position (q_pos.amax(-1))."""
 
     def __init__(self, bits: int = 4, group: int = GROUP, residual: int = RESIDUAL, backend: str = "auto"):

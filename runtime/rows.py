@@ -35,7 +35,7 @@ class RowBatch:
     instance of the policy (`scratch`), then moved into a free row (`policy.adopt`) while the other rows keep
     their state.  Admission is staged: `start` queues a request (it reserves a row), each `advance` runs one
     prefill chunk (at most prefill_chunk tokens, `chunk_end`; a compressing policy stages the chunks and
-    compresses the prompt with the last, cache/base.py) of the oldest one, so a server alternates one chunk
+    compresses the prompt with the last, cache/staging.py) of the oldest one, so a server alternates one chunk
     with one decode `step` of the running rows and a long prompt never stalls them for its whole length.
     `admit` is start + advance until done.  Every `step` decodes all rows together, each at its own position;
     free rows ride along at position -1 and nothing of theirs is read or kept.  A policy with admission
