@@ -14,7 +14,7 @@ from a higher one; layer 0 units are leaves and import nothing from the project:
                                             the C++ CPU kernels (kernels/cpu.py plugs into model.py's layers)
     2  cache/                               the KV-cache policies and their storage
     3  checkpoint, quantize.py,             reading / writing / quantizing / sharding checkpoints,
-       tokenizer.py, tp.py                  the tokenizer (tp.py reads cache/shard.py)
+       tokenizer/, tp.py                    the tokenizer (tp.py reads cache/shard.py)
     4  runtime/                             the steps, sampling, RowBatch, the context protocol, kept prefixes
     5  engine.py                            loading, generate, the CLI
     6  eval/, server/, serve.py             programs on the engine: the evals, the server (serve.py its command)

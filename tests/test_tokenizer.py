@@ -1,4 +1,4 @@
-"""Tests for tokenizer.py against HF transformers/tokenizers, tiktoken and sentencepiece oracles.
+"""Tests for tokenizer/ against HF transformers/tokenizers, tiktoken and sentencepiece oracles.
 
 Note on the GGUF oracle: transformers' GGUF loader ignores `tokenizer.ggml.pre` and always uses a plain
 ByteLevel pre-tokenizer, while SmolLM2's real tokenizer.json (and llama.cpp's "smollm" pre-tokenizer)
@@ -480,9 +480,11 @@ def test_sentencepiece_model(sp_dir, tmp_path):
 def test_module_does_not_import_hf_libraries():
     import ast
 
-    tree = ast.parse((ROOT / "tokenizer.py").read_text())
-    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    names = set()
+    for path in sorted((ROOT / "tokenizer").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names |= {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not names & {"transformers", "tokenizers", "huggingface_hub"}, names
 
 
