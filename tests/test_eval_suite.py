@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cache import make_policy
-from eval import agreement, common, longbench, measure, passkey, prompts, ruler, suite
+from eval import agreement, common, longbench, measure, passkey, prompts, ruler, suite, suite_cells, suite_report
 from tests.conftest import MULTI_NEWS
 from tests import test_eval
 
@@ -172,26 +172,26 @@ def test_agreement_full_with_itself_and_streaming(loaded, essays):
 # --------------------------------------------------------------------------- suite: parsing
 
 def test_parse_policies():
-    specs = suite.parse_policies("full; snapkv:budget=256,obs_window=16; hshare@a:preset=long;full:kv_bits=4;"
+    specs = suite_cells.parse_policies("full; snapkv:budget=256,obs_window=16; hshare@a:preset=long;full:kv_bits=4;"
                                  "snapkv+hshare:budget=512,preset=short")
     assert [(s.name, s.label, s.args, s.kv_bits) for s in specs] == [
         ("full", "", "", None), ("snapkv", "", "budget=256,obs_window=16", None), ("hshare", "a", "preset=long", None),
         ("full", "", "", 4), ("snapkv+hshare", "", "budget=512,preset=short", None)]
     assert specs[1].row(16) == "snapkv:budget=256,obs_window=16" and specs[3].row(4) == "full kv4"
-    repeated = suite.parse_policies(["full", "snapkv:budget=256,obs_window=16; hshare@a:preset=long"])
+    repeated = suite_cells.parse_policies(["full", "snapkv:budget=256,obs_window=16; hshare@a:preset=long"])
     assert repeated == specs[:3]
     for bad, message in [("budget=1;full", "malformed"), ("full;full", "twice"), ("", "empty"), (" ; ", "empty"),
                          ("full:kv_bits=x", "not an integer"), ("snapkv:", "malformed"), ("a@:x=1", "malformed")]:
         with pytest.raises(common.UsageError, match=message):
-            suite.parse_policies(bad)
+            suite_cells.parse_policies(bad)
 
 
 def test_parse_tasks():
-    assert suite.parse_tasks("needle, longbench:multi_news,ruler:x.jsonl") == ["needle", "longbench:multi_news",
-                                                                              "ruler:x.jsonl"]
+    assert suite_cells.parse_tasks("needle, longbench:multi_news,ruler:x.jsonl") == ["needle", "longbench:multi_news",
+                                                                                    "ruler:x.jsonl"]
     for bad in ("nope", "longbench", "needle,needle", "needle:x"):
         with pytest.raises(common.UsageError):
-            suite.parse_tasks(bad)
+            suite_cells.parse_tasks(bad)
 
 
 def test_report_ratios_and_table():
@@ -203,12 +203,12 @@ def test_report_ratios_and_table():
                rec("s", "needle", 100, 50, 0, "streaming", seconds=0.5), rec("s", "passkey", 100, 100, 50, "streaming"),
                {"row": "nope", "task": "needle", "policy": "nope", "label": "", "policy_args": "", "kv_bits": 16,
                 "status": "skipped", "error": "unknown policy 'nope'"}]
-    suite.compression(records)
+    suite_report.compression(records)
     assert records[2]["kv_ratio"] == 8 and records[2]["read_ratio"] == 16 and records[3]["kv_ratio"] == 2
-    s = suite.row_summary(records[2:4])
+    s = suite_report.row_summary(records[2:4])
     assert s["kv_ratio"] == pytest.approx(1000 / 200) and s["read_ratio"] == pytest.approx(1000 / 150)
     assert s["decode_tokens_per_s"] == pytest.approx(20 / 1.5)
-    md = suite.markdown(records, ["needle", "passkey"], ["full", "s", "nope"])
+    md = suite_report.markdown(records, ["needle", "passkey"], ["full", "s", "nope"])
     assert "| `s` | 0.0 | 50.0 | 5.00x | 6.67x | 13.3 |" in md
     assert "| `nope` | skipped |  |" in md and "- `nope` (needle): skipped: unknown policy 'nope'" in md
 
@@ -222,9 +222,9 @@ TINY = ["--lengths", "200", "--depths", "0.5", "--context-length", "64", "--eval
 
 @pytest.fixture
 def suite_env(tiny_loaded, monkeypatch, essays, multi_news):
-    """suite.run uses the already loaded tiny model, and counts (and can interrupt) run_task calls."""
+    """suite.run uses the already loaded tiny model, and counts (and can interrupt) suite_cells.run_task calls."""
     monkeypatch.setattr(suite.common, "load", lambda args: tiny_loaded)
-    calls, real = [], suite.run_task
+    calls, real = [], suite_cells.run_task
     state = {"interrupt_at": None}
 
     def counting(ctx, cell, new_policy):
@@ -232,7 +232,7 @@ def suite_env(tiny_loaded, monkeypatch, essays, multi_news):
         if state["interrupt_at"] == len(calls):
             raise KeyboardInterrupt
         return real(ctx, cell, new_policy)
-    monkeypatch.setattr(suite, "run_task", counting)
+    monkeypatch.setattr(suite_cells, "run_task", counting)
     return calls, state
 
 
@@ -310,13 +310,13 @@ def test_suite_interrupted_then_resumed_redoes_no_finished_cell(suite_env, tmp_p
 
 
 def test_suite_failing_cell_is_an_error_not_a_crash(suite_env, tmp_path, capsys, monkeypatch):
-    real = suite.run_task
+    real = suite_cells.run_task
 
     def flaky(ctx, cell, new_policy):
         if cell.row == "streaming:budget=32":
             raise RuntimeError("boom\nsecond line")
         return real(ctx, cell, new_policy)
-    monkeypatch.setattr(suite, "run_task", flaky)
+    monkeypatch.setattr(suite_cells, "run_task", flaky)
     out = tmp_path / "run"
     code, stdout, err = run_main(suite, capsys, "--policies", "full;streaming:budget=32", "--tasks", "perplexity",
                                  "--out", out, "--no-plot", *TINY)
@@ -344,7 +344,7 @@ def test_presets_follow_the_registry():
     """Every registered policy is a row of the accuracy preset, and every eviction policy with a budget one of
     the quick preset, without editing them (a new policy is not silently left out)."""
     from cache import POLICIES
-    accuracy = {spec.name for spec in suite.parse_policies(suite.accuracy_policies())}
-    quick = {spec.name for spec in suite.parse_policies(suite.QUICK_POLICIES)}
+    accuracy = {spec.name for spec in suite_cells.parse_policies(suite.accuracy_policies())}
+    quick = {spec.name for spec in suite_cells.parse_policies(suite.QUICK_POLICIES)}
     assert accuracy == set(POLICIES)
     assert {"knorm", "tova", "streaming"} <= set(suite.BUDGETED) <= quick
