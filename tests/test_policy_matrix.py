@@ -374,11 +374,11 @@ def keeps_top_token_scores(cls: type) -> bool:
 
 SCORED = sorted(n for n, cls in POLICIES.items() if keeps_top_token_scores(cls))
 
-# Each scored policy's rule written out naively: (keep score of a token from its key k [D] and position p,
-# the recent window of a row whose budget is `budget`, from the policy's parameters).
+# Each scored policy's rule written out naively: (keep score of a token from its key k [D], value v [D] and
+# position p, the recent window of a row whose budget is `budget`, from the policy's parameters).
 REFERENCE_RULES = {
-    "knorm": (lambda k, p: -math.sqrt(sum(x * x for x in k.tolist())), lambda budget, policy: policy.n_recent),
-    "streaming": (lambda k, p: float(p), lambda budget, policy: budget - policy.n_sink),
+    "knorm": (lambda k, v, p: -math.sqrt(sum(x * x for x in k.tolist())), lambda budget, policy: policy.n_recent),
+    "streaming": (lambda k, v, p: float(p), lambda budget, policy: budget - policy.n_sink),
 }
 
 # The policies with other rules, and the tests that check what they keep (or read) against an oracle.
@@ -410,11 +410,11 @@ KEPT_ARGS = ModelArgs(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2
 KEPT_LENGTHS, KEPT_STEPS, KEPT_BUDGET = [24, 17], 5, 10
 
 
-def expected_kept(keys: dict, n_seen: int, budget: int, n_sink: int, window: int, score) -> list[int]:
-    """The oracle: of the tokens seen (position -> key [D]), the first n_sink and the last `window` always, then the
-    best `score` (ties: the earlier position) up to `budget`, sorted."""
-    always = {p for p in keys if p < n_sink or p >= n_seen - window}
-    rest = sorted((p for p in keys if p not in always), key=lambda p: (-score(keys[p], p), p))
+def expected_kept(kv: dict, n_seen: int, budget: int, n_sink: int, window: int, score) -> list[int]:
+    """The oracle: of the tokens seen (position -> (key, value) [D]), the first n_sink and the last `window` always,
+    then the best `score` (ties: the earlier position) up to `budget`, sorted."""
+    always = {p for p in kv if p < n_sink or p >= n_seen - window}
+    rest = sorted((p for p in kv if p not in always), key=lambda p: (-score(*kv[p], p), p))
     return sorted(always | set(rest[:max(0, budget - len(always))]))
 
 
@@ -427,7 +427,7 @@ def check_kept_set(cls: type, rule, args: dict) -> None:
     B, T, L, H = len(KEPT_LENGTHS), max(KEPT_LENGTHS), KEPT_ARGS.n_layers, KEPT_ARGS.n_kv_heads
     policy.setup(KEPT_ARGS, B, T + KEPT_STEPS, torch.float32, "cpu")
     g = torch.Generator().manual_seed(0)
-    seen = {(layer, b, h): {} for layer in range(L) for b in range(B) for h in range(H)}   # position -> key
+    seen = {(layer, b, h): {} for layer in range(L) for b in range(B) for h in range(H)}   # position -> (k, v)
     prompt_pos = torch.stack([torch.arange(T) - (T - n) for n in KEPT_LENGTHS]).clamp(min=-1)
     for step in range(-1, KEPT_STEPS):              # -1: the prompt
         input_pos = prompt_pos if step < 0 else torch.tensor(KEPT_LENGTHS)[:, None] + step
@@ -442,7 +442,7 @@ def check_kept_set(cls: type, rule, args: dict) -> None:
                 for t, p in enumerate(input_pos[b].tolist()):
                     for h in range(H):
                         if p >= 0:
-                            seen[(layer, b, h)][p] = k[b, h, t]
+                            seen[(layer, b, h)][p] = k[b, h, t], v[b, h, t]
             (policy.prefill if step < 0 else policy.decode)(layer, q, k, v)
         if step < 0:
             policy.end_prefill()
@@ -458,10 +458,12 @@ def check_kept_set(cls: type, rule, args: dict) -> None:
 
 
 def kept_set_args(cls: type, windows: bool) -> dict:
-    """budget=KEPT_BUDGET, with windows: n_sink=2 and n_recent=3 where the policy has them (else its defaults)."""
+    """With windows: n_sink=2 and n_recent=3 where the policy has them (else its defaults); budget=KEPT_BUDGET, or
+    2 more than the sinks and window take when they take more (a policy's default windows may be wide)."""
     declared = policy_params(cls)
-    return {"budget": KEPT_BUDGET, **({k: v for k, v in (("n_sink", 2), ("n_recent", 3)) if k in declared}
-                                      if windows else {})}
+    args = {k: v for k, v in (("n_sink", 2), ("n_recent", 3)) if k in declared} if windows else {}
+    fixed = sum(args.get(k, declared[k][1]) for k in ("n_sink", "n_recent") if k in declared)
+    return {"budget": max(KEPT_BUDGET, fixed + 2), **args}
 
 
 @pytest.mark.parametrize("windows", [True, False], ids=["windows", "defaults"])
