@@ -9,8 +9,8 @@ Single file, no imports from the rest of the project: copy it into your own code
     logits = model(token, pos, decode=True)   # then one token per row and step: token [B, 1]
 
 Each call appends its T tokens to the cache (call `model.reset_caches()` to start new
-sequences); the caller says which forwards are decode steps.  `input_pos` gives every token's absolute position (RoPE is applied at it and
-the cache records it); a negative position marks left padding, which is never attended.
+sequences); the caller says which forwards are decode steps.  `input_pos` gives every token's
+absolute position (RoPE is applied at it and the cache records it); a negative position marks left padding, which is never attended.
 
 The cache is a *policy* object (duck-typed; see `DenseCache` for the contract, and the
 project's `cache/` package for compressing policies).  It owns preallocated per-layer

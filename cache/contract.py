@@ -1,8 +1,8 @@
 """The cache-policy contract: what `model.Transformer` and `runtime/` call on a policy, in one place.
 
 A policy is any object with these members (`cache/full.py`'s FullCache, the `full` policy, is the smallest
-one: model.py's plain DenseCache with rows; `cache/base.py`'s EvictionPolicy and `cache/sparse_read.py`'s SparseReader implement the
-mechanics most policies share, so a new policy usually writes only its scoring rule: see
+one: model.py's plain DenseCache with rows; `cache/base.py`'s EvictionPolicy and `cache/sparse_read.py`'s
+SparseReader implement the mechanics most policies share, so a new policy usually writes only its scoring rule: see
 docs/adding-a-policy.md).  Shapes: B batch rows, T tokens of this forward, H_q query heads,
 H_kv KV heads, G = H_q / H_kv, D head_dim, C a layer's slots.
 
@@ -44,9 +44,9 @@ RowBatch's agnostic rows alike) is held whole:
     question_room(row)               the longest question the row holds whole (None: nothing is evicted);
                                      hold_question refuses a longer one (ValueError)
 
-The scratch's prompt comes in chunks of RowBatch's prefill_chunk (runtime.steps.chunk_end: a chunk after the first
-holds at least 2 tokens: compressing policies take a one-token forward after the prompt's first as a decode step), each chunk one
-step of the staged admission (RowBatch.start / advance, interleaved with the running rows' decode steps).  A
+The scratch's prompt comes in chunks of RowBatch's prefill_chunk (runtime.steps.chunk_end: a chunk after the
+first holds at least 2 tokens: compressing policies take a one-token forward after the prompt's first as a
+decode step), each chunk one step of the staged admission (RowBatch.start / advance, interleaved with the running rows' decode steps).  A
 compressing policy (cache/base.py's EvictionPolicy) takes the chunks *staged*: its prompt's K/V wait
 uncompressed in a buffer of the prompt's length, each chunk attends to everything staged so far, and
 end_prefill compresses the whole prompt with the statistics one pass gives (`prefill_queries`: the last n
@@ -88,8 +88,8 @@ Capabilities are declared as class attributes (never probed with hasattr):
                          "reader" (a sparse reader: its inner policy's), "own" (pod: a layout of its own)
     (model.DenseCache and its subclasses also declare fused_dense_decode: False when they replace its
     decode or storage, see model.DenseCache)
-Attributes a policy sets up (setup, adopt) are declared in its __init__ / __post_init__ as None, never
-probed; `cache.register` refuses a class that lacks a member of CachePolicy below (contract_members).
+Attributes a policy sets up (setup, adopt) are declared as None (class attributes, __init__ or
+__post_init__), never probed; `cache.register` refuses a class that lacks a member of CachePolicy below (contract_members).
 `full_cache_args(n)` states the policy's promise about the full cache: the arguments under which it
 keeps and reads every one of n tokens, so its logits equal the full cache's (None: no such promise).
 The policy test matrix (tests/test_policy_matrix.py) checks every registered policy against this.

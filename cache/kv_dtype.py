@@ -95,9 +95,8 @@ def kv_storage(policy, bits: int, group: int, residual: int, kv_dtype: Optional[
         if dtype is None or dtype == compute_dtype:
             return policy
         if policy.storage_kind != "dense":
-            name = policy.name
             raise ValueError(f"--kv-bits {bits} / --kv-dtype: only `full` stores K/V in another dtype than the "
-                             f"compute dtype, not {name!r}")
+                             f"compute dtype, not {policy.name!r}")
         return StoredDenseCache(dtype)
     if kv_dtype is not None:
         raise ValueError(f"--kv-dtype applies to unquantized storage (--kv-bits 32 or 16), not --kv-bits {bits}")

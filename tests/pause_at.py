@@ -4,8 +4,8 @@
     python tests/pause_at.py POINT -c CODE
 
 POINT is "commit NAME" (just before atomic_io renames a finished temporary over NAME: atomic_file's replace,
-atomic_dir's renames before their signals are held back) or "converted weights" (right after the weights file of
-a converted directory is written: checkpoint.hf_dir's safetensors save_file).  At the point it says "paused at POINT" on stderr and
+atomic_dir's renames before their signals are held back) or "converted weights" (right after the weights file
+of a converted directory is written: checkpoint.hf_dir's safetensors save_file).  At the point it says "paused at POINT" on stderr and
 sleeps in short naps (a signal landing between the announcement and a long sleep would not interrupt it; between
 naps Python runs the pending handler), so the product's modules carry no hook for this.
 """
