@@ -26,6 +26,7 @@ class Pending:
     protocol: str = "aware"             # how its prompt is held: "exact", "aware" or "agnostic" (RowBatch)
     question: list[int] = field(default_factory=list)   # agnostic: prompt tokens still to append, one a step
     kept: Optional[object] = None       # exact: the kept prefix its prompt starts with (reused or snapshotted)
+    agnostic: bool = True               # may take the agnostic protocol (False: only exact reuse, else "aware")
 
 
 class RowBatch:
@@ -109,10 +110,12 @@ class RowBatch:
             return sum(p < 0 for p in self.next_pos) - len(self.pending)
         return 0 if self.active else self.max_batch - len(self.pending)
 
-    def start(self, ids: list[int], prefix_len: Optional[int] = None, new_tokens: Optional[int] = None) -> Pending:
+    def start(self, ids: list[int], prefix_len: Optional[int] = None, new_tokens: Optional[int] = None,
+              agnostic: bool = True) -> Pending:
         """Queue the request `ids` (token ids; prefix_len: where a prefix shared with other requests ends, if
-        known; new_tokens: the most it may generate, default max_new_tokens) for admission -> its Pending,
-        holding the row it will take.  ValueError when none is free."""
+        known; new_tokens: the most it may generate, default max_new_tokens; agnostic=False: never the agnostic
+        protocol, its whole prompt prefilled with its question) for admission -> its Pending, holding the row it
+        will take.  ValueError when none is free."""
         if not ids:
             raise ValueError("empty prompt")
         if self.room < 1:
@@ -121,7 +124,8 @@ class RowBatch:
         row = next(r for r in range(self.max_batch) if self.next_pos[r] < 0 and r not in taken)
         protocol = "exact" if self.policy.prefix_reuse else "aware"
         self._snapshot_for(ids)
-        self.pending.append(Pending(list(ids), row, prefix_len, new_tokens=new_tokens, protocol=protocol))
+        self.pending.append(Pending(list(ids), row, prefix_len, new_tokens=new_tokens, protocol=protocol,
+                                    agnostic=agnostic))
         return self.pending[-1]
 
     def _snapshot_for(self, ids: list[int]) -> None:
@@ -160,7 +164,8 @@ class RowBatch:
             return self._prefill_group()
         p = self.pending[0]
         try:
-            context = self._context(p) if self.agnostic and self.prefixes is not None and not p.started else None
+            agnostic = self.agnostic and p.agnostic and self.prefixes is not None and not p.started
+            context = self._context(p) if agnostic else None
             logits = None if context is not None else self._chunk(p)
         except BaseException:
             self.pending.remove(p)

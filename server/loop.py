@@ -35,6 +35,13 @@ class QueueFull(RuntimeError):
     """Every row is busy and --max-queue requests already wait: 429."""
 
 
+class ShuttingDown(RuntimeError):
+    """The server stops at once (a second signal, or the drain limit passed): 503."""
+
+
+STATUS = {"stop": 200, "length": 200, "cancelled": 499, "error": 500}      # a request's end -> its HTTP status
+
+
 # --------------------------------------------------------------------------- one request
 
 @dataclass
@@ -47,7 +54,8 @@ class Job:
     lane: str                         # the name of the started policy that serves it
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue = field(default_factory=asyncio.Queue)   # ("start", protocol), ("text", str)...,
-                                                                # ("done", reason); or ("error", msg) at any time
+                                                                # ("done", reason); or ("error", msg) (500) or
+                                                                # ("unavailable", msg) (503) at any time
     tokens: list[int] = field(default_factory=list)
     sent: int = 0                     # characters of the text already sent
     cancelled: bool = False           # set by the handler when its client goes away
@@ -55,14 +63,17 @@ class Job:
     row: int = -1                     # its row in the lane's RowBatch, once admitted
     submitted: float = field(default_factory=time.monotonic)
     last: Optional[float] = None      # when its latest token was sampled (time.monotonic)
+    rid: str = ""                     # its request id (X-Request-Id), in the log lines about it
+    agnostic: bool = True             # may its prompt take the question-agnostic protocol (kv_reuse "any")
 
     def send(self, *item) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
-def failure(e: Exception) -> str:
-    """A request's failure as its error message (`Type: message`), logged with its traceback."""
-    log.error("request failed", exc_info=e)
+def failure(e: Exception, rids=()) -> str:
+    """A failure of the requests `rids` (their ids, in the log line) as its error message (`Type: message`), logged
+    with its traceback."""
+    log.error("request %s failed", " ".join(rids) or "?", exc_info=e)
     return f"{type(e).__name__}: {e}"
 
 
@@ -120,6 +131,7 @@ class Engine:
         self.itl = {name: Histogram(self.ITL_BOUNDS) for name in self.lanes}
         self.wake = threading.Condition()           # guards the queues and the counters above
         self.stopping = False
+        self.aborting: Optional[str] = None         # set by `abort`: every request fails with this (503)
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
         for lane in self.lanes.values():
             self.read_kv(lane)
@@ -132,11 +144,46 @@ class Engine:
                         share_prefix=decode is decode_step)        # not under --compile
 
     def submit(self, job: Job) -> None:
+        """Queue job for its lane: QueueFull when it would wait for a row (no free row takes it at the next
+        iteration) while --max-queue requests already do; ShuttingDown after `abort`."""
         with self.wake:
-            waiting = sum(len(lane.waiting) for lane in self.lanes.values())
-            if waiting >= self.max_queue:
-                raise QueueFull(f"{waiting} requests already wait for a row; try again later")
-            self.lanes[job.lane].waiting.append(job)
+            if self.aborting:
+                raise ShuttingDown(self.aborting)
+            lane = self.lanes[job.lane]
+            if len(lane.waiting) >= max(lane.batch.room, 0):
+                queued = sum(self.queued(other) for other in self.lanes.values())
+                if queued >= self.max_queue:
+                    raise QueueFull(f"{queued} requests already wait for a row; try again later")
+            lane.waiting.append(job)
+            self.wake.notify()
+
+    @staticmethod
+    def queued(lane: Lane) -> int:
+        """(Under the lock) the lane's waiting requests that no free row takes at its next iteration."""
+        return max(len(lane.waiting) - max(lane.batch.room, 0), 0)
+
+    def cancel(self, job: Job) -> None:
+        """job's client went away: a waiting job ends now (cancelled, 499), a started one at the engine's next
+        iteration (its row freed)."""
+        with self.wake:
+            job.cancelled = True
+            lane = self.lanes[job.lane]
+            if any(j is job for j in lane.waiting):
+                lane.waiting.remove(job)
+                self.count(lane.name, "cancelled")
+                job.send("done", "cancelled")
+
+    def count(self, lane: str, reason: str, n: int = 1, status: Optional[int] = None) -> None:
+        """(Under the lock) n requests of the lane ended for `reason`, answered with `status` (STATUS[reason])."""
+        self.finished[lane, reason] += n
+        self.http[status or STATUS[reason]] += n
+
+    def abort(self, message: str = "the server is shutting down") -> None:
+        """Stop at once: every request in flight or waiting fails with 503 (`message`) at the engine's next
+        iteration, and `submit` refuses new ones; `run` goes on until request_stop.  Only sets state (a signal
+        handler in the engine's thread may call it)."""
+        with self.wake:
+            self.aborting = message
             self.wake.notify()
 
     def request_stop(self) -> None:
@@ -174,16 +221,25 @@ class Engine:
                         break
                     waiting = {name: self.drop_cancelled(lane) for name, lane in self.lanes.items()}
                 for lane in self.lanes.values():
+                    if self.aborting:
+                        self.fail_lane(lane, self.aborting)
+                        waiting[lane.name] = []
                     if waiting[lane.name] or lane.starting or lane.rows:
                         self.run_lane(lane, waiting[lane.name])
         for lane in self.lanes.values():
-            self.fail_jobs(lane, list(lane.rows.values()) + lane.starting + lane.waiting, "the server is shutting down")
+            self.fail_lane(lane, "the server is shutting down")
+
+    def fail_lane(self, lane: Lane, message: str) -> None:
+        """Every request of the lane (in a row, prefilling or waiting) fails with 503 (`message`): the server stops."""
+        for job in list(lane.rows.values()) + list(lane.starting) + list(lane.waiting):
+            self.fail_job(lane, job, message, 503)
 
     def drop_cancelled(self, lane: Lane) -> list:
-        """(Under the lock) forget the waiting jobs whose clients went away -> the lane's waiting jobs."""
+        """(Under the lock) end the waiting jobs whose clients went away -> the lane's waiting jobs."""
         for job in [j for j in lane.waiting if j.cancelled]:
             lane.waiting.remove(job)
-            self.finished[lane.name, "cancelled"] += 1
+            self.count(lane.name, "cancelled")
+            job.send("done", "cancelled")
         return list(lane.waiting)
 
     def run_lane(self, lane: Lane, waiting: list) -> None:
@@ -193,7 +249,8 @@ class Engine:
         try:
             self.iterate(lane, waiting)
         except Exception as e:                      # noqa: BLE001 -- fail the requests in flight, keep serving
-            self.fail_jobs(lane, list(lane.rows.values()) + lane.starting + lane.waiting, failure(e))
+            jobs = list(lane.rows.values()) + lane.starting + lane.waiting
+            self.fail_jobs(lane, jobs, failure(e, [j.rid for j in jobs]))
             lane.batch = self.new_batch(lane.make_policy)       # a clean one
         self.read_kv(lane)
 
@@ -207,7 +264,8 @@ class Engine:
             lane.batch.cancel(job.pending)
             lane.starting.remove(job)
             with self.wake:
-                self.finished[lane.name, "cancelled"] += 1
+                self.count(lane.name, "cancelled")
+            job.send("done", "cancelled")
         self.admit(lane, waiting)
         if lane.batch.active:
             self.decode(lane)
@@ -223,15 +281,16 @@ class Engine:
             del lane.waiting[:len(taken)]
         for job in taken:
             try:
-                job.pending = lane.batch.start(job.ids, new_tokens=job.max_tokens)
+                job.pending = lane.batch.start(job.ids, new_tokens=job.max_tokens, agnostic=job.agnostic)
                 lane.starting.append(job)
             except Exception as e:              # noqa: BLE001 -- this request alone
-                self.fail_job(lane, job, failure(e))
+                self.fail_job(lane, job, failure(e, [job.rid]))
         try:
             admitted = lane.batch.advance()
         except Exception as e:                  # noqa: BLE001 -- the requests it dropped
-            message = failure(e)
-            for job in [j for j in lane.starting if not lane.batch.holds(j.pending)]:
+            dropped = [j for j in lane.starting if not lane.batch.holds(j.pending)]
+            message = failure(e, [j.rid for j in dropped])
+            for job in dropped:
                 self.fail_job(lane, job, message)
             return
         for row, logits in admitted:
@@ -243,7 +302,7 @@ class Engine:
         try:
             logits = lane.batch.step({row: job.tokens[-1] for row, job in lane.rows.items()})
         except Exception as e:                  # noqa: BLE001 -- no one row to blame
-            return self.reset_lane(lane, failure(e))
+            return self.reset_lane(lane, failure(e, [j.rid for j in lane.rows.values()]))
         for row, job in list(lane.rows.items()):
             self.emit(lane, job, logits[row])
         for row in lane.batch.joined:               # rows whose prompt this step completed (agnostic reuse)
@@ -265,7 +324,7 @@ class Engine:
         try:
             self.sample(lane, job, logits)
         except Exception as e:                  # noqa: BLE001 -- this request alone
-            self.fail_job(lane, job, failure(e))
+            self.fail_job(lane, job, failure(e, [job.rid]))
 
     def sample(self, lane: Lane, job: Job, logits: torch.Tensor) -> None:
         """Sample job's next token from logits [V], send the new text, finish it at EOS/stop/max_tokens."""
@@ -302,13 +361,13 @@ class Engine:
         del lane.rows[job.row]
         lane.batch.release(job.row)
         with self.wake:
-            self.finished[lane.name, reason] += 1
+            self.count(lane.name, reason)
         if len(text) > job.sent:
             job.send("text", text[job.sent:])
         job.send("done", reason)
 
-    def fail_job(self, lane: Lane, job: Job, message: str) -> None:
-        """One request failed: free its row or its staged admission, count it, send it the error (500)."""
+    def fail_job(self, lane: Lane, job: Job, message: str, status: int = 500) -> None:
+        """One request failed: free its row or its staged admission, count it, send it the error (`status`)."""
         if lane.rows.get(job.row) is job:
             del lane.rows[job.row]
             lane.batch.release(job.row)
@@ -316,7 +375,7 @@ class Engine:
             lane.starting.remove(job)
             if lane.batch.holds(job.pending):
                 lane.batch.cancel(job.pending)
-        self.fail_jobs(lane, [job], message)
+        self.fail_jobs(lane, [job], message, status)
 
     def reset_lane(self, lane: Lane, message: str) -> None:
         """A decode step failed: no one row is to blame, so every request holding a row of the lane's batch fails
@@ -330,18 +389,18 @@ class Engine:
             lane.waiting[:0] = again
         lane.batch = self.new_batch(lane.make_policy)
 
-    def fail_jobs(self, lane: Lane, jobs: list, message: str) -> None:
-        """Send the error to these jobs of the lane and forget them (their rows and staged admissions are the
-        caller's to free, or its batch's to drop)."""
+    def fail_jobs(self, lane: Lane, jobs: list, message: str, status: int = 500) -> None:
+        """Send the error (`status`: 500, or 503 when the server stops) to these jobs of the lane and forget them
+        (their rows and staged admissions are the caller's to free, or its batch's to drop)."""
         with self.wake:
-            self.finished[lane.name, "error"] += len(jobs)
-            lane.waiting = [j for j in lane.waiting if j not in jobs]
+            self.count(lane.name, "error", len(jobs), status)
+            lane.waiting = [j for j in lane.waiting if not any(j is k for k in jobs)]
         for job in jobs:
             if lane.rows.get(job.row) is job:
                 del lane.rows[job.row]
             if job in lane.starting:
                 lane.starting.remove(job)
-            job.send("error", message)
+            job.send("error" if status == 500 else "unavailable", message)
 
     def read_kv(self, lane: Lane) -> None:
         """Refresh the lane's kept-prefix counters and KV byte counts for /metrics (here, on the engine thread: the

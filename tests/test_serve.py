@@ -22,7 +22,7 @@ from runtime.context import prefill_context
 from runtime.prefix_cache import common_prefix
 from runtime.steps import Sampler
 from server import loop
-from server.app import build_engine, build_parser, make_app
+from server.app import app_options, build_engine, build_parser, make_app
 from cache import make_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,10 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @contextlib.contextmanager
 def running(checkpoint, *flags):
     """A server for the flags on a free port -> (httpx client, its Engine); always shut down."""
-    srv = build_engine(build_parser().parse_args(["--checkpoint", str(checkpoint), *flags]))
+    args = build_parser().parse_args(["--checkpoint", str(checkpoint), *flags])
+    srv = build_engine(args)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(make_app(srv, "tiny"), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(make_app(srv, "tiny", **app_options(args)), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     srv.thread.start()
     thread.start()
@@ -58,14 +59,23 @@ def served(tiny_dir):
         yield s
 
 
+USAGE = {"stream_options": {"include_usage": True}}
+
+
 def events(client, path, body) -> list:
-    """The parsed `data:` events of a streamed request, the last one the string "[DONE]"."""
+    """The parsed `data:` events of a streamed request, the last one the string "[DONE]"; with include_usage
+    (USAGE) every chunk's usage is null but the last chunk's, which has no choices."""
     with client.stream("POST", path, json={**body, "stream": True}) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
-    return [json.loads(d) for d in data[:-1]] + ["[DONE]"]
+    out = [json.loads(d) for d in data[:-1]]
+    if body.get("stream_options", {}).get("include_usage") and "error" not in out[-1]:
+        assert all(c["usage"] is None for c in out[:-1]) and out[-1]["choices"] == [], out
+        return out[:-1] + [{**out[-2], "usage": out[-1]["usage"]}, "[DONE]"]      # usage put on the finish chunk
+    assert all("usage" not in c for c in out)
+    return out + ["[DONE]"]
 
 
 def test_completion_streamed_and_not(served):
@@ -80,7 +90,7 @@ def test_completion_streamed_and_not(served):
     prompt_tokens = len(srv.tokenizer.encode(body["prompt"]))
     assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 12, "total_tokens": prompt_tokens + 12,
                             "prompt_tokens_details": {"cached_tokens": 0}}
-    chunks = events(client, "/v1/completions", body)
+    chunks = events(client, "/v1/completions", {**body, **USAGE})
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == choice["text"]
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
     assert chunks[-2]["usage"] == out["usage"]
@@ -352,7 +362,7 @@ def test_agnostic_prefix_reuse_for_a_compressing_policy(tiny_dir):
     with running(tiny_dir, *flags) as (client, srv):
         got = [complete(client, q, 8, kv_policy="snapkv") for q in questions[:2]]
         chunks = events(client, "/v1/completions", {"prompt": questions[2], "max_tokens": 8, "temperature": 0,
-                                                     "kv_policy": "snapkv"})
+                                                     "kv_policy": "snapkv", **USAGE})
         exact = complete(client, questions[0], 4)
         prefix = srv.lanes["snapkv"].prefixes
     ids = [srv.tokenizer.encode(q) for q in questions]
@@ -505,25 +515,44 @@ def test_hold_back_keeps_partial_characters_and_stop_prefixes():
     assert loop.hold_back("abc", ["xy"]) == 0
 
 
-def test_cli_says_where_it_serves_once_bound(tiny_dir):
-    """python serve.py prints one line on stderr, "serving on http://127.0.0.1:PORT", once uvicorn has bound the
-    port: a request sent right after it is answered.  SIGTERM then stops the server (exit 0)."""
+@contextlib.contextmanager
+def cli(tiny_dir, *flags):
+    """python serve.py on a free port (torch twins, one thread) -> (process, base URL, its stderr lines queue, a
+    list to keep clients alive in); killed at the end."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KVC_CPU_KERNELS": "0"}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(tiny_dir), "--host", "127.0.0.1",
-                             "--port", str(port)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(tiny_dir), "--port", str(port),
+                             *flags], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     lines = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
     try:
         deadline, said = time.monotonic() + 120, []
         while not said or not said[-1].startswith("serving on"):
             said.append(lines.get(timeout=max(deadline - time.monotonic(), 0.01)))
-        assert said[-1] == f"serving on http://127.0.0.1:{port}\n", said
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert said[0].startswith("loading ") and said[-1] == f"serving on http://127.0.0.1:{port}\n", said
+        yield proc, f"http://127.0.0.1:{port}", lines, []
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def exits_cleanly(proc, lines, since: float, seconds: float) -> None:
+    """The server exits 0 within `seconds` of `since` (time.monotonic), no traceback on its stderr."""
+    assert proc.wait(timeout=30) == 0 and time.monotonic() - since < seconds
+    out = []
+    while not lines.empty():
+        out.append(lines.get())
+    assert "Traceback" not in "".join(out), out
+
+
+def test_cli_says_where_it_serves_once_bound(tiny_dir):
+    """python serve.py says "loading ..." then, once uvicorn has bound the port, "serving on
+    http://127.0.0.1:PORT" on stderr: a request sent right after it is answered.  SIGTERM then stops the server
+    (exit 0)."""
+    with cli(tiny_dir) as (proc, url, lines, _):
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        exits_cleanly(proc, lines, t0, 60)

@@ -42,15 +42,20 @@ class Tokenizer:
 
     # -- encode / decode -----------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Text -> ids.  Special tokens in the text are always parsed; BOS only if the checkpoint adds it."""
+    def encode(self, text: str, add_special_tokens: bool = True, plain=()) -> list[int]:
+        """Text -> ids.  Special tokens in the text are parsed, but for those overlapping a `plain` span
+        [(start, end) character offsets], encoded as the text they are; BOS only if the checkpoint adds it."""
         ids = [self.bos_id] if add_special_tokens and self.add_bos else []
-        parts = self._special_re.split(text) if self._special_re else [text]
-        for k, part in enumerate(parts):
-            if k % 2:
-                ids.append(self.special_tokens[part])
-            elif part:
-                ids += self.backend.encode(part)
+        at = 0                                      # the text before `at` is encoded
+        for m in self._special_re.finditer(text) if self._special_re else ():
+            if any(start < m.end() and m.start() < end for start, end in plain):
+                continue
+            if m.start() > at:
+                ids += self.backend.encode(text[at:m.start()])
+            ids.append(self.special_tokens[m.group()])
+            at = m.end()
+        if at < len(text):
+            ids += self.backend.encode(text[at:])
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
@@ -103,6 +108,41 @@ class Tokenizer:
         kwargs = {"tools": None, "documents": None, **special, **kwargs}
         return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                               **kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """`messages` ({"role", "content": str}) rendered with the chat template -> ids, each message's content
+        encoded as text: a special token written in it (say "<|im_end|>") is never that token's id, so a message
+        cannot end its turn or open another.  ValueError when the template changes the text of a message that
+        holds such a token (its span in the rendered text is then unknown)."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        spans = self._content_spans(messages, text, add_generation_prompt)
+        if spans is None:
+            if self._special_re and any(self._special_re.search(m["content"]) for m in messages):
+                raise ValueError("the chat template changes the messages' text, so the special-token text in a "
+                                 "message cannot be kept as text")
+            spans = []
+        return self.encode(text, add_special_tokens=False, plain=spans)
+
+    def _content_spans(self, messages: list[dict], text: str, add_generation_prompt: bool):
+        """Where each message's content lies in `text` (the rendered messages) -> [(start, end)], found by
+        rendering them with markers in place of the contents; None unless each marker is there once and putting
+        the contents back gives `text` (the template left the contents as they are)."""
+        tag = os.urandom(4).hex()
+        marks = [f"\ue000{tag}:{i}\ue001" for i in range(len(messages))]
+        skeleton = self.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                            add_generation_prompt)
+        spans, out, at = [], [], 0
+        for m, mark in zip(messages, marks):
+            i = skeleton.find(mark, at)
+            if i < 0 or skeleton.count(mark) != 1:
+                return None
+            out.append(skeleton[at:i])
+            start = sum(map(len, out))
+            out.append(m["content"])
+            spans.append((start, start + len(m["content"])))
+            at = i + len(mark)
+        out.append(skeleton[at:])
+        return spans if "".join(out) == text else None
 
     # -- constructors --------------------------------------------------------------------------
 
