@@ -2,7 +2,8 @@
 
     python serve.py --checkpoint checkpoints/SmolLM2-135M-Instruct --policies 'full; snapkv:budget=256' --port 8000
 
-Once it accepts connections it prints where it listens ("serving on http://127.0.0.1:8000") on stderr.
+It prints "loading CHECKPOINT ..." on stderr, the C++ kernels' one line if they are built now (minutes, once), and,
+once it accepts connections, where it listens ("serving on http://127.0.0.1:8000").
 """
 from __future__ import annotations
 
