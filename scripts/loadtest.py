@@ -267,7 +267,10 @@ def free_port() -> int:
 def server_command(side: str, args, knobs: sides.Knobs, port: int) -> tuple[list[str], dict]:
     """(command line, environment) of a server this script starts: ours, llama.cpp, vllm or llama-server."""
     if side == "ours":
-        return sides.ours_command(args.server, port, knobs, shlex.split(args.server_flags), serves_kv_memory())
+        kv = knobs.kv_memory is not None and serves_kv_memory()
+        if knobs.kv_memory is not None and not kv:
+            print("# ours: this serve.py has no --kv-memory; it runs without one", file=sys.stderr)
+        return sides.ours_command(args.server, port, knobs, shlex.split(args.server_flags), kv)
     flags = shlex.split(args.peer_flags)
     if side == "llama.cpp":
         return sides.llama_cpp_command(args.gguf, port, knobs, flags)
@@ -298,19 +301,24 @@ class Started:
         deadline = time.monotonic() + startup_s
         while True:
             if self.proc.poll() is not None:
-                self.log.seek(0)
-                tail = self.log.read()[-2000:].strip()
-                self.log.close()
+                tail = self.tail()
+                self.stop()
                 raise RuntimeError(f"the {side} server exited ({self.proc.returncode}): {tail}")
             if time.monotonic() > deadline:
+                tail = self.tail()
                 self.stop()
-                raise RuntimeError(f"the {side} server did not answer /v1/models within {startup_s:.0f} s")
+                raise RuntimeError(f"the {side} server did not answer /v1/models within {startup_s:.0f} s; its "
+                                   f"output ended: {tail}")
             try:
                 if httpx.get(self.url + "/v1/models", timeout=5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+
+    def tail(self, chars: int = 2000) -> str:
+        self.log.seek(0)
+        return self.log.read()[-chars:].strip()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

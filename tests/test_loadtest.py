@@ -217,3 +217,97 @@ def test_offline_run_writes_rows_and_a_renderable_table(tiny_dir, tmp_path):
     import reproduce
     text = "\n".join(reproduce.render_table(json.loads(table_path.read_text())))
     assert "| ours snapkv:budget=64 | crowd | 3 / 0 |" in text and "--offline" in text
+
+
+FAKE_OV = '''"""A stand-in for openvino_genai (its ContinuousBatchingPipeline's step API): each step gives every running
+request one token; what the pipeline was given is written to FAKE_OV_LOG."""
+import enum, json, os
+
+
+class GenerationStatus(enum.Enum):
+    RUNNING = 0
+    FINISHED = 1
+
+
+class AggregationMode:
+    NORM_SUM = "NORM_SUM"
+
+
+class SchedulerConfig:
+    pass
+
+
+class GenerationConfig:
+    pass
+
+
+class CacheEvictionConfig:
+    def __init__(self, *args):
+        self.args = list(args)
+
+
+class Out:
+    def __init__(self, n):
+        self.generated_ids = [7] * n
+
+
+class Handle:
+    def __init__(self, n):
+        self.left, self.new = n, 0
+
+    def can_read(self):
+        return self.new > 0
+
+    def read(self):
+        n, self.new = self.new, 0
+        return {0: Out(n)}
+
+    def get_status(self):
+        return GenerationStatus.RUNNING if self.left or self.new else GenerationStatus.FINISHED
+
+
+class ContinuousBatchingPipeline:
+    def __init__(self, path, sc, device, properties):
+        self.sc, self.handles, self.most = sc, [], 0
+        self.log = {"path": path, "device": device, "properties": properties, "cache_size": sc.cache_size,
+                    "max_num_seqs": sc.max_num_seqs, "prompts": [], "configs": [],
+                    "eviction": sc.cache_eviction_config.args if getattr(sc, "use_cache_eviction", False) else None}
+
+    def add_request(self, i, prompt, config):
+        self.log["prompts"].append(prompt)
+        self.log["configs"].append([config.max_new_tokens, config.do_sample, config.apply_chat_template])
+        self.handles.append(Handle(config.max_new_tokens))
+        return self.handles[-1]
+
+    def step(self):
+        running = [h for h in self.handles if h.left][:self.sc.max_num_seqs]
+        self.log["most_in_flight"] = max(self.log.get("most_in_flight", 0), len([h for h in self.handles if h.left]))
+        for h in running:
+            h.left, h.new = h.left - 1, h.new + 1
+        with open(os.environ["FAKE_OV_LOG"], "w") as f:
+            json.dump(self.log, f)
+'''
+
+
+def test_openvino_side_plumbing(tmp_path, monkeypatch):
+    """--peer openvino's worker (scripts/ov_peer.py) against a stand-in openvino_genai: the scheduler gets the
+    knobs (rows, cache GiB, threads, eviction at our policy's budget), each request its own max_new_tokens, greedy,
+    no chat template of its own, at most `concurrency` in flight; every token comes back as a row."""
+    (tmp_path / "openvino_genai.py").write_text(FAKE_OV)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("FAKE_OV_LOG", str(tmp_path / "log.json"))
+    args = loadtest.build_parser().parse_args(["--offline", "--peer", "openvino", "--openvino-python", sys.executable,
+                                               "--openvino-model", str(tmp_path), "--kv-memory", "2GiB",
+                                               "--max-batch", "2", "--concurrency", "3"])
+    assert [label for label, _ in loadtest.offline_sides(args)] == [
+        "ours full", "ours snapkv:budget=256", "openvino", "openvino evict 256"]
+    knobs = loadtest.knobs_of(args, [3, 5, 4, 2])
+    what = dict(loadtest.offline_sides(args))["openvino evict 256"]
+    row = loadtest.run_offline("openvino evict 256", what, args, knobs, ["a", "b", "c", "d"], [3, 5, 4, 2])
+    assert (row["ok"], row["errors"], row["output_tokens"]) == (4, 0, 14), row
+    assert row["ttft_p50_s"] > 0 and row["requests_per_s"] > 0
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert (log["cache_size"], log["max_num_seqs"], log["eviction"]) == (2, 2, [32, 224, 288, "NORM_SUM"])
+    assert log["properties"] == {"INFERENCE_NUM_THREADS": 2} and log["device"] == "CPU"
+    assert log["prompts"] == ["a", "b", "c", "d"] and log["most_in_flight"] <= 3
+    assert log["configs"] == [[3, False, False], [5, False, False], [4, False, False], [2, False, False]]
