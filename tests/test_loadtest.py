@@ -220,7 +220,7 @@ def test_offline_run_writes_rows_and_a_renderable_table(tiny_dir, tmp_path):
 
 
 FAKE_OV = '''"""A stand-in for openvino_genai (its ContinuousBatchingPipeline's step API): each step gives every running
-request one token; what the pipeline was given is written to FAKE_OV_LOG."""
+request one token; what the pipeline was given is written to log.json beside this file."""
 import enum, json, os
 
 
@@ -284,7 +284,7 @@ class ContinuousBatchingPipeline:
         self.log["most_in_flight"] = max(self.log.get("most_in_flight", 0), len([h for h in self.handles if h.left]))
         for h in running:
             h.left, h.new = h.left - 1, h.new + 1
-        with open(os.environ["FAKE_OV_LOG"], "w") as f:
+        with open(os.path.join(os.path.dirname(__file__), "log.json"), "w") as f:
             json.dump(self.log, f)
 '''
 
@@ -295,7 +295,6 @@ def test_openvino_side_plumbing(tmp_path, monkeypatch):
     no chat template of its own, at most `concurrency` in flight; every token comes back as a row."""
     (tmp_path / "openvino_genai.py").write_text(FAKE_OV)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    monkeypatch.setenv("FAKE_OV_LOG", str(tmp_path / "log.json"))
     args = loadtest.build_parser().parse_args(["--offline", "--peer", "openvino", "--openvino-python", sys.executable,
                                                "--openvino-model", str(tmp_path), "--kv-memory", "2GiB",
                                                "--max-batch", "2", "--concurrency", "3"])
