@@ -23,11 +23,15 @@ if [ $# -lt 1 ]; then
   echo "usage: $0 DIR [vllm] [ov] [llama-server]   (DIR outside the repository; no names: all three)" >&2
   exit 2
 fi
-mkdir -p "$1"
-DIR=$(cd "$1" && pwd)
+TARGET=$1
 shift
-case "$DIR/" in "$REPO"/*) echo "$0: DIR must be outside the repository ($REPO)" >&2; exit 2 ;; esac
 WHAT=${*:-vllm ov llama-server}
+for name in $WHAT; do
+  case "$name" in vllm|ov|llama-server) ;; *) echo "$0: unknown peer '$name' (vllm, ov, llama-server)" >&2; exit 2 ;; esac
+done
+mkdir -p "$TARGET"
+DIR=$(cd "$TARGET" && pwd)
+case "$DIR/" in "$REPO"/*) echo "$0: DIR must be outside the repository ($REPO)" >&2; exit 2 ;; esac
 
 setup_vllm() {
   local V="$DIR/vllm"
@@ -88,6 +92,5 @@ for name in $WHAT; do
     vllm) setup_vllm ;;
     ov) setup_ov ;;
     llama-server) setup_llama_server ;;
-    *) echo "$0: unknown peer '$name' (vllm, ov, llama-server)" >&2; exit 2 ;;
   esac
 done
