@@ -74,10 +74,12 @@ isa_flags() {
 setup_llama_server() {
   local D="$DIR/llama.cpp"
   if [ -x "$D/llama-server" ]; then echo "llama-server: ready in $D"; return; fi
-  mkdir -p "$D/src"
-  "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$D/src"
-  tar xzf "$D/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$D/src"
   local T="$D/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
+  if [ ! -f "$T/CMakeLists.txt" ]; then      # else an interrupted build goes on where it stopped
+    mkdir -p "$D/src"
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$D/src"
+    tar xzf "$D/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$D/src"
+  fi
   # shellcheck disable=SC2046
   cmake -S "$T" -B "$T/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
