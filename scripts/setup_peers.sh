@@ -27,7 +27,10 @@ TARGET=$1
 shift
 WHAT=${*:-vllm ov llama-server}
 for name in $WHAT; do
-  case "$name" in vllm|ov|llama-server) ;; *) echo "$0: unknown peer '$name' (vllm, ov, llama-server)" >&2; exit 2 ;; esac
+  case "$name" in
+    vllm|ov|llama-server) ;;
+    *) echo "$0: unknown peer '$name' (vllm, ov, llama-server)" >&2; exit 2 ;;
+  esac
 done
 mkdir -p "$TARGET"
 DIR=$(cd "$TARGET" && pwd)
@@ -77,7 +80,8 @@ setup_llama_server() {
   local T="$D/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
   if [ ! -f "$T/CMakeLists.txt" ]; then      # else an interrupted build goes on where it stopped
     mkdir -p "$D/src"
-    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$D/src"
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: -d "$D/src" \
+      "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
     tar xzf "$D/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$D/src"
   fi
   # shellcheck disable=SC2046
