@@ -8,7 +8,9 @@ PY := $(VENV)/bin/python
 CHECKPOINT ?= checkpoints/SmolLM2-135M-Instruct
 PROMPT ?= What is the capital of France?
 
-.PHONY: venv install install-test model run test test-fast clean-venv
+PEERS_DIR ?= ../peers
+
+.PHONY: venv install install-test model run test test-fast clean-venv peers
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +40,11 @@ test: install-test model
 
 test-fast: install-test model
 	$(PYTEST) -m "not slow" tests
+
+# The serving peers of scripts/loadtest.py (vLLM CPU, OpenVINO GenAI, llama-server), each in PEERS_DIR (outside the
+# repository): needs network to PyPI, cmake and a C++ compiler; about 20 minutes on 2 cores (docs/serving.md, Peers).
+peers: model
+	bash scripts/setup_peers.sh $(PEERS_DIR)
 
 clean-venv:
 	rm -rf $(VENV)
