@@ -196,6 +196,25 @@ def test_rope_split_cpu_equals_model_rope_split(B, T):
         torch.testing.assert_close(got, want, atol=0, rtol=0)          # not fp32: the model's own path
 
 
+def dense_decode_case(B, Hq, Hkv, C, start, D, vis, dtype=torch.float32):
+    """Random inputs of kvc::dense_decode: qkv [B, 1, (Hq + 2 Hkv) D] and caches k, v [B, Hkv, C, D] in dtype, fp32
+    cos, sin [B, 1, 1, D] at random positions, visible: the DenseCache's [B, G, start + 1] rows hiding some slots
+    (vis "mask") or empty ("none")."""
+    from model import ModelArgs, rope_tables
+    g = torch.Generator().manual_seed(C + start)
+    qkv = (torch.randn(B, 1, (Hq + 2 * Hkv) * D, generator=g) * 2).to(dtype)
+    cos, sin = rope_tables(ModelArgs(dim=Hq * D, n_layers=1, n_heads=Hq, n_kv_heads=Hkv, intermediate_size=64,
+                                     vocab_size=32), 2 * C)
+    pos = torch.randint(0, 2 * C, (B, 1), generator=g)
+    k, v = torch.randn(2, B, Hkv, C, D, generator=g).to(dtype)
+    visible = torch.empty(0, 0, 0, dtype=torch.bool)
+    if vis == "mask":
+        row = torch.rand(B, 1, start + 1, generator=g) > 0.3
+        row[..., start] = True
+        visible = row.expand(B, Hq // Hkv, start + 1).contiguous()
+    return qkv, cos[pos][:, None], sin[pos][:, None], k, v, visible
+
+
 @pytest.mark.parametrize("B,Hq,Hkv,C,start,D,vis", [(1, 9, 3, 600, 512, 64, "mask"), (2, 8, 2, 40, 17, 128, "mask"),
                                                      (1, 4, 4, 10, 0, 64, "none"), (2, 9, 3, 1200, 1100, 64, "none")])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -207,19 +226,7 @@ def test_dense_decode_equals_twin(B, Hq, Hkv, C, start, D, vis, threads, lanes):
     widths."""
     import math
     from kernels.cpu import dense_decode_torch
-    from model import ModelArgs, rope_tables
-    g = torch.Generator().manual_seed(C + start)
-    qkv = torch.randn(B, 1, (Hq + 2 * Hkv) * D, generator=g) * 2
-    cos, sin = rope_tables(ModelArgs(dim=Hq * D, n_layers=1, n_heads=Hq, n_kv_heads=Hkv, intermediate_size=64,
-                                     vocab_size=32), 2 * C)
-    pos = torch.randint(0, 2 * C, (B, 1), generator=g)
-    c, s = cos[pos][:, None], sin[pos][:, None]
-    k, v = torch.randn(2, B, Hkv, C, D, generator=g)
-    visible = torch.empty(0, 0, 0, dtype=torch.bool)
-    if vis == "mask":
-        row = torch.rand(B, 1, start + 1, generator=g) > 0.3
-        row[..., start] = True
-        visible = row.expand(B, Hq // Hkv, start + 1).contiguous()
+    qkv, c, s, k, v, visible = dense_decode_case(B, Hq, Hkv, C, start, D, vis)
     k_ref, v_ref = k.clone(), v.clone()
     want = dense_decode_torch(qkv, c, s, k_ref, v_ref, visible, start, Hq, Hkv)
     before = torch.get_num_threads()
