@@ -247,3 +247,21 @@ def test_default_model_bf16_matches_hf_bf16(default_dir, essay_text):
     assert (ours.argmax(-1) == top).sum() >= (theirs.argmax(-1) == top).sum() - 1
     answer = engine.generate(model, tok, ["What is the capital of France?"], max_new_tokens=24, chat=True).texts[0]
     assert "Paris" in answer, answer
+
+
+def test_bf16_rows_sharing_a_kept_prefix_equal_rows_holding_copies():
+    """A bf16 model's running batch whose rows read a kept 150-token document in place (kvc::prefix_attention
+    over bf16 rows, the served one-doc case) against the batch whose rows copy it (kvc::decode_attention): the
+    same greedy tokens, logits within a few bf16 steps of their size."""
+    from tests.test_rowbatch import prompts_of
+    from tests.test_shared_prefix import head64_model, run_batch
+    m = head64_model().to(torch.bfloat16)
+    prompts = prompts_of({"q1": 12, "q2": 20, "q3": 7, "q4": 16}, shared=150)
+    got, _, most = run_batch(m, prompts, share=True)
+    ref, _, none = run_batch(m, prompts, share=False)
+    assert most == 3 and none == 0
+    for n in prompts:
+        assert got[n].dtype == torch.bfloat16
+        assert torch.equal(got[n].argmax(-1), ref[n].argmax(-1)), n
+        scale = ref[n].abs().max().item()
+        assert (got[n].float() - ref[n].float()).abs().max().item() <= 4 * BF16_STEP * scale
