@@ -437,6 +437,7 @@ def _define_onednn_linear() -> None:
 
 
 _libraries: list = []          # kept alive: an op lives as long as its Library object
+SMALL_M_DTYPES = (torch.float32, torch.bfloat16)      # the dtypes a Linear's small_m_kernel takes
 
 
 class Linear(nn.Linear):
@@ -448,36 +449,38 @@ class Linear(nn.Linear):
       turns into one vectorized reduction streaming W at memory bandwidth.  With more rows that
       reduction reads W once per row (2.8x oneDNN's time at 8 rows), so fp32 goes to oneDNN through
       `kvc::onednn_linear`, opaque to Inductor, or to `small_m_kernel` as below.
-    - fp32 on CPU with at most 12 rows (decode; compiled: 2 to 12), if a loader plugged one in:
+    - fp32 or bf16 on CPU with at most 12 rows (decode; compiled: 2 to 12), if a loader plugged one in:
       `small_m_kernel` (kernels.cpu.linear_small_m on AVX-512 CPUs: 1.3-1.6x oneDNN's rate at 1 row,
       1.1-1.3x at 8, even at 12-16, where oneDNN stays; a custom op with a fake, so compiled steps call
       it too: with oneDNN there, compiled batch-8 decode ran at 0.89-1.04x eager).
-    - Anything else (CUDA, no oneDNN): F.linear.
+    - Anything else (bf16 prefill, CUDA, no oneDNN): F.linear.  On CPU a bf16 F.linear is oneDNN's bf16 matmul,
+      AMX or AVX-512 BF16 where the CPU has them (docs/design.md, "bf16 on the CPU").
     """
 
     use_onednn = _onednn_linear_available()
     if use_onednn:
         _define_onednn_linear()
-    # small_m_kernel(x [..., K] fp32 with <= 12 rows, weight, bias) -> F.linear's result; None: oneDNN
+    # small_m_kernel(x [..., K] fp32 or bf16 with <= 12 rows, weight, bias) -> F.linear's result; None: oneDNN
     small_m_kernel = None
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type == "cpu":
             fp32 = x.dtype == self.weight.dtype == torch.float32
+            small = self.small_m_kernel is not None and x.dtype == self.weight.dtype and x.dtype in SMALL_M_DTYPES
             if torch.compiler.is_compiling():
                 if x.numel() == x.shape[-1]:
                     out = (x.unsqueeze(-2) * self.weight).sum(-1)
                     return out if self.bias is None else out + self.bias
                 # decode-shaped steps only ([B, 1, K], B static): a prefill's row count is its dynamic prompt
                 # length, and a guard on it would recompile the prefill graph when a prompt crosses 12 tokens
-                if fp32 and self.small_m_kernel is not None and x.shape[-2] == 1 and x.numel() <= 12 * x.shape[-1]:
+                if small and x.shape[-2] == 1 and x.numel() <= 12 * x.shape[-1]:
                     return self.small_m_kernel(x, self.weight, self.bias)
                 if fp32 and self.use_onednn:
                     return torch.ops.kvc.onednn_linear(x, self.weight, self.bias)
-            elif fp32:
-                if self.small_m_kernel is not None and x.numel() <= 12 * x.shape[-1]:
+            else:
+                if small and x.numel() <= 12 * x.shape[-1]:
                     return self.small_m_kernel(x, self.weight, self.bias)
-                if self.use_onednn:
+                if fp32 and self.use_onednn:
                     return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

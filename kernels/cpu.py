@@ -19,12 +19,12 @@ sparse readers', KIVI's, the dense caches' and the weight-quantized linear layer
     dense_attention_cpu(q, k, v, n)    decode attention over fp32 or bf16 rows [0, n), all visible
                                        (vector width: attention_lanes(), KVC_ATTN_LANES)
     decode_attention(q, k, v, visible) == model.grouped_attention of one decode query over a dense cache
-                                       (the C++ kernel on fp32 CPU tensors, grouped_attention otherwise)
+                                       (the C++ kernel on fp32/bf16 CPU tensors, grouped_attention otherwise)
     prefix_attention_cpu(...)          == model.prefix_attention: decode attention where rows share a kept
                                        prefix (kvc::prefix_attention reads it once for all of them)
     kvc::dense_decode                  == dense_decode_torch: a decode step's attention over a DenseCache
     cpu_eager_ops()                    model.EagerOps with kvc::rms_norm, add_rms_norm, rope_split, silu_mul
-                                       and dense_decode in eager fp32 CPU steps (the loader's choice)
+                                       and dense_decode in eager fp32 or bf16 CPU steps (the loader's choice)
     qlinear_arith_default()            the quantized layers' prefill arithmetic (KVC_QLINEAR_ARITH: kvc::qlinear_int
                                        in int8 x int4/int8 integer arithmetic, VNNI or AVX2, or fp32 dequantize + matmul)
     eager_ops()                        the ops an eager decode step calls per layer as direct Python bindings
@@ -468,26 +468,38 @@ def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, n: int, scale: Optional
     return torch.ops.kvc.dense_attention(q.squeeze(2).contiguous(), k, v, n, scale, attention_lanes()).unsqueeze(2)
 
 
+DENSE_DTYPES = (torch.float32, torch.bfloat16)     # the dense decode kernels' K/V (and q: taken as fp32)
+
+
+def _dense_rows(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether k, v [.., D] are CPU rows the dense decode kernels read: fp32 or bf16 in q's dtype, rows
+    contiguous, head_dim 64 or 128."""
+    return (k.device.type == "cpu" and q.dtype == k.dtype == v.dtype and k.dtype in DENSE_DTYPES
+            and q.shape[-1] in (64, 128) and k.stride(3) == 1 and v.stride(3) == 1)
+
+
 def _dense_decode_kernel_takes(q: Tensor, k: Tensor, v: Tensor, pk: Optional[Tensor] = None,
                                pv: Optional[Tensor] = None) -> bool:
     """Whether the C++ dense decode kernels take one query q [B, H_q, 1, D] over k, v (and a shared prefix
-    pk, pv): the tensors sparse_attention_supported takes, the kernels built."""
-    return (q.shape[2] == 1 and sparse_attention_supported(q, k, v)
-            and (pk is None or sparse_attention_supported(q, pk, pv)) and cpu_kernels_available())
+    pk, pv): fp32 or bf16 CPU tensors of one dtype (_dense_rows), the kernels built.  (bf16: q goes in as fp32,
+    the attention runs in fp32 over the bf16 rows, the output is rounded to bf16.)"""
+    return (q.shape[2] == 1 and _dense_rows(q, k, v) and (pk is None or _dense_rows(q, pk, pv))
+            and cpu_kernels_available())
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor]) -> Tensor:
     """Decode attention over a dense cache: q [B, H_q, 1, D], k, v [B, H_kv, S, D], visible bool
     [B, 1 or H_kv, >= S] (True = attend) or None -> [B, H_q, 1, D]; query head h reads KV head
     h // (H_q / H_kv).  The C++ kernel (each K/V row read once, in place; ~2.5x the rate of
-    F.scaled_dot_product_attention's CPU kernel for one query) on fp32 CPU tensors with head_dim 64 or
+    F.scaled_dot_product_attention's CPU kernel for one query) on fp32 or bf16 CPU tensors with head_dim 64 or
     128, else model.grouped_attention with the equivalent mask."""
     B, Hq, T, D = q.shape
     S = k.shape[2]
     if _dense_decode_kernel_takes(q, k, v):
         vis = torch.empty(0, dtype=torch.bool) if visible is None else _unit_stride_rows(visible)
-        return torch.ops.kvc.decode_attention(q.reshape(B, Hq, D).contiguous(), k, v, vis,
-                                              1.0 / math.sqrt(D), attention_lanes()).view(B, Hq, 1, D)
+        out = torch.ops.kvc.decode_attention(q.reshape(B, Hq, D).float().contiguous(), k, v, vis,
+                                             1.0 / math.sqrt(D), attention_lanes())
+        return out.to(q.dtype).view(B, Hq, 1, D)
     from model import grouped_attention
     if visible is not None:                     # a row with nothing visible (a free row): any finite output
         visible = visible[..., :S] | ~visible[..., :S].any(-1, keepdim=True)
@@ -501,9 +513,9 @@ def prefix_attention_cpu(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, pk: T
     takes the C++ kernel (the prefix's K/V read once for all its rows), else model.prefix_attention."""
     B, Hq, T, D = q.shape
     if _dense_decode_kernel_takes(q, k, v, pk, pv):
-        return torch.ops.kvc.prefix_attention(q.reshape(B, Hq, D).contiguous(), k, v, _unit_stride_rows(visible), pk,
-                                              pv, own_from.contiguous(), 1.0 / math.sqrt(D),
-                                              attention_lanes()).view(B, Hq, 1, D)
+        out = torch.ops.kvc.prefix_attention(q.reshape(B, Hq, D).float().contiguous(), k, v, _unit_stride_rows(visible),
+                                             pk, pv, own_from.contiguous(), 1.0 / math.sqrt(D), attention_lanes())
+        return out.to(q.dtype).view(B, Hq, 1, D)
     from model import prefix_attention
     return prefix_attention(q, k, v, visible, pk, pv, own_from)
 
@@ -527,8 +539,9 @@ def dense_decode_torch(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v
 
 
 def linear_small_m(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """kvc::linear_small_m: F.linear(x, weight, bias) for fp32 CPU x [..., K] with at most 16 rows and a
-    contiguous weight [N, K] (model.Linear's decode kernel: W streamed once; see kernels/cpu_linear.cpp)."""
+    """kvc::linear_small_m: F.linear(x, weight, bias) for fp32 or bf16 CPU x [..., K] with at most 16 rows and a
+    contiguous weight [N, K] in x's dtype (model.Linear's decode kernel: W streamed once; see
+    kernels/cpu_linear.cpp)."""
     y = torch.ops.kvc.linear_small_m(x.reshape(-1, x.shape[-1]), weight,
                                      _NO_BIAS if bias is None else bias)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -545,54 +558,60 @@ def linear_kernel_pays() -> bool:
 
 
 def use_linear_kernel(model: torch.nn.Module) -> None:
-    """Plug linear_small_m into every model.Linear of `model` (its decode-sized fp32 CPU steps) where it
-    pays (linear_kernel_pays)."""
+    """Plug linear_small_m into every model.Linear of `model` (its decode-sized fp32 and bf16 CPU steps) where
+    it pays (linear_kernel_pays)."""
     if linear_kernel_pays():
         for mod in model.modules():
             if isinstance(mod, Linear):
                 mod.small_m_kernel = linear_small_m
 
 
-def _eager_fp32_cpu(*tensors: Tensor) -> bool:
-    """Whether the fused eager ops below take these tensors (eager, contiguous fp32 on CPU, kernels built);
-    they then call the direct bindings (`_eager`, see eager_ops).
-    (A plain loop over cheap properties: it runs a few times per layer and step.)"""
+def _eager_cpu(*tensors: Tensor, rope: tuple = ()) -> bool:
+    """Whether the fused eager ops below take these tensors (eager, contiguous CPU tensors of one dtype, fp32 or
+    bf16, and RoPE tables `rope` in fp32; kernels built); they then call the direct bindings (`_eager`, see
+    eager_ops).  (A plain loop over cheap properties: it runs a few times per layer and step.)"""
     if torch.compiler.is_compiling() or not cpu_kernels_available():
         return False
+    dtype = tensors[0].dtype
+    if dtype not in DENSE_DTYPES:
+        return False
     for t in tensors:
+        if t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
+            return False
+    for t in rope:
         if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
             return False
     return True
 
 
 def rms_norm_cpu(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """model.rms_norm as one C++ op (kvc::rms_norm; F.rms_norm is six ATen ops) in eager fp32 CPU steps;
+    """model.rms_norm as one C++ op (kvc::rms_norm; F.rms_norm is six ATen ops) in eager fp32 or bf16 CPU steps;
     under torch.compile (Inductor fuses it anyway) and elsewhere model.rms_norm."""
-    if _eager_fp32_cpu(x, weight):
+    if _eager_cpu(x, weight):
         return _eager.rms_norm(x, weight, eps)
     return rms_norm(x, weight, eps)
 
 
 def add_rms_norm_cpu(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """model.add_rms_norm (the attention's residual add and ffn_norm) as one C++ op (kvc::add_rms_norm)
-    in eager fp32 CPU steps."""
-    if _eager_fp32_cpu(x, y, weight):
+    in eager fp32 or bf16 CPU steps."""
+    if _eager_cpu(x, y, weight):
         return _eager.add_rms_norm(x, y, weight, eps)
     return add_rms_norm(x, y, weight, eps)
 
 
 def rope_split_cpu(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int):
-    """model.rope_split (view, slices and RoPE's seven ops) as one C++ op (kvc::rope_split) in eager fp32
-    CPU steps."""
-    if _eager_fp32_cpu(qkv, cos, sin) and cos.shape[1] == 1:      # cos/sin [B, 1, T, D]: [B, T, D] in memory
+    """model.rope_split (view, slices and RoPE's seven ops) as one C++ op (kvc::rope_split) in eager fp32 or
+    bf16 CPU steps."""
+    if _eager_cpu(qkv, rope=(cos, sin)) and cos.shape[1] == 1:      # cos/sin [B, 1, T, D]: [B, T, D] in memory
         return _eager.rope_split(qkv, cos, sin, n_heads, n_kv_heads)
     return rope_split(qkv, cos, sin, n_heads, n_kv_heads)
 
 
 def silu_mul_cpu(gate_up: Tensor) -> Tensor:
-    """model.silu_mul (SwiGLU's chunk, silu and product) as one C++ op (kvc::silu_mul) in eager fp32 CPU
-    steps."""
-    if _eager_fp32_cpu(gate_up):
+    """model.silu_mul (SwiGLU's chunk, silu and product) as one C++ op (kvc::silu_mul) in eager fp32 or bf16
+    CPU steps."""
+    if _eager_cpu(gate_up):
         return _eager.silu_mul(gate_up)
     return silu_mul(gate_up)
 
@@ -602,11 +621,11 @@ def dense_decode_cpu(qkv: Tensor, cos: Tensor, sin: Tensor, cache, layer: int, n
     """model.dense_decode as one C++ op (kvc::dense_decode: the head split, RoPE, both slot writes, the
     masked decode attention, heads already in wo's layout) when the cache's decode kernel is
     decode_attention (the op's attention), every row writes the same slot (cache.aligned)
-    and the step is eager fp32 CPU with head_dim 64 or 128; else
+    and the step is eager fp32 or bf16 CPU (the cache in qkv's dtype) with head_dim 64 or 128; else
     the cache's decode hook after rope_split_cpu."""
     D = qkv.shape[-1] // (n_heads + 2 * n_kv_heads)
     if (cache.decode_kernel is decode_attention and cache.aligned and D in (64, 128) and cos.shape[1] == 1
-            and _eager_fp32_cpu(qkv, cos, sin, cache.k[layer])):
+            and _eager_cpu(qkv, cache.k[layer], cache.v[layer], rope=(cos, sin))):
         visible = _NO_VISIBLE if cache.mask is None else cache.mask
         return _eager.dense_decode(qkv, cos, sin, cache.k[layer], cache.v[layer], visible, cache.start,
                                    n_heads, n_kv_heads, 1.0 / math.sqrt(D), attention_lanes())
@@ -622,6 +641,6 @@ _NO_WORDS = torch.empty(0, dtype=torch.int32)
 
 def cpu_eager_ops() -> EagerOps:
     """model.EagerOps with the C++ ops above: the loader's choice (Transformer.use_ops) on every device,
-    each op stepping aside to model.py's function outside eager fp32 CPU steps."""
+    each op stepping aside to model.py's function outside eager fp32 or bf16 CPU steps."""
     return EagerOps(rms_norm=rms_norm_cpu, add_rms_norm=add_rms_norm_cpu, rope_split=rope_split_cpu,
                     silu_mul=silu_mul_cpu, dense_decode=dense_decode_cpu)

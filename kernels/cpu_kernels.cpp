@@ -17,6 +17,8 @@
 //   kvc::prefix_attention(q, k, v, visible, pk, pv [1, Hkv, P, D], own_from [B] long, scale, lanes = 0)
 //       decode_attention with a prefix shared by rows: row b reads its slots [own_from[b], S) and, where
 //       own_from[b] > 0, the P prefix rows (read once for all such rows: their query heads together)
+//   The eager step's small ops below take fp32 or bf16 activations (computing in fp32, rounding where the torch
+//   twins round); the dense decode attention's q is fp32, its K/V fp32 or bf16.
 //   kvc::rms_norm(x [..., D], weight [D], eps) -> x * rsqrt(mean(x^2) + eps) * weight (one op for the eager step)
 //   kvc::rope_split(qkv [B, T, (Hq + 2 Hkv) D], cos, sin [B, T, D] (or [B, 1, T, D]), Hq, Hkv) -> q [B, Hq, T, D], k, v [B, Hkv, T, D]
 //       the fused projection's heads split out, q and k rotated (model.apply_rope), all contiguous
@@ -47,6 +49,8 @@
 #include <cmath>
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 constexpr int64_t PREFETCH = 8;      // rows ahead: the selected rows are random DRAM reads
@@ -556,146 +560,217 @@ torch::Tensor prefix_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return decode_attention_n(q, k, v, k.size(2), visible, scale, lanes, pk, pv, own_from);
 }
 
-// one row of rms_norm
-static inline void rms_norm_row(const float* xr, const float* wp, int64_t D, float eps, float* out) {
-  float ss = 0.f;
-  for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
-  const float inv = 1.f / std::sqrt(ss / D + eps);
-  for (int64_t d = 0; d < D; ++d) out[d] = xr[d] * inv * wp[d];
+// ------------------------------------------------------------------------ the eager step's small ops, fp32 or bf16
+// Each op takes its activations (and weights) in fp32 or bf16, T = float or uint16_t (bf16 bits), computes in fp32
+// and rounds its results to T where model.py's torch twin rounds them (bf16: to nearest even, as torch does), so
+// that the op and its twin agree to fp32 rounding in either dtype.  RoPE's cos, sin stay fp32.
+static inline float widen(float x) { return x; }
+static inline float widen(uint16_t h) { return c10::detail::f32_from_bits(h); }
+static inline void narrow(float* p, float x) { *p = x; }
+static inline void narrow(uint16_t* p, float x) { *p = c10::detail::round_to_nearest_even(x); }
+
+// x as T holds it, back in fp32 (bf16: rounded; fp32: x)
+template <typename T>
+static inline float as(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return widen(c10::detail::round_to_nearest_even(x));
 }
 
-// y = x * rsqrt(mean(x^2) + eps) * weight over the last dim, fp32 (one op instead of F.rms_norm's six)
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dtype() == torch::kFloat && weight.dtype() == torch::kFloat && x.is_contiguous() &&
-              weight.is_contiguous() && x.size(-1) == weight.numel(), "kvc::rms_norm: contiguous fp32 x [..., D], weight [D]");
-  auto out = torch::empty_like(x);
+// whether the tensors of op `op` are bf16 (else fp32): all of `same` in x's dtype, fp32 or bf16
+static bool bf16_op(const char* op, const torch::Tensor& x, std::initializer_list<torch::Tensor> same) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, op,
+              ": fp32 or bf16 tensors, got ", x.scalar_type());
+  for (const auto& t : same) TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": tensors of one dtype, got ",
+                                         x.scalar_type(), " and ", t.scalar_type());
+  return x.scalar_type() == torch::kBFloat16;
+}
+
+// one row of rms_norm: model.rms_norm (fp32: x * inv * w; bf16: the normalized row rounded, times w, rounded)
+template <typename T>
+static inline void rms_norm_row(const T* xr, const T* wp, int64_t D, float eps, T* out) {
+  float ss = 0.f;
+  for (int64_t d = 0; d < D; ++d) ss += widen(xr[d]) * widen(xr[d]);
+  const float inv = 1.f / std::sqrt(ss / D + eps);
+  for (int64_t d = 0; d < D; ++d) narrow(out + d, as<T>(widen(xr[d]) * inv) * widen(wp[d]));
+}
+
+template <typename T>
+static void rms_norm_t(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out) {
   const int64_t D = weight.numel(), rows = D ? x.numel() / D : 0;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* xp = (const T*)x.data_ptr();
+  const T* wp = (const T*)weight.data_ptr();
+  T* op = (T*)out.data_ptr();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * D, wp, D, (float)eps, op + r * D);
   });
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * weight over the last dim (one op instead of F.rms_norm's six)
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  const bool bf16 = bf16_op("kvc::rms_norm", x, {weight});
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.size(-1) == weight.numel(),
+              "kvc::rms_norm: contiguous x [..., D], weight [D]");
+  auto out = torch::empty_like(x);
+  if (bf16) rms_norm_t<uint16_t>(x, weight, eps, out);
+  else rms_norm_t<float>(x, weight, eps, out);
   return out;
+}
+
+template <typename T>
+static void add_rms_norm_t(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& weight, double eps,
+                           torch::Tensor& h, torch::Tensor& out) {
+  const int64_t D = weight.numel(), rows = D ? x.numel() / D : 0;
+  const T *xp = (const T*)x.data_ptr(), *yp = (const T*)y.data_ptr(), *wp = (const T*)weight.data_ptr();
+  T *hp = (T*)h.data_ptr(), *op = (T*)out.data_ptr();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t d = 0; d < D; ++d) narrow(hp + r * D + d, widen(xp[r * D + d]) + widen(yp[r * D + d]));
+      rms_norm_row(hp + r * D, wp, D, (float)eps, op + r * D);
+    }
+  });
 }
 
 // (h, rms_norm(h)) with h = x + y: a block's residual add and the next norm in one op
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dtype() == torch::kFloat && y.dtype() == torch::kFloat && weight.dtype() == torch::kFloat &&
-              x.is_contiguous() && y.is_contiguous() && weight.is_contiguous() && x.sizes() == y.sizes() &&
-              x.size(-1) == weight.numel(), "kvc::add_rms_norm: contiguous fp32 x, y [..., D], weight [D]");
+  const bool bf16 = bf16_op("kvc::add_rms_norm", x, {y, weight});
+  TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && weight.is_contiguous() && x.sizes() == y.sizes() &&
+              x.size(-1) == weight.numel(), "kvc::add_rms_norm: contiguous x, y [..., D], weight [D]");
   auto h = torch::empty_like(x), out = torch::empty_like(x);
-  const int64_t D = weight.numel(), rows = D ? x.numel() / D : 0;
-  const float *xp = x.data_ptr<float>(), *yp = y.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float *hp = h.data_ptr<float>(), *op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t d = 0; d < D; ++d) hp[r * D + d] = xp[r * D + d] + yp[r * D + d];
-      rms_norm_row(hp + r * D, wp, D, (float)eps, op + r * D);
-    }
-  });
+  if (bf16) add_rms_norm_t<uint16_t>(x, y, weight, eps, h, out);
+  else add_rms_norm_t<float>(x, y, weight, eps, h, out);
   return {h, out};
 }
 
-// x * cos + rotate_half(x) * sin for one head of D = 2 * half floats (model.apply_rope)
-static inline void rope_head(const float* src, const float* c, const float* s, int64_t half, float* dst) {
+// x * cos + rotate_half(x) * sin for one head of D = 2 * half elements (model.apply_rope: fp32, then rounded to T)
+template <typename T>
+static inline void rope_head(const T* src, const float* c, const float* s, int64_t half, T* dst) {
   for (int64_t d = 0; d < half; ++d) {
-    dst[d] = src[d] * c[d] - src[d + half] * s[d];
-    dst[d + half] = src[d + half] * c[d + half] + src[d] * s[d + half];
+    const float lo = widen(src[d]), hi = widen(src[d + half]);
+    narrow(dst + d, lo * c[d] - hi * s[d]);
+    narrow(dst + d + half, hi * c[d + half] + lo * s[d + half]);
   }
 }
 
-// model.Attention.split_heads in one op: head h of token t is the D floats at qkv[b, t, h * D]; q and k
+template <typename T>
+static void rope_split_t(const torch::Tensor& qkv, const float* cp, const float* sp, int64_t Hq, int64_t Hkv,
+                         torch::Tensor& q, torch::Tensor& k, torch::Tensor& v) {
+  const int64_t B = qkv.size(0), T_ = qkv.size(1), H = Hq + 2 * Hkv, D = qkv.size(2) / H, half = D / 2;
+  const T* x = (const T*)qkv.data_ptr();
+  T *qp = (T*)q.data_ptr(), *kp = (T*)k.data_ptr(), *vp = (T*)v.data_ptr();
+  at::parallel_for(0, B * T_ * H, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t bt = i / H, h = i % H, b = bt / T_, t = bt % T_;
+      const T* src = x + i * D;
+      if (h >= Hq + Hkv) {
+        std::memcpy(vp + ((b * Hkv + h - Hq - Hkv) * T_ + t) * D, src, D * sizeof(T));
+        continue;
+      }
+      T* dst = h < Hq ? qp + ((b * Hq + h) * T_ + t) * D : kp + ((b * Hkv + h - Hq) * T_ + t) * D;
+      rope_head(src, cp + bt * D, sp + bt * D, half, dst);
+    }
+  });
+}
+
+// model.Attention.split_heads in one op: head h of token t is the D elements at qkv[b, t, h * D]; q and k
 // heads get x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2])
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_split(torch::Tensor qkv, torch::Tensor cos,
                                                                    torch::Tensor sin, int64_t Hq, int64_t Hkv) {
-  TORCH_CHECK(qkv.dtype() == torch::kFloat && cos.dtype() == torch::kFloat && sin.dtype() == torch::kFloat &&
-              qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && qkv.dim() == 3,
-              "kvc::rope_split: contiguous fp32 qkv [B, T, (Hq + 2 Hkv) D], cos, sin [B, T, D]");
-  const int64_t B = qkv.size(0), T = qkv.size(1), H = Hq + 2 * Hkv, D = qkv.size(2) / H, half = D / 2;
+  const bool bf16 = bf16_op("kvc::rope_split", qkv, {});
+  TORCH_CHECK(cos.dtype() == torch::kFloat && sin.dtype() == torch::kFloat && qkv.is_contiguous() &&
+              cos.is_contiguous() && sin.is_contiguous() && qkv.dim() == 3,
+              "kvc::rope_split: contiguous qkv [B, T, (Hq + 2 Hkv) D], fp32 cos, sin [B, T, D]");
+  const int64_t B = qkv.size(0), T = qkv.size(1), H = Hq + 2 * Hkv, D = qkv.size(2) / H;
   TORCH_CHECK(D * H == qkv.size(2) && D % 2 == 0 && cos.numel() == B * T * D && sin.numel() == B * T * D,
               "kvc::rope_split: qkv's last dim must be (Hq + 2 Hkv) * D with cos, sin [B, T, D]");
   auto q = torch::empty({B, Hq, T, D}, qkv.options());
   auto k = torch::empty({B, Hkv, T, D}, qkv.options()), v = torch::empty({B, Hkv, T, D}, qkv.options());
-  const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  at::parallel_for(0, B * T * H, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t bt = i / H, h = i % H, b = bt / T, t = bt % T;
-      const float* src = x + i * D;
-      if (h >= Hq + Hkv) {
-        std::memcpy(vp + ((b * Hkv + h - Hq - Hkv) * T + t) * D, src, D * sizeof(float));
-        continue;
-      }
-      float* dst = h < Hq ? qp + ((b * Hq + h) * T + t) * D : kp + ((b * Hkv + h - Hq) * T + t) * D;
-      rope_head(src, cp + bt * D, sp + bt * D, half, dst);
-    }
-  });
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  if (bf16) rope_split_t<uint16_t>(qkv, cp, sp, Hq, Hkv, q, k, v);
+  else rope_split_t<float>(qkv, cp, sp, Hq, Hkv, q, k, v);
   return {q, k, v};
+}
+
+// dense_decode's head split: q rotated into q [B, Hq, D], k rotated and v copied into slot `start` of the caches
+template <typename T>
+static void decode_heads(const torch::Tensor& qkv, const float* cp, const float* sp, int64_t Hq, int64_t Hkv,
+                         torch::Tensor& q, torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t start) {
+  const int64_t B = qkv.size(0), H = Hq + 2 * Hkv, D = qkv.size(2) / H, half = D / 2, C = k_cache.size(2);
+  const T* x = (const T*)qkv.data_ptr();
+  T *qp = (T*)q.data_ptr(), *kp = (T*)k_cache.data_ptr(), *vp = (T*)v_cache.data_ptr();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const T* src = x + (b * H + h) * D;
+      if (h < Hq) rope_head(src, cp + b * D, sp + b * D, half, qp + (b * Hq + h) * D);
+      else if (h < Hq + Hkv) rope_head(src, cp + b * D, sp + b * D, half, kp + ((b * Hkv + h - Hq) * C + start) * D);
+      else std::memcpy(vp + ((b * Hkv + h - Hq - Hkv) * C + start) * D, src, D * sizeof(T));
+    }
 }
 
 // model.Attention's decode step over a model.DenseCache in one op: the heads of qkv [B, 1, (Hq + 2 Hkv) D]
 // split, q and k rotated (rope_split), k and v written into slot `start` of the layer's buffers k_cache,
-// v_cache [B, Hkv, C, D] (contiguous), then decode_attention of q over slots [0, start] with row 0 of
-// visible [B, R, >= start + 1] (bool, or empty: all visible) -> [B, 1, Hq D] (wo's input, heads in order)
+// v_cache [B, Hkv, C, D] (contiguous, qkv's dtype), then decode_attention of q over slots [0, start] with row 0
+// of visible [B, R, >= start + 1] (bool, or empty: all visible) -> [B, 1, Hq D] (wo's input, heads in order, in
+// qkv's dtype; bf16: q rounded to bf16 as rope_split gives it, the attention in fp32 over the bf16 rows)
 torch::Tensor dense_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                            torch::Tensor v_cache, torch::Tensor visible, int64_t start, int64_t Hq, int64_t Hkv,
                            double scale, int64_t lanes) {
-  TORCH_CHECK(qkv.dtype() == torch::kFloat && cos.dtype() == torch::kFloat && sin.dtype() == torch::kFloat &&
-              qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && qkv.dim() == 3 && qkv.size(1) == 1,
-              "kvc::dense_decode: contiguous fp32 qkv [B, 1, (Hq + 2 Hkv) D], cos, sin [B, 1, D]");
-  const int64_t B = qkv.size(0), H = Hq + 2 * Hkv, D = qkv.size(2) / H, half = D / 2;
+  const bool bf16 = bf16_op("kvc::dense_decode", qkv, {k_cache, v_cache});
+  TORCH_CHECK(cos.dtype() == torch::kFloat && sin.dtype() == torch::kFloat && qkv.is_contiguous() &&
+              cos.is_contiguous() && sin.is_contiguous() && qkv.dim() == 3 && qkv.size(1) == 1,
+              "kvc::dense_decode: contiguous qkv [B, 1, (Hq + 2 Hkv) D], fp32 cos, sin [B, 1, D]");
+  const int64_t B = qkv.size(0), H = Hq + 2 * Hkv, D = qkv.size(2) / H;
   TORCH_CHECK(D * H == qkv.size(2) && D % 2 == 0 && cos.numel() == B * D && sin.numel() == B * D,
               "kvc::dense_decode: qkv's last dim must be (Hq + 2 Hkv) * D with cos, sin [B, 1, D]");
-  TORCH_CHECK(k_cache.dtype() == torch::kFloat && v_cache.dtype() == torch::kFloat && k_cache.is_contiguous() &&
-              v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-              k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D,
-              "kvc::dense_decode: contiguous fp32 k_cache, v_cache [B, Hkv, C, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B && k_cache.size(1) == Hkv &&
+              k_cache.size(3) == D, "kvc::dense_decode: contiguous k_cache, v_cache [B, Hkv, C, D]");
   TORCH_CHECK(start >= 0 && start < k_cache.size(2), "kvc::dense_decode: slot out of range");
   auto q = torch::empty({B, Hq, D}, qkv.options());
-  const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  const int64_t C = k_cache.size(2);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h) {
-      const float* src = x + (b * H + h) * D;
-      if (h < Hq) rope_head(src, cp + b * D, sp + b * D, half, qp + (b * Hq + h) * D);
-      else if (h < Hq + Hkv) rope_head(src, cp + b * D, sp + b * D, half, kp + ((b * Hkv + h - Hq) * C + start) * D);
-      else std::memcpy(vp + ((b * Hkv + h - Hq - Hkv) * C + start) * D, src, D * sizeof(float));
-    }
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  if (bf16) decode_heads<uint16_t>(qkv, cp, sp, Hq, Hkv, q, k_cache, v_cache, start);
+  else decode_heads<float>(qkv, cp, sp, Hq, Hkv, q, k_cache, v_cache, start);
   torch::Tensor vis = visible;
   if (visible.numel() > 0) {
     TORCH_CHECK(visible.dim() == 3 && visible.size(0) == B, "kvc::dense_decode: visible must be bool [B, R, >= start + 1]");
     vis = visible.select(1, 0).unsqueeze(1);                        // [B, 1, L]: the group's rows are equal
   }
-  return decode_attention_n(q, k_cache, v_cache, start + 1, vis, scale, lanes).view({B, 1, Hq * D});
+  auto out = decode_attention_n(q.to(torch::kFloat), k_cache, v_cache, start + 1, vis, scale, lanes);
+  return out.to(qkv.scalar_type()).view({B, 1, Hq * D});
 }
 
-// silu(gate) * up over gu = (gate, up) on the last dim, fp32
-torch::Tensor silu_mul(torch::Tensor gu) {
-  TORCH_CHECK(gu.dtype() == torch::kFloat && gu.is_contiguous() && gu.dim() >= 1 && gu.size(-1) % 2 == 0,
-              "kvc::silu_mul: contiguous fp32 [..., 2 F]");
+template <typename T>
+static void silu_mul_t(const torch::Tensor& gu, torch::Tensor& out) {
   const int64_t F = gu.size(-1) / 2, rows = F ? gu.numel() / (2 * F) : 0;
-  auto sizes = gu.sizes().vec();
-  sizes.back() = F;
-  auto out = torch::empty(sizes, gu.options());
-  const float* g = gu.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+  const T* g = (const T*)gu.data_ptr();
+  T* o = (T*)out.data_ptr();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float *gate = g + r * 2 * F, *up = gate + F;
-      float* out_r = o + r * F;
+      const T *gate = g + r * 2 * F, *up = gate + F;
+      T* out_r = o + r * F;
       int64_t f = 0;
       for (; f + 16 <= F; f += 16) {                       // 16 lanes: silu(a) = a / (1 + exp(-a))
-        v16 a, u;
-        std::memcpy(&a, gate + f, sizeof a);
-        std::memcpy(&u, up + f, sizeof u);
-        const v16 y = a / (1.f + vexp(-a)) * u;
-        std::memcpy(out_r + f, &y, sizeof y);
+        const v16 a = load_vec<v16>(gate + f), u = load_vec<v16>(up + f);
+        v16 s = a / (1.f + vexp(-a));
+        if constexpr (!std::is_same_v<T, float>) s = round_bf16(s);      // F.silu's bf16 result
+        store_vec(out_r + f, s * u);
       }
-      for (; f < F; ++f) out_r[f] = gate[f] / (1.f + std::exp(-gate[f])) * up[f];
+      for (; f < F; ++f) {
+        const float a = widen(gate[f]);
+        narrow(out_r + f, as<T>(a / (1.f + std::exp(-a))) * widen(up[f]));
+      }
     }
   });
+}
+
+// silu(gate) * up over gu = (gate, up) on the last dim (bf16: silu rounded, as F.silu gives it, then the product)
+torch::Tensor silu_mul(torch::Tensor gu) {
+  const bool bf16 = bf16_op("kvc::silu_mul", gu, {});
+  TORCH_CHECK(gu.is_contiguous() && gu.dim() >= 1 && gu.size(-1) % 2 == 0, "kvc::silu_mul: contiguous [..., 2 F]");
+  auto sizes = gu.sizes().vec();
+  sizes.back() = gu.size(-1) / 2;
+  auto out = torch::empty(sizes, gu.options());
+  if (bf16) silu_mul_t<uint16_t>(gu, out);
+  else silu_mul_t<float>(gu, out);
   return out;
 }
 

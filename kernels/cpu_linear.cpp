@@ -1,7 +1,11 @@
-// Decode-sized fp32 linear layer (built with kernels/cpu_kernels.cpp by kernels/cpu.py):
+// Decode-sized linear layer, fp32 or bf16 (built with kernels/cpu_kernels.cpp by kernels/cpu.py):
 //
-//   kvc::linear_small_m(x [M, K] fp32, w [N, K] fp32 (nn.Linear's weight, row-major, not repacked),
-//                       bias [N] fp32 or an empty tensor) -> y = x w^T + bias  [M, N] fp32, M <= 16
+//   kvc::linear_small_m(x [M, K], w [N, K] (nn.Linear's weight, row-major, not repacked), bias [N] or an empty
+//                       tensor) -> y = x w^T + bias  [M, N], M <= 16, all fp32 or all bf16
+//
+// bf16: W's rows are widened to fp32 in registers (half the bytes streamed: the layer's time at these sizes is
+// the stream), x is copied to fp32 (exact), the sums are fp32 and rounded to bf16 once at the end, as oneDNN's
+// bf16 inner product does.
 //
 // With a handful of activation rows the layer is a stream over W: every weight is used only M times,
 // so the kernel must read W once, at memory speed, and spend few instructions per W vector.  W is
@@ -36,15 +40,22 @@ namespace {
 constexpr int TILE = 16;          // output rows reduced together
 constexpr int MAX_M = 16;
 
+// T: the weight's, bias's and output's element type, float or uint16_t (bf16 bits)
+template <typename T>
 struct Problem {
-  const float* x;                 // [M, Kp] zero-padded copy
-  const float* w;                 // [N, K]
-  const float* bias;              // [N] or nullptr
-  float* out;                     // [M, N]
+  const float* x;                 // [M, Kp] zero-padded fp32 copy
+  const T* w;                     // [N, K]
+  const T* bias;                  // [N] or nullptr
+  T* out;                         // [M, N]
   int64_t M, N, K, Kp;
 };
 
 inline v16 load(const float* p) { return *reinterpret_cast<const v16*>(p); }
+inline v16 load(const uint16_t* p) { return load_vec<v16>(p); }
+inline float widen(float x) { return x; }
+inline float widen(uint16_t h) { return c10::detail::f32_from_bits(h); }
+inline void narrow(float* p, float x) { *p = x; }
+inline void narrow(uint16_t* p, float x) { *p = c10::detail::round_to_nearest_even(x); }
 
 // the first n (< 16) floats at p, zeros after
 inline v16 load_head(const float* p, int n) {
@@ -54,6 +65,18 @@ inline v16 load_head(const float* p, int n) {
   v16 v = {};
   std::memcpy(&v, p, n * sizeof(float));
   return v;
+#endif
+}
+
+// the first n (< 16) bf16 values at p widened, zeros after
+inline v16 load_head(const uint16_t* p, int n) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  return reinterpret_cast<v16>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#else
+  uint16_t h[16] = {};
+  std::memcpy(h, p, n * sizeof(uint16_t));
+  return load_vec<v16>(h);
 #endif
 }
 
@@ -89,8 +112,8 @@ inline void pin(v16& v) {
 }
 
 // acc[m][r] += x[m][k, k + 16) * W row r [k, k + 16) (TAIL: only the first `tail` columns of W)
-template <int MB, int R, bool TAIL>
-inline void fma_step(v16 (&acc)[MB][R], const float* x, int64_t Kp, const float* const* rows, int64_t k, int tail,
+template <int MB, int R, bool TAIL, typename T>
+inline void fma_step(v16 (&acc)[MB][R], const float* x, int64_t Kp, const T* const* rows, int64_t k, int tail,
                      int64_t ahead) {
   v16 xv[MB];
 #pragma GCC unroll 4
@@ -107,13 +130,13 @@ inline void fma_step(v16 (&acc)[MB][R], const float* x, int64_t Kp, const float*
 
 // dot products of W rows `rows` (R of them) with x rows [m0, m0 + MB) -> part[m * TILE + j + r];
 // with `ahead` (floats) the W lines that far ahead are prefetched
-template <int MB, int R>
-inline void dot_rows(const Problem& p, const float* const* rows, int m0, v16* part, int j, int64_t ahead) {
+template <int MB, int R, typename T>
+inline void dot_rows(const Problem<T>& p, const T* const* rows, int m0, v16* part, int j, int64_t ahead) {
   v16 acc[MB][R] = {};
   const float* x = p.x + m0 * p.Kp;
   int64_t k = 0;
-  for (; k + 16 <= p.K; k += 16) fma_step<MB, R, false>(acc, x, p.Kp, rows, k, 16, ahead);
-  if (k < p.K) fma_step<MB, R, true>(acc, x, p.Kp, rows, k, static_cast<int>(p.K - k), ahead);
+  for (; k + 16 <= p.K; k += 16) fma_step<MB, R, false, T>(acc, x, p.Kp, rows, k, 16, ahead);
+  if (k < p.K) fma_step<MB, R, true, T>(acc, x, p.Kp, rows, k, static_cast<int>(p.K - k), ahead);
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) part[(m0 + m) * TILE + j + r] = acc[m][r];
 }
@@ -121,8 +144,8 @@ inline void dot_rows(const Problem& p, const float* const* rows, int m0, v16* pa
 // the rows of x in blocks of at most 4 (x and the accumulators of a block stay in registers; the later
 // blocks read the R W rows from L1).  With several blocks the first one prefetches the next R W rows:
 // the hardware prefetcher alone then leaves ~10-15% on the table; at M = 1 it keeps up by itself.
-template <int M, int R, int m0 = 0>
-inline void dot_blocks(const Problem& p, const float* const* rows, v16* part, int j) {
+template <int M, int R, int m0 = 0, typename T>
+inline void dot_blocks(const Problem<T>& p, const T* const* rows, v16* part, int j) {
   if constexpr (m0 < M) {
     constexpr int MB = std::min(4, M - m0);
     dot_rows<MB, R>(p, rows, m0, part, j, M > 1 && m0 == 0 ? R * p.K : 0);
@@ -131,26 +154,26 @@ inline void dot_blocks(const Problem& p, const float* const* rows, v16* part, in
 }
 
 // output rows [n0, n0 + TILE) ∩ [0, N) for all M rows of x
-template <int M, int R>
-void tile(const Problem& p, int64_t n0) {
+template <int M, int R, typename T>
+void tile(const Problem<T>& p, int64_t n0) {
   v16 part[M * TILE];
   const int live = static_cast<int>(std::min<int64_t>(TILE, p.N - n0));
   if (live < TILE) std::fill(part, part + M * TILE, v16{});
   for (int j = 0; j < live; j += R) {
-    const float* rows[R];
+    const T* rows[R];
     for (int r = 0; r < R; ++r) rows[r] = p.w + std::min<int64_t>(n0 + j + r, p.N - 1) * p.K;  // past N: a repeat
     dot_blocks<M, R>(p, rows, part, j);
   }
   for (int m = 0; m < M; ++m) {
     float sums[TILE];
     *reinterpret_cast<v16*>(sums) = reduce16(part + m * TILE);
-    float* y = p.out + m * p.N + n0;
-    for (int i = 0; i < live; ++i) y[i] = sums[i] + (p.bias ? p.bias[n0 + i] : 0.f);
+    T* y = p.out + m * p.N + n0;
+    for (int i = 0; i < live; ++i) narrow(y + i, sums[i] + (p.bias ? widen(p.bias[n0 + i]) : 0.f));
   }
 }
 
-template <int M>
-void run_m(const Problem& p) {
+template <int M, typename T>
+void run_m(const Problem<T>& p) {
   constexpr int R = M == 1 ? 16 : M <= 3 ? 8 : 4;     // W rows in step: <= 24 accumulators per x block
   const int64_t tiles = (p.N + TILE - 1) / TILE;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -158,28 +181,36 @@ void run_m(const Problem& p) {
   });
 }
 
-template <int... Ms>
-void dispatch(const Problem& p, std::integer_sequence<int, Ms...>) {
+template <typename T, int... Ms>
+void dispatch(const Problem<T>& p, std::integer_sequence<int, Ms...>) {
   ((p.M == Ms + 1 ? run_m<Ms + 1>(p) : void()), ...);
 }
 
 }  // namespace
 
+template <typename T>
+void run(const torch::Tensor& xp, const torch::Tensor& w, const torch::Tensor& bias, torch::Tensor& out) {
+  Problem<T> p{xp.data_ptr<float>(), (const T*)w.data_ptr(), bias.numel() ? (const T*)bias.data_ptr() : nullptr,
+               (T*)out.data_ptr(), out.size(0), out.size(1), w.size(1), xp.size(1)};
+  dispatch(p, std::make_integer_sequence<int, MAX_M>{});
+}
+
 torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(0) <= MAX_M,
-              "kvc::linear_small_m: x must be fp32 [M, K] with M <= 16");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
-              "kvc::linear_small_m: w must be a contiguous fp32 [N, K]");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16,
+              "kvc::linear_small_m: fp32 or bf16 tensors, got ", dtype);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= MAX_M, "kvc::linear_small_m: x must be [M, K] with M <= 16");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype && w.is_contiguous() && w.size(1) == x.size(1),
+              "kvc::linear_small_m: w must be a contiguous [N, K] in x's dtype");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), Kp = (K + 15) / 16 * 16;
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat && bias.numel() == N && bias.is_contiguous()),
-              "kvc::linear_small_m: bias must be empty or a contiguous fp32 [N]");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == dtype && bias.numel() == N && bias.is_contiguous()),
+              "kvc::linear_small_m: bias must be empty or a contiguous [N] in x's dtype");
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  auto xp = torch::zeros({M, Kp}, x.options());
+  auto xp = torch::zeros({M, Kp}, x.options().dtype(torch::kFloat));
   xp.narrow(1, 0, K).copy_(x);
-  Problem p{xp.data_ptr<float>(), w.data_ptr<float>(), bias.numel() ? bias.data_ptr<float>() : nullptr,
-            out.data_ptr<float>(), M, N, K, Kp};
-  dispatch(p, std::make_integer_sequence<int, MAX_M>{});
+  if (dtype == torch::kBFloat16) run<uint16_t>(xp, w, bias, out);
+  else run<float>(xp, w, bias, out);
   return out;
 }
 

@@ -35,6 +35,27 @@ template <typename V> static inline V load_vec(const uint16_t* p) {
   return (V)(__builtin_convertvector(h, typename Lanes<V>::U) << 16);
 }
 
+// x rounded to the nearest bf16 (ties to even; NaN stays NaN), still as fp32 lanes: torch's float -> bf16
+template <typename V> static inline V round_bf16(V x) {
+  typedef typename Lanes<V>::U U;
+  U u;
+  __builtin_memcpy(&u, &x, sizeof u);
+  const U r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  u = x == x ? r : u | 0x00400000u;                             // a NaN: quiet, its top bits kept
+  __builtin_memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// W lanes stored at p: fp32 as they are, bf16 (uint16_t) rounded to nearest even
+template <typename V> static inline void store_vec(float* p, V x) { __builtin_memcpy(p, &x, sizeof x); }
+template <typename V> static inline void store_vec(uint16_t* p, V x) {
+  typename Lanes<V>::U u;
+  const V r = round_bf16(x);
+  __builtin_memcpy(&u, &r, sizeof u);
+  const typename Lanes<V>::H h = __builtin_convertvector(u >> 16, typename Lanes<V>::H);
+  __builtin_memcpy(p, &h, sizeof h);
+}
+
 // the lanes of x exchanged across distance H (lane i <- lane i ^ H)
 template <int H, typename V>
 static inline V swap_lanes(V x) {

@@ -191,9 +191,28 @@ def test_rope_split_cpu_equals_model_rope_split(B, T):
     for got, want in zip(rope_split_cpu(qkv, c, s, 9, 3), rope_split(qkv, c, s, 9, 3)):
         assert got.shape == want.shape and got.is_contiguous()
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-    qb = qkv.bfloat16()
+    qb = qkv.bfloat16()                       # bf16: the op too, within one bf16 step (tests/test_bf16.py)
     for got, want in zip(rope_split_cpu(qb, c, s, 9, 3), rope_split(qb, c, s, 9, 3)):
-        torch.testing.assert_close(got, want, atol=0, rtol=0)          # not fp32: the model's own path
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+
+
+def dense_decode_case(B, Hq, Hkv, C, start, D, vis, dtype=torch.float32):
+    """Random inputs of kvc::dense_decode: qkv [B, 1, (Hq + 2 Hkv) D] and caches k, v [B, Hkv, C, D] in dtype, fp32
+    cos, sin [B, 1, 1, D] at random positions, visible: the DenseCache's [B, G, start + 1] rows hiding some slots
+    (vis "mask") or empty ("none")."""
+    from model import ModelArgs, rope_tables
+    g = torch.Generator().manual_seed(C + start)
+    qkv = (torch.randn(B, 1, (Hq + 2 * Hkv) * D, generator=g) * 2).to(dtype)
+    cos, sin = rope_tables(ModelArgs(dim=Hq * D, n_layers=1, n_heads=Hq, n_kv_heads=Hkv, intermediate_size=64,
+                                     vocab_size=32), 2 * C)
+    pos = torch.randint(0, 2 * C, (B, 1), generator=g)
+    k, v = torch.randn(2, B, Hkv, C, D, generator=g).to(dtype)
+    visible = torch.empty(0, 0, 0, dtype=torch.bool)
+    if vis == "mask":
+        row = torch.rand(B, 1, start + 1, generator=g) > 0.3
+        row[..., start] = True
+        visible = row.expand(B, Hq // Hkv, start + 1).contiguous()
+    return qkv, cos[pos][:, None], sin[pos][:, None], k, v, visible
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,C,start,D,vis", [(1, 9, 3, 600, 512, 64, "mask"), (2, 8, 2, 40, 17, 128, "mask"),
@@ -207,19 +226,7 @@ def test_dense_decode_equals_twin(B, Hq, Hkv, C, start, D, vis, threads, lanes):
     widths."""
     import math
     from kernels.cpu import dense_decode_torch
-    from model import ModelArgs, rope_tables
-    g = torch.Generator().manual_seed(C + start)
-    qkv = torch.randn(B, 1, (Hq + 2 * Hkv) * D, generator=g) * 2
-    cos, sin = rope_tables(ModelArgs(dim=Hq * D, n_layers=1, n_heads=Hq, n_kv_heads=Hkv, intermediate_size=64,
-                                     vocab_size=32), 2 * C)
-    pos = torch.randint(0, 2 * C, (B, 1), generator=g)
-    c, s = cos[pos][:, None], sin[pos][:, None]
-    k, v = torch.randn(2, B, Hkv, C, D, generator=g)
-    visible = torch.empty(0, 0, 0, dtype=torch.bool)
-    if vis == "mask":
-        row = torch.rand(B, 1, start + 1, generator=g) > 0.3
-        row[..., start] = True
-        visible = row.expand(B, Hq // Hkv, start + 1).contiguous()
+    qkv, c, s, k, v, visible = dense_decode_case(B, Hq, Hkv, C, start, D, vis)
     k_ref, v_ref = k.clone(), v.clone()
     want = dense_decode_torch(qkv, c, s, k_ref, v_ref, visible, start, Hq, Hkv)
     before = torch.get_num_threads()
@@ -397,7 +404,8 @@ def test_linear_small_m_equals_f_linear(N, K, bias, threads):
 
 def test_linear_dispatch_takes_the_kernel_for_decode_rows_only():
     """model.Linear with the kernel plugged in: decode-sized fp32 inputs (any leading shape, strided
-    rows) through kvc::linear_small_m, prefill and bf16 through their old paths, same results."""
+    rows) through kvc::linear_small_m, prefill through oneDNN, same results; bf16 decode rows through the kernel
+    too (within one bf16 step of oneDNN's bf16 result), fp16 through F.linear."""
     from kernels.cpu import linear_small_m
     from model import Linear
     layer = Linear(576, 960, bias=True)
@@ -410,8 +418,14 @@ def test_linear_dispatch_takes_the_kernel_for_decode_rows_only():
         calls.clear()
         torch.testing.assert_close(layer(inp), plain(inp), atol=1e-5, rtol=1e-5)
         assert len(calls) == used
-    layer, plain, calls = layer.bfloat16(), plain.bfloat16(), []
-    torch.testing.assert_close(layer(x[:, -1:].bfloat16()), plain(x[:, -1:].bfloat16()), atol=0, rtol=0)
+    layer, plain = layer.bfloat16(), plain.bfloat16()
+    calls.clear()
+    got, want = layer(x[:, -1:].bfloat16()), plain(x[:, -1:].bfloat16())
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
+    assert len(calls) == 1
+    layer, plain = layer.half(), plain.half()
+    calls.clear()
+    torch.testing.assert_close(layer(x[:, -1:].half()), plain(x[:, -1:].half()), atol=0, rtol=0)
     assert not calls
 
 
