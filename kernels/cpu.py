@@ -114,19 +114,31 @@ def use_cpu_kernel(backend: str, supported: bool) -> bool:
 STALE_LOCK_SECONDS = 900
 
 
+def _building_in(folder: Path) -> bool:
+    """Whether a live process (the compiler or ninja of a running build) works in `folder` (Linux: /proc/*/cwd;
+    False where /proc cannot tell)."""
+    folder = str(folder.resolve())
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if os.readlink(cwd) == folder:
+                return True
+        except OSError:                                                 # gone, or not ours to read
+            continue
+    return False
+
+
 def _clear_stale_lock(name: str) -> None:
     """torch's build lock stays behind when a build is killed, and every later load then waits on it
-    forever: a lock older than any build takes (15 min) is removed, with a warning."""
-    from torch.utils.cpp_extension import get_default_build_root
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    for lock in root.glob(f"*/{name}/lock"):
-        try:
-            stale = time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS
-        except FileNotFoundError:                                       # released meanwhile
-            continue
-        if stale:
-            warnings.warn(f"removing the stale build lock {lock} (left by an interrupted build)", RuntimeWarning)
-            lock.unlink(missing_ok=True)
+    forever: a lock older than STALE_LOCK_SECONDS with no live process building in its folder (a build on a
+    loaded machine can take longer) is removed, with a warning."""
+    lock = build_dir(name) / "lock"
+    try:
+        stale = time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS
+    except FileNotFoundError:                                           # none, or released meanwhile
+        return
+    if stale and not _building_in(lock.parent):
+        warnings.warn(f"removing the stale build lock {lock} (left by an interrupted build)", RuntimeWarning)
+        lock.unlink(missing_ok=True)
 
 
 def _watch_lock(name: str, done: threading.Event) -> None:

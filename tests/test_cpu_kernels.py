@@ -527,13 +527,22 @@ def test_model_logits_with_the_linear_kernel_equal_onednn(engine_dir):
             m.small_m_kernel = kernel if linear_kernel_pays() else None
 
 
-def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path, monkeypatch):
-    """A build killed midway leaves torch's lock behind, and every later load would wait on it forever."""
+@pytest.mark.parametrize("extensions_dir", [True, False])
+def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path, monkeypatch, extensions_dir):
+    """A build killed midway leaves torch's lock behind, and every later load would wait on it forever; the lock
+    is where torch puts it: $TORCH_EXTENSIONS_DIR/NAME, else BUILD_ROOT/pyXY_cpu/NAME."""
     import os
     import time
+    import torch.utils.cpp_extension as ext
     import kernels.cpu as cpu
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = tmp_path / "py3_cpu" / "kvc_x" / "lock"
+    if extensions_dir:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+        lock = tmp_path / "kvc_x" / "lock"
+    else:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.setattr(ext, "get_default_build_root", lambda: str(tmp_path))
+        lock = cpu.build_dir("kvc_x") / "lock"
+        assert lock.parent.parent.parent == tmp_path
     lock.parent.mkdir(parents=True)
     lock.touch()
     cpu._clear_stale_lock("kvc_x")
@@ -542,3 +551,24 @@ def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="stale build lock"):
         cpu._clear_stale_lock("kvc_x")
     assert not lock.exists()
+
+
+def test_an_old_lock_of_a_live_build_is_kept(tmp_path, monkeypatch):
+    """A build that outlives STALE_LOCK_SECONDS on a loaded machine (a process works in its folder) keeps its lock."""
+    import os
+    import subprocess
+    import time
+    import kernels.cpu as cpu
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "kvc_x" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (time.time() - cpu.STALE_LOCK_SECONDS - 1,) * 2)
+    builder = subprocess.Popen(["sleep", "30"], cwd=lock.parent)
+    try:
+        time.sleep(0.2)
+        cpu._clear_stale_lock("kvc_x")
+        assert lock.exists()
+    finally:
+        builder.kill()
+        builder.wait()
