@@ -200,7 +200,9 @@ async def run_workload(url: str, prompts: list[str], concurrency: int, api: str,
     """All prompts, at most `concurrency` in flight, max_tokens one for all or a list, one per prompt ->
     (results, wall seconds)."""
     path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # a fresh connection per request: llama-server closes idle kept-alive connections after 5 s, and a request
+    # sent on one it just closed fails ("Server disconnected without sending a response")
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         if model is None:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
