@@ -44,9 +44,10 @@ def sized_rows(policy) -> bool:
 def row_bytes(model, make_policy: Callable, max_seq_length: int, max_new_tokens: int,
               tokens: Optional[int] = None) -> int:
     """K/V bytes of one row of the policy as RowBatch sets its rows up (decode_room = max_new_tokens, storage
-    for the longest prompt, every layer at its own budget; a layer without a budget, e.g. simlayerkv's before it
-    is found lazy, holds the whole prompt); tokens: a sized row's capacity
-    (sized_rows) instead of max_seq_length.  Measured on a one-row instance (kv_bytes()["allocated"])."""
+    for the longest prompt, every layer at its own budget; a layer without a budget, e.g. simlayerkv's before
+    it is found lazy, holds the whole prompt; storage made per prompt, pod's: full's row, its bound); tokens: a
+    sized row's capacity (sized_rows) instead of max_seq_length.  Measured on a one-row instance
+    (kv_bytes()["allocated"])."""
     policy, current = make_policy(), getattr(model, "cache", None)
     policy.decode_room = max_new_tokens
     if tokens is not None:
@@ -60,7 +61,10 @@ def row_bytes(model, make_policy: Callable, max_seq_length: int, max_new_tokens:
             policy.prompt_length = max_seq_length - max_new_tokens          # the longest a row may take
             for layer in range(model.args.n_layers):
                 allocate(layer)
-        return policy.kv_bytes()["allocated"]
+        allocated = policy.kv_bytes()["allocated"]
+        if not allocated:           # storage made per prompt, of no size before one (pod): full's row bounds it
+            return row_bytes(model, FullCache, max_seq_length, max_new_tokens)
+        return allocated
     finally:
         model.use_cache(current)
 

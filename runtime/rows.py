@@ -183,7 +183,8 @@ class RowBatch:
         if self.room < 1 or (self.sized and shape is None):
             raise ValueError("no room to start a request now (batch.can_start is False)")
         taken = {p.row for p in self.pending}
-        row = next(r for r in range(self.batch_size) if self.next_pos[r] < 0 and r not in taken)
+        rows = self.batch_size if self.rows else self.max_batch       # (batch admission: set up per group)
+        row = next(r for r in range(rows) if self.next_pos[r] < 0 and r not in taken)
         self.need[row] = need
         protocol = "exact" if self.policy.prefix_reuse else "aware"
         self._snapshot_for(ids)
