@@ -110,7 +110,7 @@ class Engine:
         agnostic: compressing policies keep compressed prefixes (RowBatch's agnostic protocol); kv_memory: K/V
         bytes of all the lanes' rows (--kv-memory; None: --max-batch rows each), split in equal shares."""
         self.model, self.tokenizer = model, tokenizer
-        self.kv_share = None if kv_memory is None else kv_memory // len(policies)
+        self.kv_memory, self.kv_share = kv_memory, None if kv_memory is None else kv_memory // len(policies)
         self.prefill_chunk, self.prefix_bytes, self.agnostic = prefill_chunk, prefix_bytes, agnostic
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
@@ -165,7 +165,7 @@ class Engine:
                 requests[outcome] += n
             return {"status": "ok", "rows_in_use": sum(p["rows_in_use"] for p in lanes.values()),
                     "max_batch": self.max_batch, "queue_depth": sum(p["queue_depth"] for p in lanes.values()),
-                    "max_queue": self.max_queue, "kv_memory": self.kv_share and self.kv_share * len(self.lanes),
+                    "max_queue": self.max_queue, "kv_memory": self.kv_memory,
                     "requests": dict(requests), "policies": lanes,
                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}      # as it was when torch loaded
 

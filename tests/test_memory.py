@@ -12,6 +12,7 @@ from runtime.rows import RowBatch
 from runtime.steps import UsageError
 from tests.test_policy_matrix import ARGS, model  # noqa: F401  (model: the tiny Llama fixture)
 from tests.test_rowbatch import NEW, drive, prompts_of
+from tests.test_shared_prefix import head64_model, needs_kernels
 
 S = 2048                                    # max_seq_length of the tests' batches (ARGS' context)
 TOKEN = ARGS.n_layers * 2 * ARGS.n_kv_heads * ARGS.head_dim * 4      # bytes of one token of one row, float32
@@ -143,9 +144,12 @@ def test_prefix_cache_keeps_referenced_prefixes():
         cache.drop(a)
 
 
-def test_two_prefixes_read_in_place_with_references(model):  # noqa: F811
-    """Two documents at once: rows on each read their kept prefix in place (two groups), the cache counts both as
-    referenced while rows read them (none after), and every request decodes what it decodes with copies."""
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_kernels), False], ids=["cpp", "twin"])
+def test_two_prefixes_read_in_place_with_references(model, kernels):  # noqa: F811
+    """Two documents at once: rows on each read their kept prefix in place (two groups; kvc::prefix_attention or
+    its twin once per prefix), the cache counts both as referenced while rows read them (none after), and every
+    request decodes what it decodes with copies."""
+    model = head64_model() if kernels else model
     a = prompts_of({"a1": 10, "a2": 12, "a3": 8}, seed=1, shared=120)
     b = prompts_of({"b1": 9, "b2": 14, "b3": 11}, seed=2, shared=100)
     prompts = {"a1": a["a1"], "b1": b["b1"], "a2": a["a2"], "b2": b["b2"], "a3": a["a3"], "b3": b["b3"]}
@@ -193,3 +197,21 @@ def test_server_reports_memory_per_policy(tiny_dir):
     cost = row_bytes(srv.model, srv.lanes["snapkv"].make_policy, 256, 16)
     assert health["policies"]["snapkv"]["rows_total"] == min(64, (2 << 20) // cost)
     assert health["policies"]["full"]["row_capacity"] == SIZE_STEP
+
+
+def test_server_requests_wait_for_memory(tiny_dir):
+    """--kv-memory for one 256-token row of full (3 layers x 2 KV heads x 64 x 4 bytes x 2 = 3 KiB a token): three
+    concurrent requests all succeed (200, no 429), one at a time, each with the text it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.test_serve import complete, running
+    flags = ["--kv-memory", "768KiB", "--max-batch", "8", "--max-new-tokens-limit", "16", "--max-seq-length", "256",
+             "--prefix-cache-mb", "0"]
+    prompts = ["Hello there", "The capital of France", "One two three four"]
+    with running(tiny_dir, *flags) as (client, srv):
+        assert client.get("/health").json()["policies"]["full"]["rows_total"] == 1
+        with ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(lambda p: complete(client, p, 12)["choices"][0]["text"], prompts))
+        alone = [complete(client, p, 12)["choices"][0]["text"] for p in prompts]
+        assert srv.http[200] == 6 and srv.lanes["full"].batch.batch_size == 1
+    assert together == alone
