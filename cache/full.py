@@ -4,7 +4,10 @@ While every row has seen the same tokens ("aligned": a static batch, left paddin
 go to slots [n_filled, n_filled + T) of every row, as in model.DenseCache.  Once a row has been released or
 adopted (rows at their own lengths), a decode token goes to its row's own next slot (`length` [B]); attention
 reads slots [0, n_filled) with n_filled = the longest row.  Rows may read a kept prefix in place (adopt(prefix=)):
-one copy of a shared prompt prefix serves every row that started from it (prefix_attention, a loader's kernel).
+one copy of a shared prompt prefix serves every row that started from it (prefix_attention, a loader's kernel);
+several prefixes may be read at once (up to max_prefixes), one attention call each per layer.
+`row_capacity` set before setup sizes the rows below max_seq_length (runtime/memory.py: rows sized to the
+requests); `take_rows` moves the rows into an instance of another shape.
 The storage variants of `full` subclass this class: cache/kv_dtype.py (another dtype), cache/quantized.py (KIVI).
 """
 from __future__ import annotations
@@ -32,8 +35,12 @@ class FullCache(DenseCache):
     prefix_reuse = True             # a prefilled prefix can be copied (adopt) and its prompt continued
     decode_room = None              # generated tokens a row may hold (the full cache needs no bound)
 
+    row_capacity = None             # slots per row when set before setup (at most max_seq_length; None: that)
+    max_prefixes = 4                # kept prefixes read in place at once (each: one more attention call per layer)
+
     length = rows = own_from = None     # per row [B]: slots held, index, first own slot (setup)
-    prefix = None                       # the kept prefix rows read in place (adopt(prefix=)), or None
+    row_prefix = None                   # per row: the kept prefix it reads in place (adopt(prefix=)), or None
+    groups = ()                         # per prefix read now: (prefix, own_from [B] of its call, its rows [B,1,1,1])
 
     @classmethod
     def full_cache_args(cls, n_tokens: int):
@@ -47,14 +54,18 @@ class FullCache(DenseCache):
         self.length = torch.zeros(max_batch_size, dtype=torch.long, device=device)   # slots each row holds
         self.rows = torch.arange(max_batch_size, device=device)
         self.own_from = torch.zeros(max_batch_size, dtype=torch.long, device=device)  # see adopt(prefix=)
-        super().setup(args, max_batch_size, max_seq_length, dtype, device)
+        slots = max_seq_length if self.row_capacity is None else min(self.row_capacity, max_seq_length)
+        if slots < 1:
+            raise ValueError(f"row_capacity must be at least 1, got {self.row_capacity}")
+        super().setup(args, max_batch_size, slots, dtype, device)
 
     def reset(self) -> None:
         super().reset()
         self.length.zero_()
         self.aligned = True     # every row's next slot is n_filled (else each row's own: `length`)
         self.own_from.zero_()
-        self.prefix = None
+        self.row_prefix = [None] * self.pos.shape[0]
+        self.groups = []
 
     def claim(self, input_pos: Tensor, end: int) -> None:
         """Aligned rows: slots [n_filled, end) of every row; else one token per row, at its own next slot."""
@@ -78,13 +89,29 @@ class FullCache(DenseCache):
         return self.slot
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.prefix is None:
+        if not self.groups:
             return super().decode(layer, q, k, v)
-        self.store(layer, k, v)                           # rows read a kept prefix in place (adopt)
-        n, P = self.n_filled, self.prefix.n_filled
-        attend = self.prefix_kernel or prefix_attention
-        return attend(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.decode_visible,
-                      self.prefix.k[layer][:, :, :P], self.prefix.v[layer][:, :, :P], self.own_from)
+        self.store(layer, k, v)                           # rows read kept prefixes in place (adopt)
+        n, attend, out = self.n_filled, self.prefix_kernel or prefix_attention, None
+        k, v = self.k[layer][:, :, :n], self.v[layer][:, :, :n]
+        for prefix, own_from, rows in self.groups:       # one call per prefix; each row keeps its own prefix's
+            P = prefix.n_filled
+            o = attend(q, k, v, self.decode_visible, prefix.k[layer][:, :, :P], prefix.v[layer][:, :, :P], own_from)
+            out = o if out is None else torch.where(rows, o, out)
+        return out
+
+    def regroup(self) -> None:
+        """Host side, after rows start or stop reading a prefix: `groups`, one per prefix read now.  The first
+        call also serves the rows reading none (own_from 0); a row reading another prefix sees, in a call not
+        its own, that prefix and none of its slots (own_from past them; its output there is dropped)."""
+        prefixes = list(dict.fromkeys(p for p in self.row_prefix if p is not None))
+        first, device = self.own_from.tolist(), self.own_from.device
+        self.groups = []
+        for i, prefix in enumerate(prefixes):
+            mine = [p is prefix or (i == 0 and p is None) for p in self.row_prefix]
+            own = [f if m else self.capacity for f, m in zip(first, mine)]
+            self.groups.append((prefix, torch.tensor(own, dtype=torch.long, device=device),
+                                torch.tensor(mine, device=device)[:, None, None, None]))
 
     # ----------------------------------------------------------------- rows that join and leave
     def row_tensors(self, row: int, n: int) -> list[Tensor]:
@@ -99,10 +126,10 @@ class FullCache(DenseCache):
         self.pos[row] = -1
         self.length[row] = 0
         self.n_filled = int(self.length.max())
-        if self.prefix is not None:
+        if self.row_prefix[row] is not None:
             self.own_from[row] = 0
-            if not bool(self.own_from.any()):     # no row reads the kept prefix any more
-                self.prefix = None
+            self.row_prefix[row] = None
+            self.regroup()
 
     def adopt(self, row: int, other: "FullCache", other_row: int = 0, prefix: Optional["FullCache"] = None) -> None:
         """Take over request `other_row` of `other` (set up like this cache but for its batch size, its
@@ -110,8 +137,8 @@ class FullCache(DenseCache):
 
         prefix: a kept one-row instance whose P filled slots are the first P of that request's (prefix_reuse:
         the request started from it).  Where this cache can (`shares_prefix`), the row then reads those P
-        slots from `prefix` in place at decode (prefix_attention; one prefix at a time, shared by every row
-        that adopts it) and only the rest is copied; else the whole request is copied."""
+        slots from `prefix` in place at decode (prefix_attention, shared by every row that adopts it; up to
+        max_prefixes prefixes at once) and only the rest is copied; else the whole request is copied."""
         n = other.n_filled
         if n > self.capacity:
             raise ValueError(f"a request of {n} tokens does not fit the cache's {self.capacity} slots")
@@ -124,21 +151,43 @@ class FullCache(DenseCache):
             for dst, src in zip(self.k + self.v, other.k + other.v):
                 dst[row, :, first:n] = src[other_row, :, first:n]
             self.pos[row, :n] = other.pos[other_row, :n]
-            self.prefix = prefix
+            self.row_prefix[row] = prefix
             self.own_from[row] = first
+            self.regroup()
         else:
             for dst, src in zip(self.row_tensors(row, n), other.row_tensors(other_row, n)):
                 dst.copy_(src)
         self.length[row] = n
         self.n_filled = max(self.n_filled, n)
         # one row: its next slot is n_filled, a prompt may go on (not while it reads a prefix: decode only)
-        self.aligned = self.pos.shape[0] == 1 and self.prefix is None
+        self.aligned = self.pos.shape[0] == 1 and not self.groups
 
     def shares_prefix(self, prefix: "FullCache") -> bool:
         """Whether rows may read `prefix` in place (adopt): `full` in the compute dtype (its decode is this
-        class's), no sliding window, and no other prefix read by a row now."""
+        class's), no sliding window, and that prefix read now or fewer than max_prefixes others."""
+        read = {id(p) for p in self.row_prefix if p is not None}
         return (self.storage_kind == "dense" and not self.sliding_window
-                and (self.prefix is None or self.prefix is prefix))
+                and (id(prefix) in read or len(read) < self.max_prefixes))
+
+    def take_rows(self, other: "FullCache") -> None:
+        """Take over every row of `other` (this policy set up with another batch size or row_capacity; its rows
+        at or past this batch's size free, its requests' slots within this capacity), prefixes read in place
+        included: a batch reshaped between two steps (runtime/memory.py)."""
+        B = self.pos.shape[0]
+        held = [b for b in range(other.pos.shape[0]) if int(other.length[b]) or bool((other.pos[b] >= 0).any())]
+        if any(b >= B for b in held) or other.n_filled > self.capacity:
+            raise ValueError(f"rows {held} of {other.n_filled} slots do not fit {B} rows of {self.capacity}")
+        self.reset()
+        n = other.n_filled
+        for b in held:
+            for dst, src in zip(self.row_tensors(b, n), other.row_tensors(b, n)):
+                dst.copy_(src)
+            self.length[b], self.own_from[b] = other.length[b], other.own_from[b]
+            self.row_prefix[b] = other.row_prefix[b]
+        self.n_filled, self.aligned = n, other.aligned and B == other.pos.shape[0]
+        if other.aligned and not self.aligned:      # rows at their own lengths from now on: each held n slots
+            self.length[held] = n
+        self.regroup()
 
     def question_room(self, row: int) -> Optional[int]:
         return None                 # every token is kept
@@ -152,8 +201,8 @@ class FullCache(DenseCache):
         B = self.pos.shape[0]
         live = per_slot * self.n_filled if self.aligned else per_slot * int(self.length.sum()) // B
         read = per_slot * self.n_filled
-        if self.prefix is not None:                 # a shared prefix counts once; rows skip their copy's slots
-            saved = int(self.own_from.sum()) - self.prefix.n_filled
+        if self.groups:                             # a shared prefix counts once; rows skip their copy's slots
+            saved = int(self.own_from.sum()) - sum(prefix.n_filled for prefix, _, _ in self.groups)
             live, read = live - per_slot * saved // B, read - per_slot * saved // B
         return {"allocated": per_slot * self.capacity, "live": live, "read_per_step": read}
 

@@ -2,7 +2,9 @@
 
 runtime.rows.RowBatch keeps one when built with prefix_bytes > 0 and its policy declares `prefix_reuse`
 (cache/contract.py; `full` only: the reuse is exact).  A request whose prompt starts with a kept prefix
-copies that snapshot into its scratch (`adopt`) and prefills only the rest of its prompt.
+copies that snapshot into its scratch (`adopt`) and prefills only the rest of its prompt; its row may then read the
+snapshot in place (cache/full.py, several prefixes at once): RowBatch holds a reference (`acquire`, `drop`) while a
+row reads it, and a referenced prefix is never dropped to make room (it is held once, wherever rows read it).
 
 Where a prefix ends (`boundary`, chosen when a request's prefill begins):
   - the request's explicit `prefix_len` (the caller knows: a system prompt, a document), else
@@ -35,8 +37,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class PrefixCache:
     """Snapshots (one-row cache policies holding a prefilled prefix) by their tokens, least recently used
-    dropped first so that their bytes stay <= max_bytes.  Counters for /metrics: hits, misses (lookups that
-    found a prefix or none), reused_tokens, evictions, bytes, entries."""
+    dropped first so that their bytes stay <= max_bytes; those rows read in place (referenced) are never dropped.
+    Counters for /metrics: hits, misses (lookups that found a prefix or none), reused_tokens, evictions, bytes,
+    entries, referenced (entries rows read now)."""
 
     def __init__(self, max_bytes: int, min_tokens: int = 32, recent: int = 64):
         if max_bytes <= 0 or min_tokens < 1:
@@ -44,6 +47,7 @@ class PrefixCache:
         self.max_bytes, self.min_tokens = max_bytes, min_tokens
         self.entries: OrderedDict = OrderedDict()    # tuple of token ids -> (snapshot, bytes), oldest first
         self.recent: deque = deque(maxlen=recent)    # prompts seen, for choosing boundaries
+        self.refs: dict = {}                          # id(snapshot) -> rows reading it in place (acquire)
         self.bytes = self.hits = self.misses = self.evictions = self.reused_tokens = 0
 
     def lookup(self, ids: Sequence[int], shortest: int = 1) -> tuple[int, Optional[object]]:
@@ -74,18 +78,43 @@ class PrefixCache:
     def insert(self, key: tuple, snapshot, nbytes: int) -> bool:
         """Keep `snapshot` (nbytes) for the prefix `key`, dropping the least recently used ones to make room
         -> whether it is kept (not when larger than max_bytes alone)."""
-        if nbytes > self.max_bytes:
-            return False
-        if key in self.entries:
-            self.bytes -= self.entries.pop(key)[1]
+        if key in self.entries and not self.evict(key):
+            return False                            # rows read the one kept now: it stays
+        free = self.max_bytes - sum(b for s, b in self.entries.values() if id(s) in self.refs)
+        if nbytes > free:
+            return False                            # (larger than max_bytes less the referenced prefixes)
         while self.bytes + nbytes > self.max_bytes:
-            self.bytes -= self.entries.popitem(last=False)[1][1]
+            oldest = next(k for k, (s, _) in self.entries.items() if id(s) not in self.refs)
+            self.evict(oldest)
             self.evictions += 1
         self.entries[key] = (snapshot, nbytes)
         self.bytes += nbytes
         return True
 
+    def evict(self, key: tuple) -> bool:
+        """Drop the kept prefix `key` -> False (kept) while rows read it in place (acquire)."""
+        snapshot, nbytes = self.entries[key]
+        if id(snapshot) in self.refs:
+            return False
+        del self.entries[key]
+        self.bytes -= nbytes
+        return True
+
+    def acquire(self, snapshot) -> None:
+        """A row reads `snapshot` in place: it is not dropped until every such row `drop`s it."""
+        self.refs[id(snapshot)] = self.refs.get(id(snapshot), 0) + 1
+
+    def drop(self, snapshot) -> None:
+        """A row stopped reading `snapshot` (acquire)."""
+        n = self.refs.get(id(snapshot), 0) - 1
+        if n < 0:
+            raise ValueError("drop of a prefix no row acquired")
+        if n:
+            self.refs[id(snapshot)] = n
+        else:
+            del self.refs[id(snapshot)]
+
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens,
                 "evictions": self.evictions, "bytes": self.bytes, "entries": len(self.entries),
-                "max_bytes": self.max_bytes}
+                "max_bytes": self.max_bytes, "referenced": sum(id(s) in self.refs for s, _ in self.entries.values())}

@@ -8,6 +8,7 @@ import torch
 
 from model import Transformer
 from runtime.context import context_rows, prefill_rows
+from runtime.memory import SIZE_STEP, row_bytes, size_class, sized_rows
 from runtime.prefix_cache import PrefixCache, common_prefix
 from runtime.steps import chunk_end, decode_step, left_pad, prefill_step, run_decode, run_prefill
 
@@ -56,7 +57,13 @@ class RowBatch:
     `reuse_off` says why a batch keeps no prefixes.  With share_prefix (exact reuse; off for a compiled decode
     step, which would recompile when rows start and stop sharing) a request's row reads the kept prefix its
     prompt started with in place instead of a copy (DenseCache.adopt(prefix=)): many questions about one
-    document read its K/V once per step for all their rows.
+    document read its K/V once per step for all their rows (several documents at once: FullCache.max_prefixes), a
+    kept prefix counted as referenced (PrefixCache.acquire) while rows read it, so the LRU never drops it then.
+
+    kv_memory (bytes; None: no bound) bounds the K/V bytes of the rows (runtime/memory.py): a policy whose rows
+    have a fixed size gets min(max_batch, kv_memory // row_bytes) rows; `full` in a plain dtype sizes its rows to
+    the requests (every row the capacity class of the longest request in the batch, as many rows as fit) and is
+    reshaped between steps when a request needs another shape; `can_start` says whether one may start now.
 
         batch = RowBatch(model, lambda: make_policy("snapkv"), max_batch=8, max_seq_length=4096, max_new_tokens=256)
         p = batch.start(ids)                    # while batch.room > 0
@@ -68,22 +75,26 @@ class RowBatch:
 
     def __init__(self, model: Transformer, make_policy, max_batch: int, max_seq_length: int, max_new_tokens: int,
                  prefill=prefill_step, decode=decode_step, prefill_chunk: int = 1024, prefix_bytes: int = 0,
-                 min_prefix: int = 32, agnostic: bool = False, share_prefix: bool = True):
+                 min_prefix: int = 32, agnostic: bool = False, share_prefix: bool = True,
+                 kv_memory: Optional[int] = None):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
-        self.model, self.make_policy, self.max_batch = model, make_policy, max_batch
+        self.model, self.make_policy = model, make_policy
         self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
         self.prefill, self.decode, self.prefill_chunk = prefill, decode, prefill_chunk
-        self.share_prefix = share_prefix
+        self.share_prefix, self.kv_memory = share_prefix, kv_memory
         self.policy, self.scratch = make_policy(), make_policy()
+        self.sized = kv_memory is not None and sized_rows(self.policy)
+        self.max_batch, rows = self.memory_rows(max_batch) if kv_memory is not None else (max_batch, max_batch)
         for policy in (self.scratch, self.policy):     # storage for prompt + max_new_tokens, fixed at setup
             policy.decode_room = max_new_tokens
-            model.setup_caches(1 if policy is self.scratch else max_batch, max_seq_length, policy)
+            model.setup_caches(1 if policy is self.scratch else rows, max_seq_length, policy)
         self.rows = self.policy.admission == "row"     # (known once set up: e.g. ds's channel source)
         if not self.rows:
             self.scratch = None
-        self.next_pos = [-1] * max_batch      # each row's next position (-1: free)
-        self.batch_size = max_batch           # rows of the policy's storage (batch admission: the group's)
+        self.next_pos = [-1] * self.max_batch     # each row's next position (-1: free)
+        self.need = [0] * self.max_batch          # each row's request: prompt + the tokens it may generate
+        self.batch_size = rows                # rows of the policy's storage (batch admission: the group's)
         self.steps = 0                        # decode steps since the batch was last empty
         self.pending: list[Pending] = []      # started, not yet admitted (oldest first)
         self.prefill_since_step = 0           # prompt tokens prefilled while active rows waited for their next step
@@ -103,12 +114,59 @@ class RowBatch:
     def active(self) -> list[int]:
         return [r for r, p in enumerate(self.next_pos) if p >= 0]
 
+    def memory_rows(self, max_batch: int) -> tuple[int, int]:
+        """kv_memory's rows -> (the most rows the batch may hold, rows of its storage now); sized rows: the
+        capacity class where max_batch rows fit kv_memory (at least SIZE_STEP tokens).  ValueError when not one
+        row fits."""
+        cost = row_bytes(self.model, self.make_policy, self.max_seq_length, self.max_new_tokens,
+                         SIZE_STEP if self.sized else None)
+        rows = min(max_batch, self.kv_memory // cost)
+        if rows < 1:
+            raise ValueError(f"kv_memory {self.kv_memory} bytes hold no row of policy {self.policy.name!r}: a row "
+                             f"{'of ' + str(SIZE_STEP) + ' tokens ' if self.sized else ''}costs {cost} bytes")
+        if not self.sized:
+            return rows, rows
+        self.token_bytes = cost // SIZE_STEP
+        per_row = self.kv_memory // (max_batch * self.token_bytes)
+        self.policy.row_capacity = max(SIZE_STEP, min(per_row // SIZE_STEP * SIZE_STEP, self.max_seq_length))
+        return max_batch, rows
+
     @property
     def room(self) -> int:
-        """Requests that can start now."""
+        """Requests that can start now (sized rows: of a length the storage holds now; `can_start`)."""
         if self.rows:
-            return sum(p < 0 for p in self.next_pos) - len(self.pending)
+            return sum(p < 0 for p in self.next_pos[:self.batch_size]) - len(self.pending)
         return 0 if self.active else self.max_batch - len(self.pending)
+
+    def can_start(self, n_tokens: int) -> bool:
+        """Whether a request of n_tokens (prompt + the most it may generate) can start now: a free row and,
+        with sized rows, a shape of the storage (this one or one its rows can move to) that kv_memory holds.
+        True also for a request that can never start (`start` then says why)."""
+        if not self.sized:
+            return self.room > 0
+        return self.shape_for(n_tokens) is not None or self.never_fits(n_tokens)
+
+    def never_fits(self, n_tokens: int) -> bool:
+        return self.sized and size_class(n_tokens, self.max_seq_length) * self.token_bytes > self.kv_memory
+
+    def shape_for(self, n_tokens: int) -> Optional[tuple[int, int]]:
+        """Sized rows: (rows, capacity) of a storage that holds the rows' requests and one of n_tokens, kv_memory
+        bytes at most: the current one if it can, else the capacity class of the longest request and as many rows
+        as fit it (the rows held must keep their indices) -> None when none can now."""
+        taken = [r for r in range(self.max_batch) if self.next_pos[r] >= 0] + [p.row for p in self.pending]
+        if n_tokens <= self.policy.capacity and self.room > 0:
+            return self.batch_size, self.policy.capacity
+        capacity = size_class(max([n_tokens] + [self.need[r] for r in taken]), self.max_seq_length)
+        rows = min(self.max_batch, self.kv_memory // (capacity * self.token_bytes))
+        return (rows, capacity) if len(taken) < rows and all(r < rows for r in taken) else None
+
+    def reshape(self, rows: int, capacity: int) -> None:
+        """Sized rows: move the batch's rows into storage of `rows` rows of `capacity` slots (between steps)."""
+        policy = self.make_policy()
+        policy.decode_room, policy.row_capacity = self.max_new_tokens, capacity
+        self.model.setup_caches(rows, self.max_seq_length, policy)
+        policy.take_rows(self.policy)
+        self.policy, self.batch_size = policy, rows
 
     def start(self, ids: list[int], prefix_len: Optional[int] = None, new_tokens: Optional[int] = None,
               agnostic: bool = True) -> Pending:
@@ -118,10 +176,19 @@ class RowBatch:
         will take.  ValueError when none is free."""
         if not ids:
             raise ValueError("empty prompt")
-        if self.room < 1:
-            raise ValueError("no room to start a request now (batch.room is 0)")
+        need = len(ids) + (self.max_new_tokens if new_tokens is None else new_tokens)
+        if self.never_fits(need):
+            raise ValueError(f"a request of {need} tokens (prompt + max_tokens) needs more than the kv_memory of "
+                             f"{self.policy.name!r} ({self.kv_memory} bytes, {self.token_bytes} a token)")
+        shape = self.shape_for(need) if self.sized else None
+        if shape is not None and shape != (self.batch_size, self.policy.capacity):
+            self.reshape(*shape)
+        if self.room < 1 or (self.sized and shape is None):
+            raise ValueError("no room to start a request now (batch.can_start is False)")
         taken = {p.row for p in self.pending}
-        row = next(r for r in range(self.max_batch) if self.next_pos[r] < 0 and r not in taken)
+        rows = self.batch_size if self.rows else self.max_batch       # (batch admission: set up per group)
+        row = next(r for r in range(rows) if self.next_pos[r] < 0 and r not in taken)
+        self.need[row] = need
         protocol = "exact" if self.policy.prefix_reuse else "aware"
         self._snapshot_for(ids)
         self.pending.append(Pending(list(ids), row, prefix_len, new_tokens=new_tokens, protocol=protocol,
@@ -177,6 +244,8 @@ class RowBatch:
             self.steps = 0
         if context is None and self.share_prefix and p.kept is not None:    # its row reads the prefix in place
             self.policy.adopt(p.row, self.scratch, prefix=p.kept)
+            if self.policy.row_prefix[p.row] is p.kept:
+                self.prefixes.acquire(p.kept)
         else:
             self.policy.adopt(p.row, self.scratch if context is None else context)
         self.next_pos[p.row] = p.done
@@ -326,6 +395,11 @@ class RowBatch:
         if self.next_pos[row] < 0:
             raise ValueError(f"row {row} holds no request")
         self.next_pos[row] = -1
+        self.need[row] = 0
         self.appending.pop(row, None)
         if self.rows:
+            read = getattr(self.policy, "row_prefix", None)
+            prefix = read[row] if read is not None else None
             self.policy.release(row)
+            if prefix is not None:
+                self.prefixes.drop(prefix)

@@ -36,6 +36,7 @@ import engine
 from cache import PolicyError, make_policy, parse_spec_list
 from checkpoint import WEIGHTS, CheckpointError
 from kernels.cpu import cpu_kernels_available
+from runtime.memory import parse_size
 from runtime.steps import Sampler, UsageError, compiled_steps, decode_step, prefill_step
 from server.loop import Engine, Job, QueueFull, ShuttingDown, failure
 from server.metrics import Family, exposition, resident_bytes
@@ -429,8 +430,10 @@ def metric_families(srv: Engine) -> list[Family]:
             Family("kvserve_rows_in_use", "gauge", "rows holding a request", by(lambda lane: len(lane.rows))),
             Family("kvserve_rows_prefilling", "gauge", "rows whose request's prompt is being prefilled",
                    by(lambda lane: len(lane.starting))),
-            Family("kvserve_rows_max", "gauge", "rows of the policy's batch (--max-batch)",
-                   by(lambda lane: srv.max_batch)),
+            Family("kvserve_rows_max", "gauge", "rows of the policy's batch now (--max-batch, or with --kv-memory "
+                   "those that fit its share)", by(lambda lane: lane.rows_total)),
+            Family("kvserve_kv_memory_bytes", "gauge", "the policy's share of --kv-memory (absent without it)",
+                   by(lambda lane: srv.kv_share) if srv.kv_share is not None else []),
             Family("kvserve_prompt_tokens_total", "counter", "prompt tokens of requests whose prompt is in (reused "
                    "prefixes included)",
                    by(lambda lane: srv.tokens[lane.name, "prompt"])),
@@ -465,6 +468,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: full); each gets its own batch of --max-batch rows, and a request picks one by "
                         "its kv_policy field (NAME[@LABEL]; default: the first)")
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
+    p.add_argument("--kv-memory", metavar="SIZE",
+                   help="K/V bytes of the rows of all started policies together, split in equal shares (e.g. 2GiB, "
+                        "512MiB): each policy runs as many rows as its share holds (a compressed row is small), at "
+                        "most --max-batch; full sizes its rows to the requests; a request waits for the bytes. "
+                        "Default: --max-batch rows of --max-seq-length each (docs/serving.md, memory admission)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429")
     p.add_argument("--max-new-tokens-limit", type=int, default=256, help="the largest max_tokens a request may ask")
     p.add_argument("--max-seq-length", type=int, default=2048,
@@ -516,6 +524,10 @@ def build_engine(args) -> Engine:
         raise UsageError("--prefix-cache-mb must be at least 0")
     if args.shutdown_timeout < 0:
         raise UsageError("--shutdown-timeout must be at least 0")
+    try:
+        kv_memory = None if args.kv_memory is None else parse_size(args.kv_memory)
+    except ValueError as e:
+        raise UsageError(f"--kv-memory: {e}") from None
     for flag in ("max_batch", "max_queue", "max_new_tokens_limit", "prefill_chunk", "max_body_bytes"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
@@ -541,9 +553,14 @@ def build_engine(args) -> Engine:
             return policy
         return fresh
     steps = compiled_steps(model.output.weight.device) if args.compile else (prefill_step, decode_step)
-    srv = Engine(model, tokenizer, {spec.variant: (str(spec), maker(spec)) for spec in specs}, args.max_batch,
-                 args.max_queue, max_seq_length, args.max_new_tokens_limit, steps, args.prefill_chunk,
-                 int(args.prefix_cache_mb * 2 ** 20), args.agnostic_reuse)
+    try:
+        srv = Engine(model, tokenizer, {spec.variant: (str(spec), maker(spec)) for spec in specs}, args.max_batch,
+                     args.max_queue, max_seq_length, args.max_new_tokens_limit, steps, args.prefill_chunk,
+                     int(args.prefix_cache_mb * 2 ** 20), args.agnostic_reuse, kv_memory)
+    except ValueError as e:
+        if kv_memory is None:
+            raise
+        raise UsageError(f"--kv-memory: {e}") from None
     if args.compile:
         srv.warm_up()
     return srv

@@ -99,6 +99,8 @@ class Lane:
     kv: dict = field(default_factory=dict)               # the policy's latest kv_bytes(), read by /metrics
     kv_at: float = 0.0                                   # when it was read (time.monotonic)
     prefixes: dict = field(default_factory=dict)         # its kept prefixes' stats (runtime/prefix_cache.py)
+    rows_total: int = 0                                  # rows its batch holds now (--kv-memory: those that fit)
+    row_capacity: Optional[int] = None                   # full's rows sized to the requests: tokens a row holds
 
 
 class Engine:
@@ -112,12 +114,14 @@ class Engine:
 
     def __init__(self, model, tokenizer, policies: dict, max_batch: int, max_queue: int, max_seq_length: int,
                  max_new_tokens: int, steps=(prefill_step, decode_step), prefill_chunk: int = 256,
-                 prefix_bytes: int = 0, agnostic: bool = True):
+                 prefix_bytes: int = 0, agnostic: bool = True, kv_memory: Optional[int] = None):
         """policies: {name: (spec text, a function making a fresh policy instance)}, the first the default;
         steps: the (prefill, decode) step functions (runtime.steps.compiled_steps for --compile); prefill_chunk: prompt
         tokens prefilled between two decode steps; prefix_bytes: kept prefixes per lane (runtime/prefix_cache.py);
-        agnostic: compressing policies keep compressed prefixes (RowBatch's agnostic protocol)."""
+        agnostic: compressing policies keep compressed prefixes (RowBatch's agnostic protocol); kv_memory: K/V
+        bytes of all the lanes' rows (--kv-memory; None: --max-batch rows each), split in equal shares."""
         self.model, self.tokenizer = model, tokenizer
+        self.kv_memory, self.kv_share = kv_memory, None if kv_memory is None else kv_memory // len(policies)
         self.prefill_chunk, self.prefix_bytes, self.agnostic = prefill_chunk, prefix_bytes, agnostic
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
@@ -141,7 +145,8 @@ class Engine:
         return RowBatch(self.model, make_policy, self.max_batch, self.max_seq_length, self.max_new_tokens,
                         prefill=prefill, decode=decode, prefill_chunk=self.prefill_chunk,
                         prefix_bytes=self.prefix_bytes, agnostic=self.agnostic,
-                        share_prefix=decode is decode_step)        # not under --compile
+                        share_prefix=decode is decode_step,        # not under --compile
+                        kv_memory=self.kv_share)
 
     def submit(self, job: Job) -> None:
         """Queue job for its lane: QueueFull when it would wait for a row (no free row takes it at the next
@@ -201,14 +206,21 @@ class Engine:
     def health(self) -> dict:
         with self.wake:
             lanes = {name: {"spec": lane.spec, "rows_in_use": len(lane.rows), "prefilling": len(lane.starting),
-                            "queue_depth": len(lane.waiting)} for name, lane in self.lanes.items()}
+                            "queue_depth": len(lane.waiting), **self.memory(lane)} for name, lane in self.lanes.items()}
             requests = Counter()
             for (_, outcome), n in self.finished.items():
                 requests[outcome] += n
             return {"status": "ok", "rows_in_use": sum(p["rows_in_use"] for p in lanes.values()),
                     "max_batch": self.max_batch, "queue_depth": sum(p["queue_depth"] for p in lanes.values()),
-                    "max_queue": self.max_queue, "requests": dict(requests), "policies": lanes,
+                    "max_queue": self.max_queue, "kv_memory": self.kv_memory,
+                    "requests": dict(requests), "policies": lanes,
                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}      # as it was when torch loaded
+
+    def memory(self, lane: Lane) -> dict:
+        """A lane's K/V memory as /health reports it (its kv_bytes as last read, read_kv)."""
+        return {"kv_memory": self.kv_share, "kv_bytes_reserved": lane.kv.get("allocated", 0),
+                "kv_bytes_in_use": lane.kv.get("live", 0), "rows_total": lane.rows_total,
+                "rows_active": len(lane.rows) + len(lane.starting), "row_capacity": lane.row_capacity}
 
     def run(self) -> None:
         with torch.inference_mode():
@@ -272,14 +284,16 @@ class Engine:
 
     def admit(self, lane: Lane, waiting: list) -> None:
         """Admission, the one place prompts are prefilled: waiting jobs start while the batch has room (each
-        reserves a row, first come first served), then one RowBatch.advance: one prefill chunk of the oldest
+        reserves a row, first come first served; with --kv-memory the head of the queue waits until the bytes
+        for it are free, RowBatch.can_start), then one RowBatch.advance: one prefill chunk of the oldest
         started prompt (a compressing policy's whole prompt), so prompts alternate with the rows' decode steps.
         A job whose prompt is complete samples its first token from the prompt's last logits.  A failure fails
         the job it happened in (RowBatch.advance drops that one: the started jobs it no longer holds)."""
-        taken = waiting[:max(lane.batch.room, 0)]
-        with self.wake:
-            del lane.waiting[:len(taken)]
-        for job in taken:
+        for job in waiting:             # first come first served: with --kv-memory, while the bytes for them are free
+            if not lane.batch.can_start(len(job.ids) + job.max_tokens):
+                break
+            with self.wake:
+                lane.waiting.remove(job)
             try:
                 job.pending = lane.batch.start(job.ids, new_tokens=job.max_tokens, agnostic=job.agnostic)
                 lane.starting.append(job)
@@ -411,9 +425,11 @@ class Engine:
             lane.prefixes = prefixes
         if lane.rows and now - lane.kv_at < 0.25:
             return
-        kv = lane.batch.policy.kv_bytes()
+        kv, batch = lane.batch.policy.kv_bytes(), lane.batch
         with self.wake:
             lane.kv, lane.kv_at = kv, now
+            lane.rows_total = batch.batch_size if batch.rows else batch.max_batch
+            lane.row_capacity = getattr(batch.policy, "capacity", None) if batch.sized else None
 
     def warm_up(self) -> None:
         """Run every lane through a few decode steps of --max-batch short requests, so that a compiled step

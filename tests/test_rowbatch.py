@@ -17,7 +17,8 @@ NEW = 16
 
 def drive(batch: RowBatch, prompts: dict, arrivals: dict, staged: bool, prefix_len=None, new_tokens=None):
     """Greedy-decode `prompts` through `batch`: request n arrives at loop turn arrivals[n] (first come, first
-    served) and leaves after NEW tokens.  Staged: start what fits, then one `advance` per turn; else `admit`.
+    served) and leaves after NEW tokens.  Staged: start what fits (`can_start`: a free row; with kv_memory, the
+    bytes), then one `advance` per turn; else `admit`.
     A request admitted from a kept compressed prefix (agnostic) joins when a step completes its prompt.
     -> (logits [NEW, V] per request, [(prompt tokens prefilled since the last step, requests mid-prefill)]
     at each decode step)."""
@@ -27,7 +28,7 @@ def drive(batch: RowBatch, prompts: dict, arrivals: dict, staged: bool, prefix_l
         for t in range(50 * NEW):
             waiting += [n for n in prompts if arrivals[n] == t]
             if staged:
-                while waiting and batch.room > 0:
+                while waiting and batch.can_start(len(prompts[waiting[0]]) + (new_tokens or batch.max_new_tokens)):
                     n = waiting.pop(0)
                     starting[batch.start(prompts[n], prefix_len, new_tokens).row] = n
                 admitted = batch.advance()

@@ -392,8 +392,11 @@ def test_kv_policy_choices_and_metrics(tiny_dir):
     flags = ["--policies", TWO, "--max-batch", "2", "--max-new-tokens-limit", "32", "--max-seq-length", "256"]
     with running(tiny_dir, *flags) as (client, srv):
         assert client.get("/v1/models").json()["data"][0]["kv_policies"] == list(SPECS)
-        assert client.get("/health").json()["policies"] == {
-            name: {"spec": spec, "rows_in_use": 0, "prefilling": 0, "queue_depth": 0} for name, spec in SPECS.items()}
+        lanes = client.get("/health").json()["policies"]
+        assert {name: {k: lane[k] for k in ("spec", "rows_in_use", "prefilling", "queue_depth", "rows_total")}
+                for name, lane in lanes.items()} == {
+            name: {"spec": spec, "rows_in_use": 0, "prefilling": 0, "queue_depth": 0, "rows_total": 2}
+            for name, spec in SPECS.items()}
         before = metrics(client)
         assert complete(client, "Hello", 5)["kv_policy"] == "full"
         chunks = events(client, "/v1/completions", {"prompt": "Hello there", "max_tokens": 7, "kv_policy": "snapkv"})

@@ -126,23 +126,29 @@ def test_rows_sharing_a_kept_prefix_equal_rows_holding_copies(model, kernels):  
     for n in prompts:
         assert torch.equal(got[n].argmax(-1), ref[n].argmax(-1)), f"{n}'s tokens differ when rows share the prefix"
         torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
-    assert batch.policy.prefix is None and not batch.policy.own_from.any()
+    assert not batch.policy.groups and not batch.policy.own_from.any() and not batch.prefixes.refs
 
 
-def test_a_second_prefix_is_copied(model):  # noqa: F811
-    """One prefix is read in place at a time: requests on another document, while rows read the first, copy
-    theirs (own_from 0) and still decode what they decode alone."""
+def test_prefixes_past_max_prefixes_are_copied(model):  # noqa: F811
+    """Up to FullCache.max_prefixes kept prefixes are read in place at once (tests/test_memory.py: two); with
+    max_prefixes 1, requests on another document, while rows read the first, copy theirs (own_from 0) and still
+    decode what they decode alone."""
     a = prompts_of({"a1": 10, "a2": 12}, seed=1, shared=120)
     b = prompts_of({"b1": 9, "b2": 14}, seed=2, shared=100)
     prompts = {"a1": a["a1"], "b1": b["b1"], "a2": a["a2"], "b2": b["b2"]}
     seen = set()
-    batch = RowBatch(model, lambda: make_policy("full"), 4, 400 + NEW, NEW, prefill_chunk=32,
-                     prefix_bytes=1 << 30, min_prefix=16)
+
+    def one_prefix():
+        policy = make_policy("full")
+        policy.max_prefixes = 1
+        return policy
+    batch = RowBatch(model, one_prefix, 4, 400 + NEW, NEW, prefill_chunk=32, prefix_bytes=1 << 30, min_prefix=16)
     step = batch.step
 
     def watched(tokens):
-        if batch.policy.prefix is not None:
-            seen.add((batch.policy.prefix.n_filled, tuple(sorted(set(batch.policy.own_from.tolist())))))
+        assert len(batch.policy.groups) <= 1
+        for prefix, _, _ in batch.policy.groups:
+            seen.add((prefix.n_filled, tuple(sorted(set(batch.policy.own_from.tolist())))))
         return step(tokens)
     batch.step = watched
     got, _ = drive(batch, prompts, dict.fromkeys(prompts, 0), staged=True)
