@@ -26,10 +26,12 @@ Backends of `QuantizedLinear` (chosen when the module is built, by its device):
 Why int8 activations for every row count: the arithmetic used to change with the row count (16-bit activations
 in 16-row GEMVs below 128 rows, int8 from 128), so chunking and batching flipped greedy tokens on the Q4_1 GGUF
 (issue 49).  One arithmetic it is, and int8 (llama.cpp's own; vpdpbusd takes 4 products where the 16-bit
-vpdpwssd takes 2) was the faster of the two: the default model's five layer shapes (4 Q4_1 + the Q8_0 head),
-1 thread, min of 3 x 60 (M = 1) or 3 x 5 (M = 256) calls, 16-bit / int8 time: M = 1 (decode) 3235 / 2746 us
-(1.18x; per shape 0.89-1.43x), M = 256 (a prefill chunk) 1.21x (0.80-1.23x); 2-core Intel Xeon with AVX-512
-VNNI, shared with other jobs (load average 14-38: absolute times are noisy, the ratio is the measurement).
+vpdpwssd takes 2) was the faster of the two, side by side on the default model's five layer shapes (4 Q4_1 +
+the Q8_0 head), min of N calls, 16-bit / int8 time: 1 thread, M = 1 (decode) 1695 / 1485 us (1.14x; per shape
+0.86-1.41x), M = 256 (a prefill chunk) 1.31x (1.16-1.61x); 2 threads, M = 1, the linear layers of one decode
+token (30 layers + head, direct bindings): 2.33-2.84 ms before, 1.90-1.96 ms now (a decode step at 2048 tokens
+took ~21 ms: attention and per-op overhead dominate).  2-core Intel Xeon with AVX-512 VNNI, shared with other
+jobs (2026-11-29, load average ~2-5; under load 14-38 the 1-thread ratios were 1.18x and 1.21x).
 Exact activations (fp32 FMA) need ~2x the instructions of the 16-bit kernel; dequantize + oneDNN's matmul rounds
 by row count; torch's packed CPU ops (aten._weight_int8pack_mm, _weight_int4pack_mm_for_cpu,
 _dyn_quant_matmul_4bit) are slower here at batch 1 or need bf16 activations.
@@ -82,7 +84,8 @@ def check_qweight(qw: QWeight) -> None:
         raise ValueError(f"bits must be 4 or 8, got {qw.bits}")
     want = torch.int8 if qw.bits == 8 else torch.uint8
     if qw.qweight.dtype != want or qw.qweight.dim() != 2:
-        raise ValueError(f"int{qw.bits} qweight must be a 2-D {want} tensor, got {qw.qweight.dtype} {tuple(qw.qweight.shape)}")
+        raise ValueError(f"int{qw.bits} qweight must be a 2-D {want} tensor, "
+                         f"got {qw.qweight.dtype} {tuple(qw.qweight.shape)}")
     if qw.group % MIN_GROUP or K % qw.group:
         raise ValueError(f"group size {qw.group} must be a multiple of {MIN_GROUP} dividing K={K}")
     for name, t in (("scales", qw.scales), ("mins", qw.mins)):
