@@ -221,7 +221,8 @@ void int_tiles_vnni(const Problem& p, int64_t t, int64_t m0) {
     }
     if (BITS == 8)                               // the + 128 of the u8 operand: 128 * sum q_x per row
       for (int m = 0; m < MR; ++m)
-        for (int u = 0; u < TT; ++u) ia[m][u] = _mm512_sub_epi32(ia[m][u], _mm512_set1_epi32(128 * p.xi[(m0 + m) * KB + b]));
+        for (int u = 0; u < TT; ++u)
+          ia[m][u] = _mm512_sub_epi32(ia[m][u], _mm512_set1_epi32(128 * p.xi[(m0 + m) * KB + b]));
     add_block<BITS, MR, TT>(acc, ia, p.scale, p.mins, p.xd, p.xs, t, m0, b, g, NG, KB);
   }
   store_tiles<MR, TT>(p.out + m0 * p.N + t * 16, p.N, acc);
@@ -325,7 +326,8 @@ void check(const torch::Tensor& w, const torch::Tensor& scales, const torch::Ten
               "kvc::qlinear: w must hold [N/16] tiles of 16 rows x K codes");
   TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.numel() == NT * 16 * (K / group),
               "kvc::qlinear: scales must be fp16 [N/16, K/G, 16]");
-  TORCH_CHECK(bits == 8 || (mins.scalar_type() == torch::kHalf && mins.sizes() == scales.sizes() && mins.is_contiguous()),
+  TORCH_CHECK(bits == 8 ||
+                  (mins.scalar_type() == torch::kHalf && mins.sizes() == scales.sizes() && mins.is_contiguous()),
               "kvc::qlinear: int4 needs fp16 mins shaped like the scales");
 }
 
@@ -351,7 +353,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, to
   xs.resize(M * KB);
   xi.resize(M * KB);
   quantize_rows(x.data_ptr<float>(), M, K, static_cast<int>(bits), xq.data(), xd.data(), xs.data(), xi.data());
-  Problem p{reinterpret_cast<const uint8_t*>(w.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+  Problem p{reinterpret_cast<const uint8_t*>(w.data_ptr()),
+            reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
             bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr, xq.data(), xd.data(),
             xs.data(), xi.data(), out.data_ptr<float>(), M, N, K, group, static_cast<int>(bits)};
   run(p, isa);
