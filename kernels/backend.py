@@ -6,8 +6,9 @@ before the first Triton call (the kernels are built lazily, on first use, so imp
 imports Triton).  "cpp" (the C++ CPU kernels, kernels/cpu.py) resolves to "torch" here: the dispatchers
 that have a C++ kernel check for it first (`cpu.use_cpu_kernel`), the others run their twin.
 
-KVC_KIVI_ARITH (KIVI's dense reads of 2/4-bit storage) and KVC_QLINEAR_ARITH (the quantized layers'
-prefill) ask for an arithmetic: "auto", "int", "fp32", or a CPU ISA "avx2" / "vnni", parsed by
+KVC_KIVI_ARITH (KIVI's dense reads of 2/4-bit storage) and KVC_QLINEAR_ARITH (the instructions of the
+quantized layers' one arithmetic; it refuses "fp32") ask for an arithmetic: "auto", "int", "fp32", or a CPU
+ISA "avx2" / "vnni", parsed by
 `arith_request`; kernels/cpu.py resolves them for the C++ ops, kernels/kivi_int_triton.py
 KVC_KIVI_ARITH for the Triton kernels.
 """

@@ -25,8 +25,8 @@ sparse readers', KIVI's, the dense caches' and the weight-quantized linear layer
     kvc::dense_decode                  == dense_decode_torch: a decode step's attention over a DenseCache
     cpu_eager_ops()                    model.EagerOps with kvc::rms_norm, add_rms_norm, rope_split, silu_mul
                                        and dense_decode in eager fp32 or bf16 CPU steps (the loader's choice)
-    qlinear_arith_default()            the quantized layers' prefill arithmetic (KVC_QLINEAR_ARITH: kvc::qlinear_int
-                                       in int8 x int4/int8 integer arithmetic, VNNI or AVX2, or fp32 dequantize + matmul)
+    qlinear_isa_default()              the instructions of the quantized layers' one arithmetic (kvc::qlinear: int8
+                                       activations x int4/int8 codes; KVC_QLINEAR_ARITH: VNNI, AVX2, bitwise equal)
     eager_ops()                        the ops an eager decode step calls per layer as direct Python bindings
                                        (kernels/cpu_bindings.cpp): ~2 us less per call than torch.ops.kvc
 
@@ -280,12 +280,8 @@ def _register_fakes() -> None:
         return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
 
     @torch.library.register_fake("kvc::qlinear")
-    def _(x, w, scales, mins, bits, group, portable):
+    def _(x, w, scales, mins, bits, group, isa):
         return x.new_empty((*x.shape[:-1], w.shape[0] * 16))
-
-    @torch.library.register_fake("kvc::qlinear_int")
-    def _(x, w, scales, mins, bits, group, arith):
-        return x.new_empty((x.shape[0], w.shape[0] * 16))
 
     @torch.library.register_fake("kvc::linear_small_m")
     def _(x, w, bias):
@@ -391,29 +387,34 @@ def _arith_from_env(var: str, best: str, auto: str) -> str:
     return auto if want == "auto" else best if want == "int" else want
 
 
-_qlinear_arith: Optional[str] = None         # KVC_QLINEAR_ARITH, resolved once (qlinear_arith_default)
+QLINEAR_ISA = {"portable": 0, "avx2": 1, "vnni": 2}     # kvc::qlinear's `isa` codes (one arithmetic)
+_qlinear_isa: Optional[str] = None            # KVC_QLINEAR_ARITH, resolved once (qlinear_isa_default)
 
 
-def qlinear_int_arith() -> str:
-    """The integer arithmetic this build has for kvc::qlinear_int (the quantized layers' prefill): "vnni",
-    "avx2", or "fp32" when it has neither (or the kernels are not built)."""
+def qlinear_isa() -> str:
+    """The fastest instructions this build has for kvc::qlinear: "vnni", "avx2" or "portable" (plain loops;
+    also when the kernels are not built)."""
     if not cpu_kernels_available():
-        return "fp32"
-    return {v: k for k, v in ARITH.items()}[_eager.qlinear_int_arith()]
+        return "portable"
+    return {v: k for k, v in QLINEAR_ISA.items()}[_eager.qlinear_isa()]
 
 
-def qlinear_arith_default() -> str:
-    """The arithmetic of the quantized linear layers' prefill-sized calls (more than
-    kernels.qlinear.MAX_GEMV_ROWS rows), from KVC_QLINEAR_ARITH (read once per process): "auto" (the
-    default) and "int": qlinear_int_arith() (int8 activations x the stored codes, kvc::qlinear_int;
-    on a 2-core AVX-512 EPYC both VNNI and the AVX2 path ran the default model's layers faster than
-    oneDNN's fp32 matmul), "fp32" (the weight dequantized + the dense fp32 matmul, the path before),
-    or "avx2" / "vnni" to force one (an error where not built)."""
-    global _qlinear_arith
-    if _qlinear_arith is None:
-        best = qlinear_int_arith()
-        _qlinear_arith = _arith_from_env("KVC_QLINEAR_ARITH", best, best)
-    return _qlinear_arith
+def qlinear_isa_default() -> str:
+    """The instructions of the quantized layers' kvc::qlinear from KVC_QLINEAR_ARITH (read once per process):
+    "auto" (the default) and "int": qlinear_isa(); "avx2" / "vnni" to force one (ValueError where not built).
+    Every choice gives bitwise the same results (one arithmetic: int8 activations x the stored codes, for every
+    row count); "fp32" (dequantize + a dense matmul, whose rounding depended on the row count) was retired."""
+    global _qlinear_isa
+    if _qlinear_isa is None:
+        want, best = arith_request("KVC_QLINEAR_ARITH"), qlinear_isa()
+        if want == "fp32":
+            raise ValueError("KVC_QLINEAR_ARITH=fp32 was retired: the quantized layers have one arithmetic "
+                             "(int8 activations, batch-invariant); choose auto, int, avx2 or vnni")
+        want = best if want in ("auto", "int") else want
+        if want == "vnni" and best != "vnni" or want == "avx2" and best == "portable":
+            raise ValueError(f"KVC_QLINEAR_ARITH={want} is not built here (this build's best: {best})")
+        _qlinear_isa = want
+    return _qlinear_isa
 
 
 def kivi_attention_cpu(q: Tensor, buf, pos: Tensor, visible: Optional[Tensor], now: Tensor, n: int,

@@ -15,9 +15,9 @@ torch::Tensor dense_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor s
                            double scale, int64_t lanes);
 torch::Tensor silu_mul(torch::Tensor gu);
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits,
-                      int64_t group, bool portable);
+                      int64_t group, int64_t isa);
 int64_t kivi_arith();
-int64_t qlinear_int_arith();
+int64_t qlinear_isa();
 torch::Tensor qembed(torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits, int64_t group,
                      int64_t K, torch::Tensor rows);
 
@@ -30,5 +30,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear);
   m.def("qembed", &qembed);
   m.def("kivi_arith", &kivi_arith);
-  m.def("qlinear_int_arith", &qlinear_int_arith);
+  m.def("qlinear_isa", &qlinear_isa);
 }

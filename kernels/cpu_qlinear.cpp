@@ -1,30 +1,34 @@
 // CPU kernels of the weight-quantized linear layers (built with kernels/cpu_kernels.cpp by
 // kernels/cpu.py; the Python side, layouts and twins are in kernels/qlinear.py):
 //
-//   kvc::qlinear(x [M, K] fp32 (or [..., K]: M rows), w tiles, scales fp16 [N/16, K/G, 16], mins fp16 like
-//                scales (int4) or an empty tensor (int8), bits 4|8, group G, portable bool) -> y [M, N] fp32
-//                (or [..., N])
-//       y = W~ x~: W~ the dequantized weight (int8: scale * q; int4: scale * q + min, q in [0, 16)) and
-//       x~ the activations rounded to 16-bit integers in blocks of 32 (d = max|x| / 32767,
-//       q_x = round(x / d)): a relative error of at most 2^-16 of the block's largest value, 256x below
-//       int8 activations (which changed the default model's greedy answer) and 128x below bf16's per
-//       element rounding.  Per block, the 32 products q_w q_x are summed exactly in int32 by AVX-512
-//       VNNI's vpdpwssd (pairs of int16 x int16 per lane), then scaled by scale * d in fp32; the int4
-//       minimum multiplies the block sums of x~.  For decode-sized M; kernels/qlinear.py uses
-//       qdequant + a dense matmul for prefill.
+//   kvc::qlinear(x [..., K] fp32, w tiles, scales fp16 [N/16, K/G, 16], mins fp16 like scales (int4) or an
+//                empty tensor (int8), bits 4|8, group G, isa 0|1|2) -> y [..., N] fp32
+//       One arithmetic for every row count (batch-invariant: a row's result does not depend on how many rows
+//       x has, which they are, the register blocking or the thread split).  x~ = int8 codes per row and
+//       block of 32 channels (d = max|x| / 127, q_x = round(x / d), symmetric: llama.cpp's Q8 activations),
+//       y[m, n] = sum over blocks b, in order, of (fp32, fused multiply-adds)
+//         acc = fma(S, scale[n, g(b)] * d[m, b], acc);  acc = fma(min[n, g(b)], d[m, b] * sum_k q_x, acc)  (int4)
+//       with S = sum_k q_w q_x the block's exact int32 sum (kernels/qlinear.py `qlinear_int_reference` is the
+//       twin).  `isa` picks the instructions, never the result (all three are bitwise equal):
+//         2 VNNI:     vpdpbusd (u8 x s8, 4 products per int32 lane); int4 codes are the u8 operand, int8 codes
+//                     are made u8 by + 128 (xor 0x80) and 128 * sum q_x is subtracted from the block's sum.
+//         1 AVX2:     vpmaddubsw (u8 x s8 -> int16 pair sums), vpmaddwd by 1 -> int32.  int4: a block's 8
+//                     pair sums fit int16 (8 * 2 * 15 * 127 = 30480), one vpmaddwd per block; int8:
+//                     |q_w| x sign(q_x, q_w) (2 * 127 * 127 = 32258), one vpmaddwd per load.
+//         0 portable: plain loops (std::fma), for CPUs without AVX2 and as the others' check.
 //   kvc::qdequant(w, scales, mins, bits, group, K) -> W~ [N, K] fp32
 //   kvc::qembed(w, scales, mins, bits, group, K, rows [L]) -> rows of W~ [L, K] fp32 (a tied head's embeddings)
 //
 // Tiles of 16 output rows (kernels/qlinear.py `to_tiles` writes them from the row-major codes), read as
 // one dword per row (lane) of a 64-byte load:
-//   int8: [N/16, K/4, 16, 4] int8:  bytes (q0, q2, q1, q3) of channels 4c..4c+3: words (b0, b2) and
-//         (b1, b3), sign-extended, are the int16 pairs (q0, q1), (q2, q3)
+//   int8: [N/16, K/4, 16, 4] int8:  bytes (q0, q2, q1, q3) of channels 4c..4c+3
 //   int4: [N/16, K/8, 16, 4] uint8: bytes (q0 | q2 << 4, q4 | q6 << 4, q1 | q3 << 4, q5 | q7 << 4) of
-//         channels 8c..8c+7: (dword >> 4j) & 0x000F000F is the pair (q_2j, q_2j+1)
-// so no horizontal sums are needed, and x~ pairs are consecutive int16.  Work is split over pairs of
-// tiles with at::parallel_for.  Without AVX-512 VNNI but with AVX2 the same integer arithmetic runs on
-// vpmaddwd (8 lanes); elsewhere (or with portable=true) as plain loops, which on an AVX2 EPYC made the
-// int4 model's batch-8 decode step 3.4x slower than float32's.
+//         channels 8c..8c+7
+// The codes of x are written in the byte order of a tile dword (int4: channels 0 4 1 5 | 2 6 3 7 of each 8,
+// the low and the high nibbles of a dword; int8: 0 2 1 3 of each 4), so a broadcast dword of x~ meets 4 codes
+// of each of 16 rows with no shuffle and no horizontal sums.  Work: threads split the tiles; each walks the
+// rows in chunks of ROWS_CHUNK (its tiles stay in L2, a chunk of x~ in L1/L2) with a register block of MR
+// rows x TT tiles (decode: 1 row x 2 tiles).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -37,8 +41,9 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVC_VNNI 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KVC_AVX2 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVC_QINT_AVX2 1
 #endif
 
 namespace {
@@ -46,38 +51,33 @@ namespace {
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 constexpr int64_t BLOCK = 32;   // activation block
+constexpr int64_t ROWS_CHUNK = 64;
+
+enum QIsa { QISA_PORTABLE = 0, QISA_AVX2 = 1, QISA_VNNI = 2 };      // kernels/cpu.py QLINEAR_ISA codes
+
+bool isa_built(int64_t isa) {
+#ifdef KVC_VNNI
+  if (isa == QISA_VNNI) return true;
+#endif
+#ifdef KVC_QINT_AVX2
+  if (isa == QISA_AVX2) return true;
+#endif
+  return isa == QISA_PORTABLE;
+}
 
 struct Problem {
   const uint8_t* w;
   const uint16_t* scale;
   const uint16_t* mins;          // nullptr for int8
-  const int16_t* xq;             // [M, K] x~ codes
+  const int8_t* xq;              // [M, K] x~ codes in tile byte order
   const float* xd;               // [M, K/32] block scales d
-  const float* xs;               // [M, K/32] block sums of x~ (d * sum q_x)
+  const float* xs;               // [M, K/32] d * sum q_x (int4's min term)
+  const int32_t* xi;             // [M, K/32] sum q_x (int8 VNNI's + 128 correction)
   float* out;                    // [M, N]
   int64_t M, N, K, G;
   int bits;
   int64_t tile_bytes() const { return K * 2 * bits; }
 };
-
-void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* d, float* s) {
-  const int64_t KB = K / BLOCK;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < KB; ++b) {
-      const float* xb = x + m * K + b * BLOCK;
-      float amax = 0.f;
-      for (int i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float dm = amax / 32767.f, inv = dm > 0.f ? 1.f / dm : 0.f;
-      int32_t sum = 0;
-      for (int i = 0; i < BLOCK; ++i) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-        q[m * K + b * BLOCK + i] = static_cast<int16_t>(v);
-        sum += v;
-      }
-      d[m * KB + b] = dm;
-      s[m * KB + b] = dm * static_cast<float>(sum);
-    }
-}
 
 // the code of channel k of tile row r (layouts in the header)
 inline int32_t code(const uint8_t* wt, int bits, int64_t k, int r) {
@@ -89,19 +89,55 @@ inline int32_t code(const uint8_t* wt, int bits, int64_t k, int r) {
   return (wt[((k / 8) * 16 + r) * 4 + byte] >> shift) & 15;
 }
 
+// position of channel i (0..31) of a block in the tile byte order
+inline int tile_slot(int bits, int i) {
+  static const int int4[8] = {0, 2, 4, 6, 1, 3, 5, 7};   // channel j of 8 -> its byte (inverse of 0 4 1 5 2 6 3 7)
+  static const int int8[4] = {0, 2, 1, 3};
+  return bits == 4 ? (i & ~7) + int4[i & 7] : (i & ~3) + int8[i & 3];
+}
+
+// x [M, K] -> int8 codes in tile byte order, d, d * sum q_x and sum q_x per row and block (each row alone)
+void quantize_rows(const float* x, int64_t M, int64_t K, int bits, int8_t* q, float* d, float* s, int32_t* si) {
+  const int64_t KB = K / BLOCK;
+  int slot[BLOCK];
+  for (int i = 0; i < BLOCK; ++i) slot[i] = tile_slot(bits, i);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < KB; ++b) {
+        const float* xb = x + m * K + b * BLOCK;
+        int8_t* qb = q + m * K + b * BLOCK;
+        float amax = 0.f;
+        for (int i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float dm = amax / 127.f, inv = dm > 0.f ? 1.f / dm : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < BLOCK; ++i) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+          qb[slot[i]] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        d[m * KB + b] = dm;
+        s[m * KB + b] = dm * static_cast<float>(sum);
+        si[m * KB + b] = sum;
+      }
+  });
+}
+
 // ---------------------------------------------------------------------------------------- portable
+// tile t for row m: the vector kernels' arithmetic one lane at a time
 void tile_portable(const Problem& p, int64_t t, int64_t m) {
   const int64_t NG = p.K / p.G, KB = p.K / BLOCK;
   const uint8_t* wt = p.w + t * p.tile_bytes();
+  const int8_t* xq = p.xq + m * p.K;
   float acc[16] = {};
   for (int64_t b = 0; b < KB; ++b) {
-    const int64_t g = b * BLOCK / p.G;
+    const int64_t g = b * BLOCK / p.G, xb = m * KB + b;
     for (int r = 0; r < 16; ++r) {
       int32_t isum = 0;
-      for (int64_t k = b * BLOCK; k < (b + 1) * BLOCK; ++k) isum += code(wt, p.bits, k, r) * p.xq[m * p.K + k];
-      const float sc = half_to_float(p.scale[(t * NG + g) * 16 + r]);
-      acc[r] += static_cast<float>(isum) * (sc * p.xd[m * KB + b]);
-      if (p.mins) acc[r] += half_to_float(p.mins[(t * NG + g) * 16 + r]) * p.xs[m * KB + b];
+      for (int i = 0; i < BLOCK; ++i) isum += code(wt, p.bits, b * BLOCK + i, r) * xq[b * BLOCK + tile_slot(p.bits, i)];
+      const int64_t so = (t * NG + g) * 16 + r;
+      const float f = half_to_float(p.scale[so]) * p.xd[xb];
+      acc[r] = std::fma(static_cast<float>(isum), f, acc[r]);
+      if (p.mins) acc[r] = std::fma(half_to_float(p.mins[so]), p.xs[xb], acc[r]);
     }
   }
   std::memcpy(p.out + m * p.N + t * 16, acc, sizeof acc);
@@ -151,235 +187,11 @@ inline void zero(V (&a)[MR][TT], V z) {
     for (int u = 0; u < TT; ++u) a[m][u] = z;
 }
 
-// TT consecutive tiles x MR rows of x: each 64-byte load is unpacked once into int16 pairs and used by
-// the MR rows; one int32 accumulator per (row, tile) and block
-template <int BITS, int MR, int TT>
-void tiles_vnni(const Problem& p, int64_t t, int64_t m0) {
-  const int64_t NG = p.K / p.G, KB = p.K / BLOCK, TB = p.tile_bytes();
-  constexpr int LOADS = BITS == 4 ? 4 : 8;           // 64-byte loads per tile and block of 32 channels
-  const __m512i nib = _mm512_set1_epi32(0x000F000F);
-  __m512 acc[MR][TT];
-  zero<MR, TT>(acc, _mm512_setzero_ps());
-  for (int64_t b = 0; b < KB; ++b) {
-    const int64_t g = b * BLOCK / p.G;
-    __m512i ia[MR][TT];
-    zero<MR, TT>(ia, _mm512_setzero_si512());
-#pragma GCC unroll 8
-    for (int l = 0; l < LOADS; ++l) {
-#pragma GCC unroll 4
-      for (int u = 0; u < TT; ++u) {
-        const __m512i v = _mm512_loadu_si512(p.w + (t + u) * TB + (b * LOADS + l) * 64);
-        __m512i pairs[4];
-        if (BITS == 4) {
-          pairs[0] = _mm512_and_si512(v, nib);
-          pairs[1] = _mm512_and_si512(_mm512_srli_epi32(v, 4), nib);
-          pairs[2] = _mm512_and_si512(_mm512_srli_epi32(v, 8), nib);
-          pairs[3] = _mm512_and_si512(_mm512_srli_epi32(v, 12), nib);
-        } else {
-          pairs[0] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
-          pairs[1] = _mm512_srai_epi16(v, 8);
-        }
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq + (m0 + m) * p.K + b * BLOCK) + l * (BITS == 4 ? 4 : 2);
-#pragma GCC unroll 4
-          for (int j = 0; j < (BITS == 4 ? 4 : 2); ++j)
-            ia[m][u] = _mm512_dpwssd_epi32(ia[m][u], pairs[j], _mm512_set1_epi32(xq[j]));
-        }
-      }
-    }
-    add_block<BITS, MR, TT>(acc, ia, p.scale, p.mins, p.xd, p.xs, t, m0, b, g, NG, KB);
-  }
-  store_tiles<MR, TT>(p.out + m0 * p.N + t * 16, p.N, acc);
-}
-
-template <int BITS, int TT>
-void rows_vnni(const Problem& p, int64_t t) {
-  int64_t m = 0;
-  for (; m + 4 <= p.M; m += 4) tiles_vnni<BITS, 4, TT>(p, t, m);
-  for (; m + 2 <= p.M; m += 2) tiles_vnni<BITS, 2, TT>(p, t, m);
-  for (; m < p.M; ++m) tiles_vnni<BITS, 1, TT>(p, t, m);
-}
 #endif
-
-#ifdef KVC_AVX2
-// ------------------------------------------------------------------------------------------- AVX2
-// The VNNI kernel's arithmetic with AVX2's vpmaddwd (int16 pairs -> int32 sums, what vpdpwssd fuses with
-// the add): a tile's 16 rows in two 8-lane halves of each 64-byte load, one tile at a time and MR rows
-// of x (the int32 block sums, MR x 2 registers, stay in registers; the float accumulators may spill)
-
-template <int BITS, int MR>
-void tile_avx2(const Problem& p, int64_t t, int64_t m0) {
-  const int64_t NG = p.K / p.G, KB = p.K / BLOCK;
-  constexpr int LOADS = BITS == 4 ? 4 : 8, NP = BITS == 4 ? 4 : 2;   // 64-byte loads per block; pairs per dword
-  const __m256i nib = _mm256_set1_epi32(0x000F000F);
-  const uint8_t* wt = p.w + t * p.tile_bytes();
-  __m256 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < KB; ++b) {
-    const int64_t g = b * BLOCK / p.G;
-    __m256i ia[MR][2];
-    for (int m = 0; m < MR; ++m) ia[m][0] = ia[m][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int l = 0; l < LOADS; ++l) {
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + (b * LOADS + l) * 64 + 32 * h));
-        __m256i pairs[NP];
-        if constexpr (BITS == 4) {
-          pairs[0] = _mm256_and_si256(v, nib);
-          pairs[1] = _mm256_and_si256(_mm256_srli_epi32(v, 4), nib);
-          pairs[2] = _mm256_and_si256(_mm256_srli_epi32(v, 8), nib);
-          pairs[3] = _mm256_and_si256(_mm256_srli_epi32(v, 12), nib);
-        } else {
-          pairs[0] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
-          pairs[1] = _mm256_srai_epi16(v, 8);
-        }
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq + (m0 + m) * p.K + b * BLOCK) + l * NP;
-#pragma GCC unroll 4
-          for (int j = 0; j < NP; ++j)
-            ia[m][h] = _mm256_add_epi32(ia[m][h], _mm256_madd_epi16(pairs[j], _mm256_set1_epi32(xq[j])));
-        }
-      }
-    }
-    const int64_t so = (t * NG + g) * 16;
-    for (int h = 0; h < 2; ++h) {
-      const __m256 sc = load_half8(p.scale + so + 8 * h);
-      const __m256 mn = BITS == 4 ? load_half8(p.mins + so + 8 * h) : _mm256_setzero_ps();
-      for (int m = 0; m < MR; ++m) {
-        const int64_t xb = (m0 + m) * KB + b;
-        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][h]), _mm256_mul_ps(sc, _mm256_set1_ps(p.xd[xb])), acc[m][h]);
-        if (BITS == 4) acc[m][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(p.xs[xb]), acc[m][h]);
-      }
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.out + (m0 + m) * p.N + t * 16 + 8 * h, acc[m][h]);
-}
-
-template <int BITS>
-void rows_avx2(const Problem& p, int64_t t) {
-  int64_t m = 0;
-  for (; m + 4 <= p.M; m += 4) tile_avx2<BITS, 4>(p, t, m);
-  for (; m + 2 <= p.M; m += 2) tile_avx2<BITS, 2>(p, t, m);
-  for (; m < p.M; ++m) tile_avx2<BITS, 1>(p, t, m);
-}
-#endif
-
-void run(const Problem& p, bool portable) {
-  const int64_t NT = p.N / 16;
-  at::parallel_for(0, (NT + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = 2 * begin; t < std::min(2 * end, NT); t += 2) {
-      const bool pair = t + 1 < NT;
-#ifdef KVC_VNNI
-      if (!portable) {
-        if (p.bits == 4) pair ? rows_vnni<4, 2>(p, t) : rows_vnni<4, 1>(p, t);
-        else pair ? rows_vnni<8, 2>(p, t) : rows_vnni<8, 1>(p, t);
-        continue;
-      }
-#elif defined(KVC_AVX2)
-      if (!portable) {
-        for (int64_t u = t; u < t + (pair ? 2 : 1); ++u) p.bits == 4 ? rows_avx2<4>(p, u) : rows_avx2<8>(p, u);
-        continue;
-      }
-#endif
-      for (int64_t u = t; u < t + (pair ? 2 : 1); ++u)
-        for (int64_t m = 0; m < p.M; ++m) tile_portable(p, u, m);
-    }
-  });
-}
-
-void check(const torch::Tensor& w, const torch::Tensor& scales, const torch::Tensor& mins, int64_t bits,
-           int64_t group, int64_t K) {
-  TORCH_CHECK(bits == 4 || bits == 8, "kvc::qlinear: bits must be 4 or 8");
-  TORCH_CHECK(K % BLOCK == 0 && group % BLOCK == 0 && K % group == 0,
-              "kvc::qlinear: K and the group must be multiples of 32, the group must divide K");
-  const int64_t NT = w.size(0);
-  TORCH_CHECK(w.is_contiguous() && w.numel() == NT * K * 2 * bits && w.element_size() == 1,
-              "kvc::qlinear: w must hold [N/16] tiles of 16 rows x K codes");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.numel() == NT * 16 * (K / group),
-              "kvc::qlinear: scales must be fp16 [N/16, K/G, 16]");
-  TORCH_CHECK(bits == 8 || (mins.scalar_type() == torch::kHalf && mins.sizes() == scales.sizes() && mins.is_contiguous()),
-              "kvc::qlinear: int4 needs fp16 mins shaped like the scales");
-}
-
-
-// ------------------------------------------------------------------------------ prefill: int8 activations
-// kvc::qlinear_int (decode keeps kvc::qlinear above): x~ = int8 codes per row and block of 32 channels
-// (d = max|x| / 127, q_x = round(x / d), symmetric), y[m, n] = sum over blocks b of
-//   scale[n, g(b)] * d[m, b] * sum_k q_w q_x   +   min[n, g(b)] * d[m, b] * sum_k q_x     (int4)
-//   scale[n, g(b)] * d[m, b] * sum_k q_w q_x                                              (int8)
-// with each block's products summed exactly in int32 (kernels/qlinear.py `qlinear_int_reference` is the
-// twin).  The tiles are read as stored: the codes of x are written in the byte order of a tile dword
-// (int4: channels 0 4 1 5 | 2 6 3 7 of each 8, the low and the high nibbles of a dword; int8: 0 2 1 3 of
-// each 4), so a broadcast dword of x~ meets 4 codes of each of 16 rows with no shuffle.
-//   VNNI: vpdpbusd (u8 x s8, 4 products per int32 lane); int4 codes are the u8 operand, int8 codes are
-//         made u8 by + 128 (xor 0x80) and 128 * sum q_x is subtracted from the block's int32 sum.
-//   AVX2: vpmaddubsw (u8 x s8 -> int16 pair sums), vpmaddwd by 1 -> int32.  int4: a block's 8 pair sums
-//         fit int16 (8 * 2 * 15 * 127 = 30480), one vpmaddwd per block; int8: |q_w| x sign(q_x, q_w)
-//         (2 * 127 * 127 = 32258), one vpmaddwd per load.
-// Work: threads split the tiles; each walks the rows in chunks of ROWS_CHUNK (its tiles stay in L2, a
-// chunk of x~ in L1/L2) with a register block of MR rows x TT tiles.
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KVC_QINT_AVX2 1
-#endif
-
-enum QArith { QARITH_AVX2 = 1, QARITH_VNNI = 2 };      // kernels/cpu.py ARITH codes (0 = fp32: not this op)
-
-bool qarith_built(int64_t arith) {
-#ifdef KVC_VNNI
-  if (arith == QARITH_VNNI) return true;
-#endif
-#ifdef KVC_QINT_AVX2
-  if (arith == QARITH_AVX2) return true;
-#endif
-  return false;
-}
-
-constexpr int64_t ROWS_CHUNK = 64;
-
-struct IntProblem : Problem {   // Problem's 16-bit xq unused (nullptr)
-  const int8_t* xq8;             // [M, K] x~ codes in tile byte order
-  const int32_t* xi;             // [M, K/32] sum q_x (Problem's xs: d * sum q_x, int4's min term)
-};
-
-// position of channel i (0..31) of a block in the tile byte order
-inline int tile_slot(int bits, int i) {
-  static const int int4[8] = {0, 2, 4, 6, 1, 3, 5, 7};   // channel j of 8 -> its byte (inverse of 0 4 1 5 2 6 3 7)
-  static const int int8[4] = {0, 2, 1, 3};
-  return bits == 4 ? (i & ~7) + int4[i & 7] : (i & ~3) + int8[i & 3];
-}
-
-void quantize_rows_int8(const float* x, int64_t M, int64_t K, int bits, int8_t* q, float* d, float* s, int32_t* si) {
-  const int64_t KB = K / BLOCK;
-  int slot[BLOCK];
-  for (int i = 0; i < BLOCK; ++i) slot[i] = tile_slot(bits, i);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      for (int64_t b = 0; b < KB; ++b) {
-        const float* xb = x + m * K + b * BLOCK;
-        int8_t* qb = q + m * K + b * BLOCK;
-        float amax = 0.f;
-        for (int i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-        const float dm = amax / 127.f, inv = dm > 0.f ? 1.f / dm : 0.f;
-        int32_t sum = 0;
-        for (int i = 0; i < BLOCK; ++i) {
-          const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-          qb[slot[i]] = static_cast<int8_t>(v);
-          sum += v;
-        }
-        d[m * KB + b] = dm;
-        s[m * KB + b] = dm * static_cast<float>(sum);
-        si[m * KB + b] = sum;
-      }
-  });
-}
 
 #ifdef KVC_VNNI
 template <int BITS, int MR, int TT>
-void int_tiles_vnni(const IntProblem& p, int64_t t, int64_t m0) {
+void int_tiles_vnni(const Problem& p, int64_t t, int64_t m0) {
   const int64_t NG = p.K / p.G, KB = p.K / BLOCK, TB = p.tile_bytes();
   constexpr int LOADS = BITS == 4 ? 4 : 8;           // 64-byte loads per tile and block of 32 channels
   const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -396,7 +208,7 @@ void int_tiles_vnni(const IntProblem& p, int64_t t, int64_t m0) {
         const __m512i v = _mm512_loadu_si512(p.w + (t + u) * TB + (b * LOADS + l) * 64);
 #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
-          const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq8 + (m0 + m) * p.K + b * BLOCK);
+          const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq + (m0 + m) * p.K + b * BLOCK);
           if (BITS == 4) {
             ia[m][u] = _mm512_dpbusd_epi32(ia[m][u], _mm512_and_si512(v, nib), _mm512_set1_epi32(xq[2 * l]));
             ia[m][u] = _mm512_dpbusd_epi32(ia[m][u], _mm512_and_si512(_mm512_srli_epi32(v, 4), nib),
@@ -409,14 +221,15 @@ void int_tiles_vnni(const IntProblem& p, int64_t t, int64_t m0) {
     }
     if (BITS == 8)                               // the + 128 of the u8 operand: 128 * sum q_x per row
       for (int m = 0; m < MR; ++m)
-        for (int u = 0; u < TT; ++u) ia[m][u] = _mm512_sub_epi32(ia[m][u], _mm512_set1_epi32(128 * p.xi[(m0 + m) * KB + b]));
+        for (int u = 0; u < TT; ++u)
+          ia[m][u] = _mm512_sub_epi32(ia[m][u], _mm512_set1_epi32(128 * p.xi[(m0 + m) * KB + b]));
     add_block<BITS, MR, TT>(acc, ia, p.scale, p.mins, p.xd, p.xs, t, m0, b, g, NG, KB);
   }
   store_tiles<MR, TT>(p.out + m0 * p.N + t * 16, p.N, acc);
 }
 
 template <int BITS, int TT>
-void int_rows_vnni(const IntProblem& p, int64_t t, int64_t m0, int64_t m1) {
+void int_rows_vnni(const Problem& p, int64_t t, int64_t m0, int64_t m1) {
   int64_t m = m0;
   for (; m + 4 <= m1; m += 4) int_tiles_vnni<BITS, 4, TT>(p, t, m);
   for (; m < m1; ++m) int_tiles_vnni<BITS, 1, TT>(p, t, m);
@@ -426,7 +239,7 @@ void int_rows_vnni(const IntProblem& p, int64_t t, int64_t m0, int64_t m1) {
 #ifdef KVC_QINT_AVX2
 // one half (8 rows) of a tile, MR rows of x
 template <int BITS, int MR>
-void int_half_avx2(const IntProblem& p, int64_t t, int h, int64_t m0) {
+void int_half_avx2(const Problem& p, int64_t t, int h, int64_t m0) {
   const int64_t NG = p.K / p.G, KB = p.K / BLOCK;
   constexpr int LOADS = BITS == 4 ? 4 : 8;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -442,7 +255,7 @@ void int_half_avx2(const IntProblem& p, int64_t t, int h, int64_t m0) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + (b * LOADS + l) * 64));
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
-        const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq8 + (m0 + m) * p.K + b * BLOCK);
+        const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq + (m0 + m) * p.K + b * BLOCK);
         if (BITS == 4) {          // int16 pair sums over the whole block (ia: int16 lanes here)
           ia[m] = _mm256_add_epi16(ia[m], _mm256_maddubs_epi16(_mm256_and_si256(v, nib), _mm256_set1_epi32(xq[2 * l])));
           ia[m] = _mm256_add_epi16(ia[m], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 4), nib),
@@ -467,7 +280,7 @@ void int_half_avx2(const IntProblem& p, int64_t t, int h, int64_t m0) {
 }
 
 template <int BITS>
-void int_rows_avx2(const IntProblem& p, int64_t t, int64_t m0, int64_t m1) {
+void int_rows_avx2(const Problem& p, int64_t t, int64_t m0, int64_t m1) {
   for (int h = 0; h < 2; ++h) {
     int64_t m = m0;
     for (; m + 4 <= m1; m += 4) int_half_avx2<BITS, 4>(p, t, h, m);
@@ -476,10 +289,10 @@ void int_rows_avx2(const IntProblem& p, int64_t t, int64_t m0, int64_t m1) {
 }
 #endif
 
-// tiles [t0, t1) for rows [m0, m1) in the arithmetic `arith` (built: checked by the op)
-void int_rows(const IntProblem& p, int64_t arith, int64_t t0, int64_t t1, int64_t m0, int64_t m1) {
+// tiles [t0, t1) for rows [m0, m1) in the instructions of `isa` (built: checked by the op)
+void rows(const Problem& p, int64_t isa, int64_t t0, int64_t t1, int64_t m0, int64_t m1) {
 #ifdef KVC_VNNI
-  if (arith == QARITH_VNNI) {
+  if (isa == QISA_VNNI) {
     int64_t t = t0;
     for (; t + 2 <= t1; t += 2) p.bits == 4 ? int_rows_vnni<4, 2>(p, t, m0, m1) : int_rows_vnni<8, 2>(p, t, m0, m1);
     if (t < t1) p.bits == 4 ? int_rows_vnni<4, 1>(p, t, m0, m1) : int_rows_vnni<8, 1>(p, t, m0, m1);
@@ -487,73 +300,69 @@ void int_rows(const IntProblem& p, int64_t arith, int64_t t0, int64_t t1, int64_
   }
 #endif
 #ifdef KVC_QINT_AVX2
-  if (arith == QARITH_AVX2) {
+  if (isa == QISA_AVX2) {
     for (int64_t t = t0; t < t1; ++t) p.bits == 4 ? int_rows_avx2<4>(p, t, m0, m1) : int_rows_avx2<8>(p, t, m0, m1);
     return;
   }
 #endif
-  TORCH_CHECK(false, "kvc::qlinear_int: arith ", arith, " is not built");
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t m = m0; m < m1; ++m) tile_portable(p, t, m);
 }
 
-void run_int(const IntProblem& p, int64_t arith) {
+void run(const Problem& p, int64_t isa) {
   const int64_t NT = p.N / 16;
   at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t m0 = 0; m0 < p.M; m0 += ROWS_CHUNK) int_rows(p, arith, t0, t1, m0, std::min(p.M, m0 + ROWS_CHUNK));
+    for (int64_t m0 = 0; m0 < p.M; m0 += ROWS_CHUNK) rows(p, isa, t0, t1, m0, std::min(p.M, m0 + ROWS_CHUNK));
   });
+}
+
+void check(const torch::Tensor& w, const torch::Tensor& scales, const torch::Tensor& mins, int64_t bits,
+           int64_t group, int64_t K) {
+  TORCH_CHECK(bits == 4 || bits == 8, "kvc::qlinear: bits must be 4 or 8");
+  TORCH_CHECK(K % BLOCK == 0 && group % BLOCK == 0 && K % group == 0,
+              "kvc::qlinear: K and the group must be multiples of 32, the group must divide K");
+  const int64_t NT = w.size(0);
+  TORCH_CHECK(w.is_contiguous() && w.numel() == NT * K * 2 * bits && w.element_size() == 1,
+              "kvc::qlinear: w must hold [N/16] tiles of 16 rows x K codes");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.numel() == NT * 16 * (K / group),
+              "kvc::qlinear: scales must be fp16 [N/16, K/G, 16]");
+  TORCH_CHECK(bits == 8 ||
+                  (mins.scalar_type() == torch::kHalf && mins.sizes() == scales.sizes() && mins.is_contiguous()),
+              "kvc::qlinear: int4 needs fp16 mins shaped like the scales");
 }
 
 }  // namespace
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits,
-                      int64_t group, bool portable) {
+                      int64_t group, int64_t isa) {
   TORCH_CHECK(x.dim() >= 1 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
               "kvc::qlinear: x must be a contiguous fp32 [..., K]");
-  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, N = w.size(0) * 16;
+  TORCH_CHECK(isa_built(isa), "kvc::qlinear: isa ", isa, " (0 portable, 1 AVX2, 2 AVX-512 VNNI) is not built here");
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, N = w.size(0) * 16, KB = K / BLOCK;
   check(w, scales, mins, bits, group, K);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto out = torch::empty(sizes, x.options());
   if (M == 0) return out;
   // the quantized activations: per-thread scratch reused across calls (no allocator round trip per layer)
-  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xs;
+  thread_local std::vector<int32_t> xi;
   xq.resize(M * K);
-  xd.resize(M * K / BLOCK);
-  xs.resize(M * K / BLOCK);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
-  Problem p{reinterpret_cast<const uint8_t*>(w.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-            bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr,
-            xq.data(), xd.data(), xs.data(), out.data_ptr<float>(), M, N, K, group, static_cast<int>(bits)};
-  run(p, portable);
+  xd.resize(M * KB);
+  xs.resize(M * KB);
+  xi.resize(M * KB);
+  quantize_rows(x.data_ptr<float>(), M, K, static_cast<int>(bits), xq.data(), xd.data(), xs.data(), xi.data());
+  Problem p{reinterpret_cast<const uint8_t*>(w.data_ptr()),
+            reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+            bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr, xq.data(), xd.data(),
+            xs.data(), xi.data(), out.data_ptr<float>(), M, N, K, group, static_cast<int>(bits)};
+  run(p, isa);
   return out;
 }
 
-torch::Tensor qlinear_int(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits,
-                          int64_t group, int64_t arith) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
-              "kvc::qlinear_int: x must be a contiguous fp32 [M, K]");
-  TORCH_CHECK(qarith_built(arith), "kvc::qlinear_int: arith ", arith, " (1 AVX2, 2 AVX-512 VNNI) is not built here");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16, KB = K / BLOCK;
-  check(w, scales, mins, bits, group, K);
-  auto out = torch::empty({M, N}, x.options());
-  if (M == 0) return out;
-  auto xq = torch::empty({M, K}, x.options().dtype(torch::kChar));
-  auto xd = torch::empty({M, KB}, x.options()), xs = torch::empty({M, KB}, x.options());
-  auto xi = torch::empty({M, KB}, x.options().dtype(torch::kInt));
-  quantize_rows_int8(x.data_ptr<float>(), M, K, static_cast<int>(bits), xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                     xs.data_ptr<float>(), xi.data_ptr<int32_t>());
-  IntProblem p{{reinterpret_cast<const uint8_t*>(w.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-                bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr, nullptr,
-                xd.data_ptr<float>(), xs.data_ptr<float>(), out.data_ptr<float>(), M, N, K, group, static_cast<int>(bits)},
-               xq.data_ptr<int8_t>(), xi.data_ptr<int32_t>()};
-  run_int(p, arith);
-  return out;
-}
-
-// the best arithmetic this build has for kvc::qlinear_int: 2 AVX-512 VNNI, 1 AVX2, 0 none
-int64_t qlinear_int_arith() {
-  return qarith_built(QARITH_VNNI) ? QARITH_VNNI : qarith_built(QARITH_AVX2) ? QARITH_AVX2 : 0;
-}
+// the fastest instructions this build has for kvc::qlinear: 2 AVX-512 VNNI, 1 AVX2, 0 portable loops
+int64_t qlinear_isa() { return isa_built(QISA_VNNI) ? QISA_VNNI : isa_built(QISA_AVX2) ? QISA_AVX2 : QISA_PORTABLE; }
 
 torch::Tensor qdequant(torch::Tensor w, torch::Tensor scales, torch::Tensor mins, int64_t bits, int64_t group,
                        int64_t K) {
@@ -611,15 +420,13 @@ torch::Tensor qembed(torch::Tensor w, torch::Tensor scales, torch::Tensor mins, 
 }
 
 TORCH_LIBRARY_FRAGMENT(kvc, m) {
-  m.def("qlinear(Tensor x, Tensor w, Tensor scales, Tensor mins, int bits, int group, bool portable) -> Tensor");
-  m.def("qlinear_int(Tensor x, Tensor w, Tensor scales, Tensor mins, int bits, int group, int arith) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor w, Tensor scales, Tensor mins, int bits, int group, int isa) -> Tensor");
   m.def("qdequant(Tensor w, Tensor scales, Tensor mins, int bits, int group, int K) -> Tensor");
   m.def("qembed(Tensor w, Tensor scales, Tensor mins, int bits, int group, int K, Tensor rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvc, CPU, m) {
   m.impl("qlinear", &qlinear);
-  m.impl("qlinear_int", &qlinear_int);
   m.impl("qdequant", &qdequant);
   m.impl("qembed", &qembed);
 }

@@ -11,27 +11,30 @@ G consecutive input channels per output row (K % G == 0, G % 32 == 0):
 A `QWeight` holds one such tensor; `dequantize(qw)` -> W~ fp32.
 
 Backends of `QuantizedLinear` (chosen when the module is built, by its device):
-    cpp     CPU: kernels/cpu_qlinear.cpp on 16-row tiles (`to_tiles`).  Below MIN_INT_ROWS rows of x a GEMV
-            per MAX_GEMV_ROWS rows: y = W~ x~, with x~ the activations rounded to 16-bit integers per block
-            of 32 (relative error <= 2^-16 of the block's largest value), summed exactly in int32 by AVX-512
-            VNNI (portable loops without it).  Twin: `qlinear_reference`.  From MIN_INT_ROWS rows (prefill):
-            `kvc::qlinear_int`, the stored codes times int8 activations (per row and block of 32,
-            d = max|x| / 127) in integer arithmetic, AVX-512 VNNI vpdpbusd or AVX2 vpmaddubsw
-            (`prefill_arith`, from KVC_QLINEAR_ARITH: kernels/cpu.py qlinear_arith_default).  Twin:
-            `qlinear_int_reference`.  On a 2-core AVX-512 EPYC (1 thread, 512 rows, the default model's
-            layer shapes) VNNI ran at 112-143 G MAC/s, AVX2 at 39-82, oneDNN's fp32 matmul at 32-47.
-            From MIN_INT_ROWS rows with prefill_arith "fp32" (or no integer ISA): W~ dequantized once
-            (`kvc::qdequant`) and the dense matmul, y = x W~^T.
+    cpp     CPU: kvc::qlinear (kernels/cpu_qlinear.cpp) on 16-row tiles (`to_tiles`), ONE arithmetic for every
+            row count, batch-invariant: each row of x is rounded alone to int8 codes per block of 32
+            (d = max|x| / 127: llama.cpp's Q8 activations), each block's products with the stored codes are
+            summed exactly in int32, and the blocks are added in order in fp32 with the same fused multiply-adds
+            whatever the number of rows, the other rows, the register blocking or the threads: a request's
+            logits do not depend on prefill chunk size, batch size or its neighbours (tests/test_batch_invariance.py).
+            Twin: `qlinear_reference`.  The instructions (`isa`, from KVC_QLINEAR_ARITH: kernels/cpu.py
+            qlinear_isa_default) are AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw or portable loops, bitwise equal.
     triton  CUDA: a GEMV that dequantizes the row-major codes in registers (y = x W~^T) for up to
             MAX_GEMV_ROWS rows; more rows dequantize W~ once and use the dense matmul.
     torch   anywhere (no compiler for the C++ kernels, or backend="torch"): dequantize + F.linear.
 `qlinear_torch` (y = x W~^T) is the twin of the Triton GEMV and the oracle of the others.
-Measured alternatives (README): 8-bit activations in blocks of 32 (llama.cpp's Q8 activations; VNNI's
-vpdpbusd, ~2x fewer instructions than the 16-bit path) changed the default model's greedy chat answer
-with int8 weights, the 16-bit ones do not; an fp32 FMA kernel (exact activations) needs ~2x the
-instructions of the 16-bit VNNI one and was ~1.8x slower per thread; torch's own packed CPU ops
-(aten._weight_int8pack_mm, _weight_int4pack_mm_for_cpu, _dyn_quant_matmul_4bit) are slower here at
-batch 1 or need bf16 activations, so no backend uses them.
+Why int8 activations for every row count: the arithmetic used to change with the row count (16-bit activations
+in 16-row GEMVs below 128 rows, int8 from 128), so chunking and batching flipped greedy tokens on the Q4_1 GGUF
+(issue 49).  One arithmetic it is, and int8 (llama.cpp's own; vpdpbusd takes 4 products where the 16-bit
+vpdpwssd takes 2) was the faster of the two, side by side on the default model's five layer shapes (4 Q4_1 +
+the Q8_0 head), min of N calls, 16-bit / int8 time: 1 thread, M = 1 (decode) 1695 / 1485 us (1.14x; per shape
+0.86-1.41x), M = 256 (a prefill chunk) 1.31x (1.16-1.61x); 2 threads, M = 1, the linear layers of one decode
+token (30 layers + head, direct bindings): 2.33-2.84 ms before, 1.90-1.96 ms now (a decode step at 2048 tokens
+took ~21 ms: attention and per-op overhead dominate).  2-core Intel Xeon with AVX-512 VNNI, shared with other
+jobs (2026-11-29, load average ~2-5; under load 14-38 the 1-thread ratios were 1.18x and 1.21x).
+Exact activations (fp32 FMA) need ~2x the instructions of the 16-bit kernel; dequantize + oneDNN's matmul rounds
+by row count; torch's packed CPU ops (aten._weight_int8pack_mm, _weight_int4pack_mm_for_cpu,
+_dyn_quant_matmul_4bit) are slower here at batch 1 or need bf16 activations.
 """
 from __future__ import annotations
 
@@ -45,15 +48,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .backend import resolve_backend
-from .cpu import ARITH, qlinear_arith_default
+from .cpu import QLINEAR_ISA, qlinear_isa_default
 
 TILE = 16            # rows per CPU tile
 MIN_GROUP = 32       # group sizes are multiples of this
-MAX_GEMV_ROWS = 16   # rows of x one GEMV call takes (CPU: more, below MIN_INT_ROWS, take one call per 16 rows;
-                     # Triton: more rows dequantize + dense matmul)
-MIN_INT_ROWS = 128   # rows of x from which the CPU prefill takes int8 activations (kvc::qlinear_int): shorter
-                     # prompts (chat turns) keep exact activations, where dequantizing costs little; with int8
-                     # ones the default chat prompt's first answer token, a near-tie, flipped for Q4_1 and int4
+MAX_GEMV_ROWS = 16   # rows of x the Triton GEMV takes (more rows dequantize + dense matmul)
 
 triton = tl = None   # imported lazily by _kernels(): importing this module never imports Triton
 _eager_ops = None    # kernels.cpu.eager_ops() once a layer takes the cpp backend (eager calls skip the dispatcher)
@@ -85,7 +84,8 @@ def check_qweight(qw: QWeight) -> None:
         raise ValueError(f"bits must be 4 or 8, got {qw.bits}")
     want = torch.int8 if qw.bits == 8 else torch.uint8
     if qw.qweight.dtype != want or qw.qweight.dim() != 2:
-        raise ValueError(f"int{qw.bits} qweight must be a 2-D {want} tensor, got {qw.qweight.dtype} {tuple(qw.qweight.shape)}")
+        raise ValueError(f"int{qw.bits} qweight must be a 2-D {want} tensor, "
+                         f"got {qw.qweight.dtype} {tuple(qw.qweight.shape)}")
     if qw.group % MIN_GROUP or K % qw.group:
         raise ValueError(f"group size {qw.group} must be a multiple of {MIN_GROUP} dividing K={K}")
     for name, t in (("scales", qw.scales), ("mins", qw.mins)):
@@ -176,24 +176,9 @@ def tile_rows(w: Tensor, scales: Tensor, mins: Tensor, bits: int, group: int, ro
 
 
 # ------------------------------------------------------------------------------ twins
-def quantize_activations(x: Tensor) -> Tensor:
-    """x~ [M, K] fp32: x in blocks of 32 rounded to 16-bit integers, d = max|x| / 32767, round(x / d) * d:
-    exactly the C++ kernel's codes and scales (fp32 arithmetic, round half to even)."""
-    M, K = x.shape
-    xb = x.float().view(M, K // MIN_GROUP, MIN_GROUP)
-    d = xb.abs().amax(-1, keepdim=True) / 32767
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return (torch.round(xb * inv) * d).view(M, K)
-
-
-def qlinear_reference(x: Tensor, qw: QWeight) -> Tensor:
-    """The C++ GEMV's twin: x [M, K] -> W~ x~ [M, N] fp32 (x~: quantize_activations)."""
-    return F.linear(quantize_activations(x), dequantize(qw))
-
-
-def quantize_activations_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (codes int8 [M, K], d fp32 [M, K/32]): per row and block of 32, d = max|x| / 127,
-    q = round(x / d) (computed as x * (1 / d), round half to even): kvc::qlinear_int's codes and scales."""
+    q = round(x / d) (computed as x * (1 / d), round half to even): kvc::qlinear's codes and scales."""
     M, K = x.shape
     xb = x.float().view(M, K // MIN_GROUP, MIN_GROUP)
     d = xb.abs().amax(-1, keepdim=True) / 127
@@ -201,11 +186,11 @@ def quantize_activations_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(xb * inv).to(torch.int8).view(M, K), d.view(M, -1)
 
 
-def qlinear_int_reference(x: Tensor, qw: QWeight) -> Tensor:
-    """kvc::qlinear_int's twin (the same integer arithmetic): x [M, K] -> [M, N] fp32.  Per block b of 32
+def qlinear_reference(x: Tensor, qw: QWeight) -> Tensor:
+    """kvc::qlinear's twin (the same integer arithmetic): x [M, K] -> [M, N] fp32.  Per block b of 32
     channels (group g(b)), the exact int32 sum S[m, n, b] of q_w q_x, then in fp32, block after block:
     y += S * (scale[n, g] * d[m, b]), and for int4 y += min[n, g] * (d[m, b] * sum q_x[m, b])."""
-    q, d = quantize_activations_int8(x)
+    q, d = quantize_activations(x)
     M, K = x.shape
     N, KB = qw.shape[0], K // MIN_GROUP
     qb = q.view(M, KB, MIN_GROUP)
@@ -329,35 +314,16 @@ class QuantizedLinear(nn.Module):
         self.scales = nn.Parameter(s, requires_grad=False)
         self.mins = nn.Parameter(m, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        # decode-sized fp32 inputs go straight to the GEMV (no reshapes, no padded rows to cut, no bias)
-        self._gemv_direct = self.backend == "cpp" and bias is None and self.out_features % TILE == 0
-        self.prefill_arith = qlinear_arith_default() if self.backend == "cpp" else "fp32"
-
-    def _gemv(self, x: Tensor) -> Tensor:
-        """x [M <= MAX_GEMV_ROWS, K] -> [M, N padded to TILE]: the GEMV kernel."""
-        fp32 = x.dtype == torch.float32 and x.is_contiguous()
-        out = torch.ops.kvc.qlinear(x if fp32 else x.float().contiguous(), self.weight, self.scales, self.mins,
-                                    self.bits, self.group, False)
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        # fp32 inputs go straight to the kernel (no reshapes, no padded rows to cut, no bias)
+        self._direct = self.backend == "cpp" and bias is None and self.out_features % TILE == 0
+        self.isa = qlinear_isa_default() if self.backend == "cpp" else None
 
     def _cpp(self, x: Tensor) -> Tensor:
-        """x [M, K] -> [M, N]: the GEMV kernel for decode-sized M, from MIN_INT_ROWS rows the integer prefill
-        kernel in `prefill_arith` (unless "fp32"); in between (a chunk of a few dozen tokens, such as a question
-        after a kept prefix) the GEMV per MAX_GEMV_ROWS rows: 4-12x faster than dequantizing W~ for the call at
-        25-127 rows (the default model's Q4_1 layers, AMD EPYC); else dequantize + dense matmul."""
-        M = x.shape[0]
-        if M <= MAX_GEMV_ROWS:
-            out = self._gemv(x)
-        elif M < MIN_INT_ROWS:
-            out = torch.cat([self._gemv(x[i:i + MAX_GEMV_ROWS]) for i in range(0, M, MAX_GEMV_ROWS)])
-        elif self.prefill_arith != "fp32":
-            out = torch.ops.kvc.qlinear_int(x.float().contiguous(), self.weight, self.scales, self.mins, self.bits,
-                                            self.group, ARITH[self.prefill_arith])
-            out = out if x.dtype == torch.float32 else out.to(x.dtype)
-        else:
-            w = torch.ops.kvc.qdequant(self.weight, self.scales, self.mins, self.bits, self.group, self.in_features)
-            out = F.linear(x, w.to(x.dtype))
-        return out[:, :self.out_features] if out.shape[1] != self.out_features else out   # padded rows
+        """x [M, K] -> [M, N] in x's dtype: kvc::qlinear in `isa` (the one arithmetic, any M)."""
+        out = _kvc().qlinear(x.float().contiguous(), self.weight, self.scales, self.mins, self.bits, self.group,
+                             QLINEAR_ISA[self.isa])
+        out = out[:, :self.out_features] if out.shape[1] != self.out_features else out   # padded rows
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def _row_major(self) -> QWeight:
         return QWeight(self.weight, self.scales, self.mins if self.bits == 4 else None, self.bits, self.group)
@@ -373,9 +339,8 @@ class QuantizedLinear(nn.Module):
         return self.rows(torch.arange(self.out_features, device=self.weight.device))
 
     def forward(self, x: Tensor) -> Tensor:
-        if (self._gemv_direct and x.dtype == torch.float32 and x.is_contiguous()
-                and x.numel() <= MAX_GEMV_ROWS * self.in_features):
-            return _kvc().qlinear(x, self.weight, self.scales, self.mins, self.bits, self.group, False)
+        if self._direct and x.dtype == torch.float32 and x.is_contiguous():
+            return _kvc().qlinear(x, self.weight, self.scales, self.mins, self.bits, self.group, QLINEAR_ISA[self.isa])
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.backend == "cpp":

@@ -6,8 +6,8 @@
 
 Rows: one per (side, context).  Sides: `ours:CHECKPOINT[:k=v,...]` (options: compile=1 [compile_prefill=1], policy=NAME,
 policy_args=k=v;k=v, kv_bits=4 or 2 (KIVI storage at the engine's default G 32, R 128),
-weights=auto|float, dtype=bfloat16, qlinear_arith=fp32|int|avx2|vnni (the quantized layers' prefill
-arithmetic: KVC_QLINEAR_ARITH in the side's process)), `llama.cpp` (llama-cpp-python on the GGUF, --gguf), `hf`
+weights=auto|float, dtype=bfloat16, qlinear_arith=int|avx2|vnni (the instructions of the quantized layers'
+one arithmetic: KVC_QLINEAR_ARITH in the side's process)), `llama.cpp` (llama-cpp-python on the GGUF, --gguf), `hf`
 (transformers LlamaForCausalLM on the float directory, --hf).  Every side gets the same prompt token
 ids (random ids of --seed, or --text FILE tokenized), the same thread count (torch.set_num_threads /
 llama.cpp n_threads and n_threads_batch, and OMP_NUM_THREADS) and the environment's OMP_WAIT_POLICY;

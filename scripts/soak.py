@@ -32,8 +32,8 @@ from typing import Callable, Optional
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from scripts.loadtest import Started, rss_metric, rss_of  # noqa: E402
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]      # the repository, and loadtest's own imports (as a script)
+from loadtest import Started, rss_metric, rss_of  # noqa: E402
 
 KINDS = ("ok", "timeout", "stream", "bad", "disconnect", "chat", "timeout", "ok", "big", "disconnect")
 BAD = [b"{not json", {"prompt": ""}, {"prompt": "hi", "frobnicate": 1}, {"prompt": "hi", "max_tokens": 0},

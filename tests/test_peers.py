@@ -27,7 +27,7 @@ def test_parse_side():
     assert s["kind"] == "ours" and s["opts"] == {"path": "ck.gguf", "compile": "1", "policy": "snapkv",
                                                  "policy_args": "budget=256;window=8"}
     assert peers.parse_side("llama.cpp", Path("g.gguf"), Path("h"))["opts"]["path"] == "g.gguf"
-    assert peers.parse_side("ours:ck:qlinear_arith=fp32", Path("g"), Path("h"))["opts"]["qlinear_arith"] == "fp32"
+    assert peers.parse_side("ours:ck:qlinear_arith=avx2", Path("g"), Path("h"))["opts"]["qlinear_arith"] == "avx2"
     with pytest.raises(ValueError, match="unknown side"):
         peers.parse_side("vllm", Path("g"), Path("h"))
     with pytest.raises(ValueError, match="unknown side option 'compiled'"):
@@ -74,7 +74,7 @@ def test_prefill_row_runs_three_sides_and_prints_ratios(monkeypatch, capsys):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("options", ["", ":kv_bits=4", ":qlinear_arith=fp32"])
+@pytest.mark.parametrize("options", ["", ":kv_bits=4", ":qlinear_arith=int"])
 def test_ours_on_the_default_model(default_gguf, options):
     side = peers.parse_side(f"ours:{default_gguf}{options}", default_gguf, default_gguf)
     res = peers.decode_tps(side, list(range(100, 140)), steps=2, threads=1, warmup=1, timeout=600)
