@@ -69,7 +69,8 @@ from typing import Optional
 
 import httpx
 
-import loadtest_sides as sides
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # its sibling, also when imported as scripts.loadtest
+import loadtest_sides as sides  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ESSAYS = ROOT / "data" / "paul_graham_essays"
