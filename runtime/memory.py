@@ -38,7 +38,7 @@ def parse_size(text: str) -> int:
 
 def sized_rows(policy) -> bool:
     """Whether the policy's rows are sized to the requests (full's dense storage, its bytes linear in tokens)."""
-    return isinstance(policy, FullCache) and policy.storage_kind in ("dense", "dense_dtype")
+    return policy.storage_kind in ("dense", "dense_dtype")        # FullCache and its dtype storage
 
 
 def row_bytes(model, make_policy: Callable, max_seq_length: int, max_new_tokens: int,
