@@ -78,6 +78,7 @@ import torch
 from torch import Tensor
 
 from cache.base import EvictionPolicy
+from cache.slots import scatter_into
 from cache.scoring import NEVER, column_scores, pool1d, select_top
 from cache.calibration import (POD_FILE, attention_rows, ensure_pod, group_heads, key_saving, pod_path, read_pod_file,
                                similarity_sums)
@@ -417,9 +418,9 @@ class PODPolicy:
             for dst, src in stores:
                 h = dst.shape[1]
                 cur = dst.gather(2, at[:, :h])
-                dst.scatter_(2, at[:, :h], torch.where(move, src.gather(2, ring[:, :h]), cur))
-        self.ring_k[layer].scatter_(2, ring, k)
-        self.ring_v[layer].scatter_(2, ring, v)
+                scatter_into(dst, 2, at[:, :h], torch.where(move, src.gather(2, ring[:, :h]), cur))
+        scatter_into(self.ring_k[layer], 2, ring, k)
+        scatter_into(self.ring_v[layer], 2, ring, v)
 
     def dist_logits(self, layer: int, qg: Tensor, n) -> Tensor:
         """Distant logits q . k [B, H, G, n] (unscaled): computed by the KV heads whose block starts

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from cache.sparse_read import SparseReader, param, select_slots
+from cache.slots import scatter_into
 
 BIG = float("inf")
 
@@ -80,8 +81,8 @@ class QuestPolicy(SparseReader):
         ok = pos.expand(B, H, cap).gather(2, slots) >= 0
         mn, mx = self._bounds(self.storage_.keys_at(layer, slots), ok)
         at = page[:, :, None, None].expand(B, H, 1, mn.shape[-1])
-        self.kmin[layer].scatter_(2, at, mn[:, :, None])
-        self.kmax[layer].scatter_(2, at, mx[:, :, None])
+        scatter_into(self.kmin[layer], 2, at, mn[:, :, None])
+        scatter_into(self.kmax[layer], 2, at, mx[:, :, None])
 
     def scores(self, layer: int, q: Tensor) -> Tensor:
         """Upper-bound scores [B, H_kv, S]: each slot takes its page's bound (summed over the group)."""

@@ -627,3 +627,19 @@ def test_knorm_under_a_reader_evicts_as_alone(reader, tmp_path):
         runs.append((torch.stack(logits), [kept(policy, layer) for layer in range(model.args.n_layers)]))
     assert runs[1][1] == runs[0][1]
     torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scatter_into_equals_scatter_in_16_bit_dtypes(dtype):
+    """cache.slots.scatter_into (16-bit floats scattered as int16 bits, the fast path on the CPU) writes exactly
+    what torch's scatter_ writes, NaN and -0.0 included, with the expanded slot index the slot writes use."""
+    from cache.slots import scatter_into
+    g = torch.Generator().manual_seed(0)
+    dst = torch.randn(3, 2, 40, 8, generator=g).to(dtype)
+    src = torch.randn(3, 2, 1, 8, generator=g).to(dtype)
+    src[0, 0, 0, :2] = torch.tensor([float("nan"), -0.0])
+    slot = torch.randint(0, 40, (3, 2), generator=g)
+    at = slot[:, :, None, None].expand(-1, -1, 1, 8)
+    want = dst.clone().scatter_(2, at, src)
+    scatter_into(dst, 2, at, src.float())              # (a wider src is cast to dst's dtype first)
+    assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
