@@ -23,8 +23,9 @@ policy whose `admission` is "row":
 
     decode_room = N                  before setup: every row holds its prompt's kept tokens + N generated
                                      ones, so storage is allocated once at setup and never per request
-    (scratch: a one-row instance)    setup(args, 1, S, ...), reset(), then a whole prefill as above
-    adopt(row, scratch)              host side, between decode steps: the scratch's request moves into the
+    (scratch: an instance of G rows) setup(args, G, S, ...), reset(), then a whole prefill as above: G
+                                     prompts left-padded (RowBatch's prefill_batch; G = 1: one prompt)
+    adopt(row, scratch, g)           host side, between decode steps: the scratch's request g moves into the
                                      free row `row`; the other rows keep every bit of their state
     begin(input_pos); decode(...)    every row at its own position; a free row at position -1 (nothing of
                                      it is kept or read: its outputs are garbage and never used)
@@ -58,7 +59,7 @@ cache).  A policy with prefix_reuse lets RowBatch keep a prefilled prefix:
 
     (snapshot: a one-row instance)   setup(args, 1, n, ...), adopt(0, scratch) while the scratch's prompt
                                      has filled positions [0, n) (no end_prefill yet)
-    scratch.adopt(0, snapshot)       a later request starting with those n tokens: its scratch goes on with
+    scratch.adopt(g, snapshot)       a later request starting with those n tokens: its scratch row goes on with
                                      before_prefill / prefill chunks at positions n.. / end_prefill, and gets
                                      what one prefill of the whole prompt gives (tests/test_rowbatch.py)
 

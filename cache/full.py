@@ -159,8 +159,9 @@ class FullCache(DenseCache):
                 dst.copy_(src)
         self.length[row] = n
         self.n_filled = max(self.n_filled, n)
-        # one row: its next slot is n_filled, a prompt may go on (not while it reads a prefix: decode only)
-        self.aligned = self.pos.shape[0] == 1 and not self.groups
+        # every row's next slot n_filled (one row, or a prefill scratch whose rows all took one kept prefix): a
+        # prompt may go on (not while rows read a prefix in place: decode only)
+        self.aligned = bool((self.length == self.n_filled).all()) and not self.groups
 
     def shares_prefix(self, prefix: "FullCache") -> bool:
         """Whether rows may read `prefix` in place (adopt): `full` in the compute dtype (its decode is this

@@ -50,29 +50,37 @@ class PrefixCache:
         self.refs: dict = {}                          # id(snapshot) -> rows reading it in place (acquire)
         self.bytes = self.hits = self.misses = self.evictions = self.reused_tokens = 0
 
-    def lookup(self, ids: Sequence[int], shortest: int = 1) -> tuple[int, Optional[object]]:
-        """The longest kept prefix of `ids` shorter than ids and at least `shortest` tokens long -> (its length,
-        snapshot), or (0, None)."""
+    def peek(self, ids: Sequence[int], shortest: int = 1) -> tuple[int, Optional[object]]:
+        """`lookup` without counting it or touching the LRU order."""
         ids = list(ids)
         best = max((k for k in self.entries if shortest <= len(k) < len(ids) and ids[:len(k)] == list(k)), key=len,
                    default=None)
-        if best is None:
+        return (0, None) if best is None else (len(best), self.entries[best][0])
+
+    def lookup(self, ids: Sequence[int], shortest: int = 1) -> tuple[int, Optional[object]]:
+        """The longest kept prefix of `ids` shorter than ids and at least `shortest` tokens long -> (its length,
+        snapshot), or (0, None); counted, and made the most recently used."""
+        n, snapshot = self.peek(ids, shortest)
+        if snapshot is None:
             self.misses += 1
             return 0, None
-        self.entries.move_to_end(best)
+        self.entries.move_to_end(tuple(ids[:n]))
         self.hits += 1
-        self.reused_tokens += len(best)
-        return len(best), self.entries[best][0]
+        self.reused_tokens += n
+        return n, snapshot
 
-    def boundary(self, ids: Sequence[int], waiting: Sequence[Sequence[int]] = (), prefix_len: Optional[int] = None) -> int:
-        """Where to snapshot the prefill of `ids` (module docstring; 0: nowhere).  Remembers ids."""
+    def boundary(self, ids: Sequence[int], waiting: Sequence[Sequence[int]] = (), prefix_len: Optional[int] = None,
+                 remember: bool = True) -> int:
+        """Where to snapshot the prefill of `ids` (module docstring; 0: nowhere).  Remembers ids (unless not
+        `remember`: a request asked about before it starts)."""
         if prefix_len is not None:
             n = min(prefix_len, len(ids) - 1)
         else:       # the shared length that saves the most prefill: c x (prompts sharing at least c tokens)
             shared = [min(common_prefix(ids, o), len(ids) - 1) for o in [*self.recent, *waiting]]
             shared = [c for c in shared if c >= self.min_tokens]
             n = max(shared, key=lambda c: (c * sum(s >= c for s in shared), c), default=0)
-        self.recent.append(tuple(ids))
+        if remember:
+            self.recent.append(tuple(ids))
         return 0 if n < 1 or tuple(ids[:n]) in self.entries else n
 
     def insert(self, key: tuple, snapshot, nbytes: int) -> bool:

@@ -28,17 +28,23 @@ class Pending:
     question: list[int] = field(default_factory=list)   # agnostic: prompt tokens still to append, one a step
     kept: Optional[object] = None       # exact: the kept prefix its prompt starts with (reused or snapshotted)
     agnostic: bool = True               # may take the agnostic protocol (False: only exact reuse, else "aware")
+    alone: bool = False                 # prefilled alone from now on (a group it was in failed)
 
 
 class RowBatch:
     """A running batch that requests join and leave (continuous batching; cache/contract.py, "admission").
 
-    A policy with admission "row" takes requests one at a time: each prompt is prefilled alone in a one-row
-    instance of the policy (`scratch`), then moved into a free row (`policy.adopt`) while the other rows keep
-    their state.  Admission is staged: `start` queues a request (it reserves a row), each `advance` runs one
-    prefill chunk (at most prefill_chunk tokens, `chunk_end`; a compressing policy stages the chunks and
-    compresses the prompt with the last, cache/staging.py) of the oldest one, so a server alternates one chunk
-    with one decode `step` of the running rows and a long prompt never stalls them for its whole length.
+    A policy with admission "row" takes requests into rows of their own: prompts are prefilled in a separate
+    instance of the policy (`scratch`), then each moves into a free row (`policy.adopt`) while the other rows
+    keep their state.  Admission is staged: `start` queues a request (it reserves a row), each `advance` runs one
+    prefill chunk (at most prefill_chunk tokens of each prompt, `chunk_end`; a compressing policy stages the
+    chunks and compresses the prompt with the last, cache/staging.py) of the oldest one, so a server alternates
+    one chunk with one decode `step` of the running rows and a long prompt never stalls them for its whole
+    length.  The oldest one's prefill takes along up to prefill_batch - 1 later requests that start where it
+    starts (the same kept prefix, or none) and plan no snapshot: their prompts go through the model together,
+    left-padded in a prefill_batch-row scratch (`group`; the linear layers run on prefill_batch times the rows,
+    where the CPU's matrix units are faster per token), and join the batch together.  (Not in KIVI storage, whose
+    quantization groups are runs of slots: padding would move them, so its prompts are prefilled one at a time.)
     `admit` is start + advance until done.  Every `step` decodes all rows together, each at its own position;
     free rows ride along at position -1 and nothing of theirs is read or kept.  A policy with admission
     "batch" makes decisions for the whole batch (layer budgets, sharing configurations), so requests start
@@ -76,12 +82,14 @@ class RowBatch:
     def __init__(self, model: Transformer, make_policy, max_batch: int, max_seq_length: int, max_new_tokens: int,
                  prefill=prefill_step, decode=decode_step, prefill_chunk: int = 1024, prefix_bytes: int = 0,
                  min_prefix: int = 32, agnostic: bool = False, share_prefix: bool = True,
-                 kv_memory: Optional[int] = None):
+                 kv_memory: Optional[int] = None, prefill_batch: int = 1):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+        if prefill_batch < 1:
+            raise ValueError(f"prefill_batch must be at least 1, got {prefill_batch}")
         self.model, self.make_policy = model, make_policy
         self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
-        self.prefill, self.decode, self.prefill_chunk = prefill, decode, prefill_chunk
+        self.prefill, self.decode, self.prefill_chunk, self.prefill_batch = prefill, decode, prefill_chunk, prefill_batch
         self.share_prefix, self.kv_memory = share_prefix, kv_memory
         self.policy, self.scratch = make_policy(), make_policy()
         self.sized = kv_memory is not None and sized_rows(self.policy)
@@ -97,6 +105,10 @@ class RowBatch:
         self.batch_size = rows                # rows of the policy's storage (batch admission: the group's)
         self.steps = 0                        # decode steps since the batch was last empty
         self.pending: list[Pending] = []      # started, not yet admitted (oldest first)
+        self.group: list[Pending] = []        # those being prefilled together now, scratch row g holding group[g]
+        self.group_tokens = self.group_pos = None   # their prompts' rest, left-padded [G, T]; positions (-1: pad)
+        self.group_col = self.group_start = 0     # columns of group_tokens prefilled so far; the prompts' first one
+        self.scratch_rows = 1                 # rows the scratch is set up for
         self.prefill_since_step = 0           # prompt tokens prefilled while active rows waited for their next step
         self.prefill_tokens = 0               # prompt tokens prefilled in all (prefix reuse: less than prompted)
         self.appending: dict[int, Pending] = {}   # agnostic: rows appending the rest of their prompt
@@ -201,8 +213,8 @@ class RowBatch:
         than the kept one that prompt started from, that prefill snapshots it, as if
         this request had been waiting when it began (prefix_cache.py, boundary); else this request would
         prefill the shared prefix again."""
-        p = self.pending[0] if self.pending and self.prefixes is not None and not self.agnostic else None
-        if p is None or not p.started or p.snapshot_at:
+        p = self.group[0] if len(self.group) == 1 and self.prefixes is not None and not self.agnostic else None
+        if p is None or p.snapshot_at:
             return
         n = min(common_prefix(p.ids, ids), len(p.ids) - 1)
         if n - p.reused >= self.prefixes.min_tokens and n > p.done and tuple(p.ids[:n]) not in self.prefixes.entries:
@@ -224,36 +236,48 @@ class RowBatch:
         """One admission step: a prefill chunk of the oldest pending request (admission "row"), or every
         pending request's prefill (admission "batch") -> [(row, logits [V] of the prompt's last position)] of
         the requests whose prefill is now complete: they decode from the next step.  A failure drops the
-        request it happened in (the whole group under admission "batch"; `holds` tells) and is re-raised."""
+        request it happened in (the whole group under admission "batch"; `holds` tells) and is re-raised; a
+        failed chunk of prompts prefilled together drops none of them: each is prefilled again alone."""
         if not self.pending:
             return []
         if not self.rows:
             return self._prefill_group()
-        p = self.pending[0]
+        self.group = [q for q in self.group if q in self.pending]      # (cancelled ones leave it)
+        p = self.group[0] if self.group else self.pending[0]
         try:
             agnostic = self.agnostic and p.agnostic and self.prefixes is not None and not p.started
             context = self._context(p) if agnostic else None
-            logits = None if context is not None else self._chunk(p)
+            logits = None if context is not None else self._chunk()
         except BaseException:
-            self.pending.remove(p)
+            group, self.group = self.group or [p], []
+            if len(group) > 1:                 # no one prompt to blame: each is prefilled again alone, and
+                for q in group:                # only one that fails alone fails
+                    q.started, q.done, q.reused, q.kept, q.snapshot_at, q.alone = False, 0, 0, None, 0, True
+            else:
+                self.pending.remove(p)
             raise
         if context is None and logits is None:
             return []
-        self.pending.remove(p)
         if not self.active:
             self.steps = 0
-        if context is None and self.share_prefix and p.kept is not None:    # its row reads the prefix in place
-            self.policy.adopt(p.row, self.scratch, prefix=p.kept)
-            if self.policy.row_prefix[p.row] is p.kept:
-                self.prefixes.acquire(p.kept)
-        else:
-            self.policy.adopt(p.row, self.scratch if context is None else context)
-        self.next_pos[p.row] = p.done
         if context is not None:
+            self.pending.remove(p)
+            self.policy.adopt(p.row, context)
+            self.next_pos[p.row] = p.done
             self.policy.hold_question(p.row, p.done, len(p.ids))
             self.appending[p.row] = p
             return []
-        return [(p.row, logits)]
+        group, self.group = self.group, []
+        for g, q in enumerate(group):
+            self.pending.remove(q)
+            if self.share_prefix and q.kept is not None:        # its row reads the prefix in place
+                self.policy.adopt(q.row, self.scratch, other_row=g, prefix=q.kept)
+                if self.policy.row_prefix[q.row] is q.kept:
+                    self.prefixes.acquire(q.kept)
+            else:
+                self.policy.adopt(q.row, self.scratch, other_row=g)
+            self.next_pos[q.row] = q.done
+        return [(q.row, logits[g]) for g, q in enumerate(group)]
 
     def _context(self, p: Pending):
         """The agnostic protocol for p: a kept compressed prefix of its prompt, or one it shares with others (the
@@ -261,18 +285,21 @@ class RowBatch:
         held whole until p's answer starts (the contract's hold_question); None where none is shared, the rest and
         p's answer would not fit a row's room (decode_room), or the rest is longer than the context's
         question_room."""
-        room = self.max_new_tokens - (self.max_new_tokens if p.new_tokens is None else p.new_tokens)
-        shortest = max(len(p.ids) - room, 1)
-        n, context = self.prefixes.lookup(p.ids, shortest)
+        n, context = self.prefixes.lookup(p.ids, self._shortest(p))
         at = self.prefixes.boundary(p.ids, [q.ids for q in self.pending if q is not p], p.prefix_len)
         reused = n
-        if context is None and at >= shortest:
+        if context is None and at >= self._shortest(p):
             n, context, reused = at, self._compress(p.ids[:at]), 0
         held = None if context is None else context.question_room(0)
         if context is None or (held is not None and len(p.ids) - n > held):
             return None                     # (a context compressed now stays kept for the next request)
         p.started, p.done, p.protocol, p.question, p.reused = True, n, "agnostic", p.ids[n:], reused
         return context
+
+    def _shortest(self, p: Pending) -> int:
+        """The agnostic protocol's shortest shared prefix for p: its question and answer must fit a row's room."""
+        room = self.max_new_tokens - (self.max_new_tokens if p.new_tokens is None else p.new_tokens)
+        return max(len(p.ids) - room, 1)
 
     def _compress(self, ids: list[int]):
         """ids prefilled and compressed alone in a one-row instance set up as the rows are (prefill_context's
@@ -317,43 +344,86 @@ class RowBatch:
         self.prefill_tokens += n
         self.prefill_since_step = self.prefill_since_step + n if self.active else 0   # (no row waits)
 
-    def _chunk(self, p: Pending) -> Optional[torch.Tensor]:
-        """Prefill the next chunk of p's prompt in the scratch -> logits [V] of the prompt's last position
-        once it is complete, else None."""
+    def _chunk(self) -> Optional[torch.Tensor]:
+        """Prefill the next chunk of the group's prompts in the scratch (a new group, `_begin`, when none is in
+        progress) -> logits [G, V] of their prompts' last positions once complete, else None."""
         model, device = self.model, self.model.output.weight.device
+        if not self.group:
+            self._begin()
         model.use_cache(self.scratch)
         try:
-            if not p.started:
-                self._begin(p)
-            end = len(p.ids) if self.scratch.prefill_in_one_pass else chunk_end(p.done, len(p.ids), self.prefill_chunk)
-            end = min(end, p.snapshot_at) if p.done < p.snapshot_at else end
-            tokens = torch.tensor([p.ids[p.done:end]], device=device)
-            logits = self.prefill(model, tokens, torch.arange(p.done, end, device=device)[None], p.done)
-            self.count_prefill(end - p.done)
-            p.done = end
-            if end == p.snapshot_at:
+            group, T, start, c = self.group, self.group_tokens.shape[1], self.group_start, self.group_col
+            end = T if self.scratch.prefill_in_one_pass else chunk_end(c, T, self.prefill_chunk)
+            p = group[0]
+            if p.done < p.snapshot_at:                  # (a lone prompt: columns are its positions past `start`)
+                end = min(end, p.snapshot_at - start)
+            logits = self.prefill(model, self.group_tokens[:, c:end], self.group_pos[:, c:end], start + c)
+            self.count_prefill(int((self.group_pos[:, c:end] >= 0).sum()))
+            self.group_col = end
+            for g, q in enumerate(group):              # real tokens of row g: those past its padding
+                q.done = start + max(0, end - (T - (len(q.ids) - start)))
+            if len(group) == 1 and p.done == p.snapshot_at:
                 self._snapshot(p)
-            if end < len(p.ids):
+            if end < T:
                 return None
             self.scratch.end_prefill()
-            return logits[0]
+            return logits
         finally:
             model.use_cache(self.policy)
 
-    def _begin(self, p: Pending) -> None:
-        """The scratch starts p's prompt: from the longest kept prefix of it, if any; fixes where to snapshot."""
+    def _begin(self) -> None:
+        """A new group: the oldest pending request (from the longest kept prefix of it, if any, fixing where to
+        snapshot), and, when it plans no snapshot, up to prefill_batch - 1 later ones not started that would start
+        as it does (`_joins`); the scratch set up for them, their prompts' rest left-padded."""
+        p = self.pending[0]
+        self._plan(p)
+        group = [p]
+        most = self.prefill_batch if self.policy.kv_bits == 16 else 1   # (KIVI groups slots: padding moves them)
+        for q in self.pending[1:]:
+            if len(group) == most or p.snapshot_at or p.alone:
+                break
+            if not q.started and not q.alone and self._joins(q, p):
+                self._plan(q)
+                group.append(q)
+        if self.scratch_rows != len(group):           # (a new instance: set up once per size of group)
+            self.scratch, self.scratch_rows = self.make_policy(), len(group)
+            self.scratch.decode_room = self.max_new_tokens
+            self.model.setup_caches(len(group), self.max_seq_length, self.scratch)
+            self.model.use_cache(self.policy)
         self.scratch.reset()
+        start = self.group_start = p.done
+        for g, q in enumerate(group):
+            if q.kept is not None:
+                self.scratch.adopt(g, q.kept)
+        device = self.model.output.weight.device
+        tokens, pos = left_pad([q.ids[start:] for q in group], 0, device)
+        self.group, self.group_tokens, self.group_col = group, tokens, 0
+        self.group_pos = torch.where(pos >= 0, pos + start, pos)
+        self.scratch.before_prefill(self.group_pos)
+
+    def _plan(self, p: Pending) -> None:
+        """p starts: from the longest kept prefix of it (exact reuse), if any; where its prefill snapshots."""
         if self.prefixes is not None and not self.agnostic:
             n, snapshot = self.prefixes.lookup(p.ids)
             if snapshot is not None:
-                self.scratch.adopt(0, snapshot)
                 p.done = p.reused = n
                 p.kept = snapshot
             at = self.prefixes.boundary(p.ids, [q.ids for q in self.pending if q is not p], p.prefix_len)
             p.snapshot_at = at if at > p.done else 0
-        device = self.model.output.weight.device
-        self.scratch.before_prefill(torch.arange(p.done, len(p.ids), device=device)[None])
         p.started = True
+
+    def _joins(self, q: Pending, p: Pending) -> bool:
+        """Whether q, not started, may be prefilled with p (planned): q would take the aware or exact protocol,
+        start from p's kept prefix (or none, as p) and plan no snapshot."""
+        if self.prefixes is None:
+            return True
+        if self.agnostic:                               # (`_context` would find or make no prefix for it)
+            return not q.agnostic or (self.prefixes.peek(q.ids, self._shortest(q))[1] is None and
+                                      self.prefixes.boundary(q.ids, [o.ids for o in self.pending if o is not q],
+                                                             q.prefix_len, remember=False) < self._shortest(q))
+        n, snapshot = self.prefixes.peek(q.ids)
+        at = self.prefixes.boundary(q.ids, [o.ids for o in self.pending if o is not q], q.prefix_len, remember=False)
+        return snapshot is p.kept and n == p.done and at <= n
 
     def _snapshot(self, p: Pending) -> None:
         """Keep the scratch's first p.done tokens as a prefix: a one-row instance sized to them."""

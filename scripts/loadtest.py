@@ -412,7 +412,8 @@ def run_offline(label: str, what: dict, args, knobs: sides.Knobs, prompts: list[
             "threads": knobs.threads, "max_batch": knobs.max_batch, "max_seq_length": knobs.max_seq_length,
             "max_new_tokens": knobs.max_new_tokens}
     if what["kind"] == "ours":
-        spec.update(checkpoint=args.server or args.gguf, policy=what["policy"], prefill_chunk=256, prefix_cache_mb=256)
+        spec.update(checkpoint=args.server or args.gguf, policy=what["policy"], prefill_chunk=256, prefill_batch=4,
+                    prefix_cache_mb=256)          # (serve.py's defaults)
         cmd = [sys.executable, str(ROOT / "scripts" / "loadtest_sides.py")]
     else:
         spec.update(model_dir=args.openvino_model, eviction=what["eviction"], cache_gib=(

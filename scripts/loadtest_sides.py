@@ -215,7 +215,7 @@ def ours_offline(spec: dict) -> dict:
     model, tok = engine.load_model(spec["checkpoint"])
     prompts = [tok.encode(p, add_special_tokens=False) for p in spec["prompts"]]
     batch = RowBatch(model, lambda: make_policy(spec["policy"]), spec["max_batch"], spec["max_seq_length"],
-                     spec["max_new_tokens"], prefill_chunk=spec["prefill_chunk"],
+                     spec["max_new_tokens"], prefill_chunk=spec["prefill_chunk"], prefill_batch=spec["prefill_batch"],
                      prefix_bytes=spec["prefix_cache_mb"] << 20, agnostic=True)
     n = spec.get("warmup", 0)
     if n:

@@ -478,8 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-length", type=int, default=2048,
                    help="tokens per row, prompt + max_tokens (capped at the model's context)")
     p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens prefilled between two decode steps of the running rows (a compressing "
-                        "policy stages the chunks and compresses the prompt after the last; pod: one pass)")
+                   help="tokens of each prompt prefilled between two decode steps of the running rows (a "
+                        "compressing policy stages the chunks and compresses the prompt after the last; pod: one pass)")
+    p.add_argument("--prefill-batch", type=int, default=4,
+                   help="waiting prompts prefilled together, left-padded, in one forward per chunk (those that "
+                        "start alike: from the same kept prefix or none; KIVI storage: 1)")
     p.add_argument("--prefix-cache-mb", type=float, default=256,
                    help="MiB per policy of prefilled prompt prefixes kept for reuse (a prompt starting with a kept "
                         "prefix prefills only the rest: exact with full, compressed without the question with "
@@ -528,7 +531,7 @@ def build_engine(args) -> Engine:
         kv_memory = None if args.kv_memory is None else parse_size(args.kv_memory)
     except ValueError as e:
         raise UsageError(f"--kv-memory: {e}") from None
-    for flag in ("max_batch", "max_queue", "max_new_tokens_limit", "prefill_chunk", "max_body_bytes"):
+    for flag in ("max_batch", "max_queue", "max_new_tokens_limit", "prefill_chunk", "prefill_batch", "max_body_bytes"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.tp != 1:
@@ -556,7 +559,7 @@ def build_engine(args) -> Engine:
     try:
         srv = Engine(model, tokenizer, {spec.variant: (str(spec), maker(spec)) for spec in specs}, args.max_batch,
                      args.max_queue, max_seq_length, args.max_new_tokens_limit, steps, args.prefill_chunk,
-                     int(args.prefix_cache_mb * 2 ** 20), args.agnostic_reuse, kv_memory)
+                     int(args.prefix_cache_mb * 2 ** 20), args.agnostic_reuse, kv_memory, args.prefill_batch)
     except ValueError as e:
         if kv_memory is None:
             raise

@@ -277,6 +277,31 @@ def serve(batch: "RowBatch", prompts: dict, arrivals: dict, on_step=None) -> tup
     return {n: torch.stack(v) for n, v in got.items()}, timeline
 
 
+def test_prompts_prefilled_together_equal_each_alone(model, admission_cell):
+    """RowBatch(prefill_batch=3): three prompts of different lengths admitted together go through the model as one
+    left-padded group (chunks of 32 columns: the short prompts' first chunks are padding alone) and join the batch
+    together; each request's greedy tokens and logits equal those it gets prefilled alone (prefill_batch=1), for
+    every policy that admits rows (a batch-admission policy prefills its group as one batch anyway).  KIVI storage
+    prefills its prompts one at a time (its quantization groups are runs of slots, which padding would move)."""
+    name, storage = admission_cell
+    g = torch.Generator().manual_seed(2)
+    prompts = {n: torch.randint(0, ARGS.vocab_size, (k,), generator=g).tolist() for n, k in (("A", 150), ("B", 61),
+                                                                                            ("C", 97))}
+    make = lambda: build(name, storage)        # noqa: E731
+    batch = RowBatch(model, make, 3, 150 + NEW, NEW, prefill_chunk=32, prefill_batch=3)
+    if not batch.rows:
+        pytest.skip(f"{name} admits whole batches")
+    rows_per_forward, prefill = [], batch.prefill
+    batch.prefill = lambda m, tokens, *a: rows_per_forward.append(tokens.shape[0]) or prefill(m, tokens, *a)
+    got, timeline = serve(batch, prompts, dict.fromkeys(prompts, 0))
+    ref, _ = serve(RowBatch(model, make, 3, 150 + NEW, NEW, prefill_chunk=32), prompts, dict.fromkeys(prompts, 0))
+    assert rows_per_forward and set(rows_per_forward) == {3 if storage == "kv16" else 1}, rows_per_forward
+    assert timeline[0] == {"A": 0, "B": 1, "C": 2}, timeline[0]
+    for n in prompts:
+        assert torch.equal(got[n].argmax(-1), ref[n].argmax(-1)), f"request {n}'s tokens differ prefilled together"
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
+
+
 def test_requests_join_and_leave_rows(model, admission_cell):
     """B joins row 1 while A decodes in row 0; C takes A's row once A is done.  Each request's greedy tokens
     and logits equal its run alone in a batch of the same size (16-bit storage: also alone in a batch of
@@ -547,6 +572,6 @@ def test_a_registered_policy_joins_the_matrix(tmp_path):
     finally:
         module.unlink()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    tests = 2 * len(BATCHES) * len(STORAGES) + 2 + 2  # cell + promise per storage and batch; parameters; contract;
-                                                      # joining rows at 16 and 4 bits
+    tests = 2 * len(BATCHES) * len(STORAGES) + 2 + 2 + 2  # cell + promise per storage and batch; parameters;
+                                                          # contract; joining rows, prefilled together at 16, 4 bits
     assert f"{tests} passed" in out.stdout, out.stdout[-2000:]

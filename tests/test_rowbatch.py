@@ -117,6 +117,55 @@ def test_prefix_reuse_is_exact_with_full(model, prefix_len):  # noqa: F811
     assert batch.prefill_tokens + 450 == plain.prefill_tokens == sum(map(len, prompts.values()))
 
 
+def test_prompts_after_a_kept_prefix_are_prefilled_together(model):  # noqa: F811
+    """prefill_batch=4, four questions on one document arriving together: the first prompt is prefilled alone (it
+    snapshots the document), the other three start from that kept prefix and their questions (of different
+    lengths, left-padded) go through the model as one group of three rows; every request's tokens and logits
+    equal those without reuse or grouping."""
+    prompts = prompts_of({"q1": 12, "q2": 20, "q3": 7, "q4": 16}, shared=150)
+    arrivals = dict.fromkeys(prompts, 0)
+    batch = row_batch(model, "full", max_batch=4, prefix_bytes=1 << 30, min_prefix=16, prefill_batch=4)
+    rows_per_forward, prefill = [], batch.prefill
+    batch.prefill = lambda m, tokens, *a: rows_per_forward.append(tokens.shape[0]) or prefill(m, tokens, *a)
+    got, _ = drive(batch, prompts, arrivals, staged=True)
+    ref, _ = drive(row_batch(model, "full", max_batch=4), prompts, arrivals, staged=True)
+    assert rows_per_forward == [1] * 6 + [3], rows_per_forward      # q1: 162 tokens, chunks of 32 cut at 150
+    for n in prompts:
+        assert torch.equal(got[n].argmax(-1), ref[n].argmax(-1)), f"{n}'s tokens differ prefilled together"
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
+    stats = batch.prefixes.stats()
+    assert (stats["hits"], stats["misses"], stats["reused_tokens"]) == (3, 1, 450), stats
+    assert all(batch.policy.row_prefix[r] is not None for r in (1, 2, 3)) or not batch.active
+
+
+def test_a_failed_group_is_prefilled_again_one_prompt_at_a_time(model):  # noqa: F811
+    """A prefill chunk of three prompts together fails (a fault in the middle one): none is dropped; each is then
+    prefilled alone, the faulty one fails alone (dropped, re-raised), the other two join with the logits they get
+    prefilled alone."""
+    prompts = prompts_of({"a": 40, "b": 25, "c": 33})
+    batch = row_batch(model, "full", max_batch=3, chunk=64, prefill_batch=3)       # (one chunk a prompt)
+    prefill, calls = batch.prefill, []
+
+    def faulty(m, tokens, *a):
+        calls.append(tokens.shape[0])
+        if any(row[-5:].tolist() == prompts["b"][-5:] for row in tokens):
+            raise RuntimeError("fault")
+        return prefill(m, tokens, *a)
+    batch.prefill = faulty
+    started = {n: batch.start(ids) for n, ids in prompts.items()}
+    with pytest.raises(RuntimeError, match="fault"):
+        batch.advance()
+    assert all(batch.holds(p) for p in started.values()) and calls == [3]
+    joined = dict(batch.advance())                                      # a, alone
+    with pytest.raises(RuntimeError, match="fault"):
+        batch.advance()                                                 # b, alone: dropped
+    joined.update(batch.advance())                                      # c, alone
+    assert calls == [3, 1, 1, 1] and not batch.holds(started["b"]) and not batch.pending
+    ref = row_batch(model, "full", max_batch=3, chunk=64).admit([prompts["a"], prompts["c"]])
+    for (row, logits), n in zip(ref, "ac"):
+        torch.testing.assert_close(joined[started[n].row], logits, atol=1e-5, rtol=1e-5)
+
+
 def test_compressing_policy_keeps_no_prefix(model):  # noqa: F811
     """snapkv compresses each prompt as a whole, so it cannot continue a kept prefix exactly: no reuse, said
     so, and the answers are those without it."""

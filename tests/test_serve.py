@@ -255,8 +255,8 @@ def test_a_requests_own_failure_fails_it_alone(tiny_dir, monkeypatch):
                 raise RuntimeError("tokenizer fault")
             return encode(text, *a, **k)
 
-        def bad_prefill(model, tokens, *a):
-            if tokens[0].tolist() == bad_ids:
+        def bad_prefill(model, tokens, *a):         # (any row of prompts prefilled together: it ends the row)
+            if any(row[-len(bad_ids):].tolist() == bad_ids for row in tokens):
                 raise RuntimeError("prefill fault")
             return prefill(model, tokens, *a)
 

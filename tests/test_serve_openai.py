@@ -133,6 +133,7 @@ def test_cli_stops_on_sigterm_after_the_requests_in_flight(tiny_dir):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--max-batch must be at least 1" in bad.stderr
     for flags, message in ((["--tp", "2"], "serve.py does not support --tp"),
+                           (["--prefill-batch", "0"], "--prefill-batch must be at least 1"),
                            (["--policies", "full; nope"], "unknown policy 'nope'"),
                            (["--policies", "full; full:kv_bits=4"], "'full' is listed twice")):
         with pytest.raises((UsageError, PolicyError), match=message):
