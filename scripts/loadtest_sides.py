@@ -165,8 +165,7 @@ def drive_rows(batch, prompts: list[list[int]], max_tokens: list[int], concurren
     times: list[list[float]] = [[] for _ in prompts]
     tokens: list[list[int]] = [[] for _ in prompts]
 
-    def token(i: int, logits) -> None:
-        t = int(logits.argmax())
+    def token(i: int, t: int) -> None:
         times[i].append(time.perf_counter() - sent[i])
         tokens[i].append(t)
         if t in eos or len(times[i]) >= max_tokens[i]:
@@ -190,7 +189,7 @@ def drive_rows(batch, prompts: list[list[int]], max_tokens: list[int], concurren
                 starting[batch.start(prompts[i], new_tokens=max_tokens[i]).row] = i
             for row, logits in batch.advance():
                 rows[starting[row]] = row
-                token(starting.pop(row), logits)
+                token(starting.pop(row), int(logits.argmax()))
             answering = {row: last[i] for i, row in rows.items()}
             if answering or batch.appending:
                 by_row = {row: i for i, row in rows.items()}
@@ -198,8 +197,9 @@ def drive_rows(batch, prompts: list[list[int]], max_tokens: list[int], concurren
                 for row in batch.joined:
                     by_row[row] = starting.pop(row)
                     rows[by_row[row]] = row
+                greedy = logits.float().argmax(-1).tolist()         # (one pass: as serve.py's loop)
                 for row in list(answering) + batch.joined:
-                    token(by_row[row], logits[row])
+                    token(by_row[row], greedy[row])
     return out
 
 

@@ -323,8 +323,9 @@ class Engine:
             logits = lane.batch.step({row: job.tokens[-1] for row, job in lane.rows.items()})
         except Exception as e:                  # noqa: BLE001 -- no one row to blame
             return self.reset_lane(lane, failure(e, [j.rid for j in lane.rows.values()]))
-        for row, job in list(lane.rows.items()):
-            self.emit(lane, job, logits[row])
+        greedy = logits.float().argmax(-1).tolist()     # every row's greedy token, in one pass (a row's own
+        for row, job in list(lane.rows.items()):        # argmax costs ~0.2 ms over a 49k vocabulary)
+            self.emit(lane, job, logits[row], greedy[row] if job.sampler.temperature <= 0 else None)
         for row in lane.batch.joined:               # rows whose prompt this step completed (agnostic reuse)
             self.joined(lane, next(j for j in lane.starting if j.pending.row == row), logits[row])
 
@@ -339,16 +340,17 @@ class Engine:
         job.send("start", job.pending.protocol)
         self.emit(lane, job, logits)
 
-    def emit(self, lane: Lane, job: Job, logits: torch.Tensor) -> None:
+    def emit(self, lane: Lane, job: Job, logits: torch.Tensor, token: Optional[int] = None) -> None:
         """`sample`, a failure of which (sampling, stop strings, detokenizing) fails the job alone."""
         try:
-            self.sample(lane, job, logits)
+            self.sample(lane, job, logits, token)
         except Exception as e:                  # noqa: BLE001 -- this request alone
             self.fail_job(lane, job, failure(e, [job.rid]))
 
-    def sample(self, lane: Lane, job: Job, logits: torch.Tensor) -> None:
-        """Sample job's next token from logits [V], send the new text, finish it at EOS/stop/max_tokens."""
-        token = int(job.sampler(logits[None])[0])
+    def sample(self, lane: Lane, job: Job, logits: torch.Tensor, token: Optional[int] = None) -> None:
+        """Sample job's next token from logits [V] (`token`: its greedy token, found for the whole step), send the
+        new text, finish it at EOS/stop/max_tokens."""
+        token = int(job.sampler(logits[None])[0]) if token is None else token
         self.observe(lane, job, token not in self.eos)
         if token in self.eos:
             return self.finish(lane, job, "stop", self.tokenizer.decode(job.tokens) if job.tokens else "")
