@@ -140,23 +140,31 @@ class FullCache(DenseCache):
         slots from `prefix` in place at decode (prefix_attention, shared by every row that adopts it; up to
         max_prefixes prefixes at once) and only the rest is copied; else the whole request is copied."""
         n = other.n_filled
-        if n > self.capacity:
-            raise ValueError(f"a request of {n} tokens does not fit the cache's {self.capacity} slots")
+        held = other.pos[other_row, :n] >= 0      # a left-padded scratch row (prompts prefilled together) has
+        slots = None if bool(held.all()) else held.nonzero()[:, 0]     # empty slots: copied without them
+        m = n if slots is None else len(slots)
+        if m > self.capacity:
+            raise ValueError(f"a request of {m} tokens does not fit the cache's {self.capacity} slots")
         self.release(row)
         share = prefix is not None and self.shares_prefix(prefix)
         first = prefix.n_filled if share else 0
+        if first > m:
+            raise ValueError(f"a prefix of {first} tokens is longer than the request's {m}")
+        src = other.row_tensors(other_row, n)
+        if slots is not None:                      # (K/V [H, n, D] per layer, then positions [n])
+            src = [t.index_select(t.dim() - 2 if t.dim() > 1 else 0, slots) for t in src]
+        dst = self.row_tensors(row, m)
         if share:                                  # this class's storage: K/V after the prefix, every position
-            if first > n:
-                raise ValueError(f"a prefix of {first} tokens is longer than the request's {n}")
-            for dst, src in zip(self.k + self.v, other.k + other.v):
-                dst[row, :, first:n] = src[other_row, :, first:n]
-            self.pos[row, :n] = other.pos[other_row, :n]
+            for d, t in zip(dst[:-1], src[:-1]):
+                d[:, first:] = t[:, first:]
+            dst[-1].copy_(src[-1])
             self.row_prefix[row] = prefix
             self.own_from[row] = first
             self.regroup()
         else:
-            for dst, src in zip(self.row_tensors(row, n), other.row_tensors(other_row, n)):
-                dst.copy_(src)
+            for d, t in zip(dst, src):
+                d.copy_(t)
+        n = m
         self.length[row] = n
         self.n_filled = max(self.n_filled, n)
         # every row's next slot n_filled (one row, or a prefill scratch whose rows all took one kept prefix): a

@@ -138,6 +138,34 @@ def test_prompts_after_a_kept_prefix_are_prefilled_together(model):  # noqa: F81
     assert all(batch.policy.row_prefix[r] is not None for r in (1, 2, 3)) or not batch.active
 
 
+@pytest.mark.parametrize("shared", [0, 150])
+def test_rows_prefilled_together_hold_only_their_own_tokens(model, shared):  # noqa: F811
+    """full, prompts of 40, 25 and 33 tokens prefilled together (left-padded to 40 after the kept prefix, if any):
+    each row the batch adopts holds its own tokens only, not the padding (the batch's sized rows count on it:
+    a short prompt padded to the longest once overflowed its capacity class after a reshape), and decodes as
+    the prompt run alone."""
+    prompts = prompts_of({"a": 40, "b": 25, "c": 33}, shared=shared)
+    kw = {"prefix_bytes": 1 << 30, "min_prefix": 16, "prefix_len": shared} if shared else {}
+    prefix_len = kw.pop("prefix_len", None)
+    batch = row_batch(model, "full", max_batch=3, chunk=64, prefill_batch=3, **kw)
+    if shared:                                      # the document kept first, by a request of its own
+        drive(batch, {"doc": prompts["a"][:shared] + [1, 2]}, {"doc": 0}, staged=True, prefix_len=prefix_len)
+    started = {n: batch.start(ids, prefix_len) for n, ids in prompts.items()}
+    with torch.inference_mode():
+        while batch.pending:
+            batch.advance()
+    for n, p in started.items():
+        assert int(batch.policy.length[p.row]) == len(prompts[n]) and batch.next_pos[p.row] == len(prompts[n])
+        assert (batch.policy.pos[p.row, :len(prompts[n])] >= 0).all()
+        if shared:
+            assert batch.policy.row_prefix[p.row] is not None
+    got, _ = drive(row_batch(model, "full", max_batch=3, chunk=64, prefill_batch=3), prompts,
+                   dict.fromkeys(prompts, 0), staged=True)
+    ref, _ = drive(row_batch(model, "full", max_batch=3, chunk=64), prompts, dict.fromkeys(prompts, 0), staged=True)
+    for n in prompts:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
+
+
 def test_a_failed_group_is_prefilled_again_one_prompt_at_a_time(model):  # noqa: F811
     """A prefill chunk of three prompts together fails (a fault in the middle one): none is dropped; each is then
     prefilled alone, the faulty one fails alone (dropped, re-raised), the other two join with the logits they get
