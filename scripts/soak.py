@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shlex
 import sys
 import time
 from collections import Counter
@@ -33,7 +35,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]      # the repository, and loadtest's own imports (as a script)
-from loadtest import Started, rss_metric, rss_of  # noqa: E402
+from loadtest import Started, free_port, rss_metric, rss_of  # noqa: E402
+from loadtest_sides import Knobs, ours_command  # noqa: E402
 
 KINDS = ("ok", "timeout", "stream", "bad", "disconnect", "chat", "timeout", "ok", "big", "disconnect")
 BAD = [b"{not json", {"prompt": ""}, {"prompt": "hi", "frobnicate": 1}, {"prompt": "hi", "max_tokens": 0},
@@ -177,8 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    server = Started("ours", args.server, args.threads, args.server_flags, args.startup_timeout) if args.server \
-        else None
+    server = None
+    if args.server:                             # serve.py as scripts/loadtest.py starts it, --server-flags last
+        port = free_port()
+        knobs = Knobs(threads=args.threads, omp_wait_policy=(os.environ.get("OMP_WAIT_POLICY") or "unset").lower())
+        server = Started("ours", *ours_command(args.server, port, knobs, shlex.split(args.server_flags), False), port,
+                         args.startup_timeout)
     try:
         url = server.url if server else args.url
         rss = (lambda: rss_of(server.proc.pid)) if server else None          # noqa: E731

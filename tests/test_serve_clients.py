@@ -265,6 +265,20 @@ def test_a_small_soak_accounts_for_every_request(tiny_dir):
     assert time.monotonic() - t0 < 60
 
 
+def test_soak_starts_its_own_server(tiny_dir, monkeypatch, tmp_path):
+    """`python scripts/soak.py --server CHECKPOINT`: serve.py started as scripts/loadtest.py starts it (--server-flags
+    last), 20 requests of the mix, the report written, every check passing (the RSS limit too: a server of its own)."""
+    from scripts.soak import main
+    monkeypatch.setenv("KVC_CPU_KERNELS", "0")          # the server process must not wait on a kernel build
+    flags = "--max-batch 4 --max-queue 64 --max-new-tokens-limit 64 --max-seq-length 256 --max-body-bytes 20000"
+    out = tmp_path / "soak.json"
+    assert main(["--server", str(tiny_dir), "--server-flags", flags, "--requests", "20", "--warmup", "5",
+                 "--concurrency", "4", "--max-tokens", "4", "--rss-limit", "50", "--json", str(out),
+                 "--startup-timeout", "120"]) == 0
+    report = json.loads(out.read_text())
+    assert report["failures"] == [] and sum(report["http"].values()) == 20, report
+
+
 def test_control_tokens_in_messages_are_text():
     """Tokenizer.encode_chat: "<|im_end|>" written in a message is encoded as its characters, the template's own
     control tokens stay tokens, and messages without such text get Tokenizer.encode's ids."""
