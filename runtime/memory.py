@@ -1,7 +1,7 @@
 """KV memory admission (`serve.py --kv-memory`): sizes in bytes, what a row of a policy costs, how many fit.
 
 A RowBatch built with kv_memory=BYTES holds at most that many bytes of K/V in its rows (the policy's
-kv_bytes()["allocated"]; the one-row prefill scratch and the kept prefixes are outside it):
+kv_bytes()["allocated"]; the prefill scratch (--prefill-batch rows) and the kept prefixes are outside it):
 
   - a policy whose row has a fixed size (every compressing policy: budget + decode room per layer, each layer
     its own budget; `full` in KIVI storage) gets rows = min(max_batch, kv_memory // row_bytes), fixed;
