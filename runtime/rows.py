@@ -242,18 +242,20 @@ class RowBatch:
             return []
         if not self.rows:
             return self._prefill_group()
-        self.group = [q for q in self.group if q in self.pending]      # (cancelled ones leave it)
-        p = self.group[0] if self.group else self.pending[0]
+        if not self.live():                             # (every one of a group cancelled: a new one)
+            self.group = []
+        p = self.live()[0][1] if self.group else self.pending[0]
         try:
             agnostic = self.agnostic and p.agnostic and self.prefixes is not None and not p.started
             context = self._context(p) if agnostic else None
             logits = None if context is not None else self._chunk()
         except BaseException:
-            group, self.group = self.group or [p], []
-            if len(group) > 1:                 # no one prompt to blame: each is prefilled again alone, and
+            together, group = len(self.group) > 1, [q for _, q in self.live()] or [p]
+            self.group = []
+            if together:                       # no one prompt to blame: each is prefilled again alone, and
                 for q in group:                # only one that fails alone fails
                     q.started, q.done, q.reused, q.kept, q.snapshot_at, q.alone = False, 0, 0, None, 0, True
-            else:
+            elif p in self.pending:
                 self.pending.remove(p)
             raise
         if context is None and logits is None:
@@ -267,8 +269,8 @@ class RowBatch:
             self.policy.hold_question(p.row, p.done, len(p.ids))
             self.appending[p.row] = p
             return []
-        group, self.group = self.group, []
-        for g, q in enumerate(group):
+        group, self.group = self.live(), []
+        for g, q in group:
             self.pending.remove(q)
             if self.share_prefix and q.kept is not None:        # its row reads the prefix in place
                 self.policy.adopt(q.row, self.scratch, other_row=g, prefix=q.kept)
@@ -277,7 +279,11 @@ class RowBatch:
             else:
                 self.policy.adopt(q.row, self.scratch, other_row=g)
             self.next_pos[q.row] = q.done
-        return [(q.row, logits[g]) for g, q in enumerate(group)]
+        return [(q.row, logits[g]) for g, q in group]
+
+    def live(self) -> list[tuple[int, Pending]]:
+        """(scratch row, request) of the group's requests still pending (a cancelled one leaves its row behind)."""
+        return [(g, q) for g, q in enumerate(self.group) if q in self.pending]
 
     def _context(self, p: Pending):
         """The agnostic protocol for p: a kept compressed prefix of its prompt, or one it shares with others (the

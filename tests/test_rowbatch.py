@@ -166,6 +166,26 @@ def test_rows_prefilled_together_hold_only_their_own_tokens(model, shared):  # n
         torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5)
 
 
+def test_a_request_cancelled_mid_group_leaves_the_others_their_rows(model):  # noqa: F811
+    """Three prompts prefilled together in chunks of 16; the middle one is cancelled after the first chunk: the
+    other two go on in their scratch rows and join with the logits they get prefilled alone (each its own scratch
+    row's, not a neighbour's)."""
+    prompts = prompts_of({"a": 40, "b": 25, "c": 33})
+    batch = row_batch(model, "full", max_batch=3, chunk=16, prefill_batch=3)
+    started = {n: batch.start(ids) for n, ids in prompts.items()}
+    with torch.inference_mode():
+        assert batch.advance() == []
+        batch.cancel(started["b"])
+        joined = {}
+        while batch.pending:
+            joined.update(batch.advance())
+    assert sorted(joined) == sorted([started["a"].row, started["c"].row]) and not batch.holds(started["b"])
+    ref = row_batch(model, "full", max_batch=3, chunk=16).admit([prompts["a"], prompts["c"]])
+    for (_, logits), n in zip(ref, "ac"):
+        torch.testing.assert_close(joined[started[n].row], logits, atol=1e-5, rtol=1e-5)
+        assert int(batch.policy.length[started[n].row]) == len(prompts[n])
+
+
 def test_a_failed_group_is_prefilled_again_one_prompt_at_a_time(model):  # noqa: F811
     """A prefill chunk of three prompts together fails (a fault in the middle one): none is dropped; each is then
     prefilled alone, the faulty one fails alone (dropped, re-raised), the other two join with the logits they get
