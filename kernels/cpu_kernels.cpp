@@ -321,10 +321,26 @@ static void dense_values(const float* e, int64_t G, int64_t NP, const T* vb, int
   }
 }
 
+// query rows from which bf16 K/V rows are widened into fp32 copies once (attend_dense): a shared prefix read for
+// many rows at once (prefix_attention: G = rows x the GQA group) would otherwise widen every K and V row G and
+// G / GB times.  The widening is exact, so the result is the same either way.
+constexpr int64_t WIDEN_ROWS = 8;
+
 template <typename V, int D, typename T>
 static void attend_dense(const float* q, int64_t G, const T* kb, int64_t k_row, const T* vb, int64_t v_row,
                          const bool* vis, int64_t N, float scale, float* work, float* out, float* lse) {
   constexpr int W = Lanes<V>::W;
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (G >= WIDEN_ROWS) {                                      // work: [N, D] K, [N, D] V, then the fp32 path's
+      float *kf = work, *vf = work + N * D;
+      for (int64_t n = 0; n < N; ++n)
+        for (int d = 0; d < D; d += W) {
+          store_vec<V>(kf + n * D + d, load_vec<V>(kb + n * k_row + d));
+          store_vec<V>(vf + n * D + d, load_vec<V>(vb + n * v_row + d));
+        }
+      return attend_dense<V, D, float>(q, G, kf, D, vf, D, vis, N, scale, work + 2 * N * D, out, lse);
+    }
+  }
   const int64_t NP = (N + W - 1) / W * W;
   float* qs = work;                                             // [G, D] the scaled queries
   float* m = qs + G * D;                                        // [G] the largest scores
@@ -343,7 +359,9 @@ static void attend_dense(const float* q, int64_t G, const T* kb, int64_t k_row, 
 }
 
 // floats attend_dense's `work` needs
-static int64_t dense_work(int64_t G, int64_t D, int64_t N) { return 2 * G * D + 2 * G + G * ((N + 15) / 16 * 16); }
+static int64_t dense_work(int64_t G, int64_t D, int64_t N) {
+  return 2 * G * D + 2 * G + G * ((N + 15) / 16 * 16) + (G >= WIDEN_ROWS ? 2 * N * D : 0);   // (+ widened K/V)
+}
 
 // the vector width of kvc::decode_attention / dense_attention: `lanes` 8 or 16, or 0: the build's ISA's
 // (16 where it has AVX-512, else 8 (AVX2): 16-lane vectors there take two registers and spill)

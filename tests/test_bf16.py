@@ -69,6 +69,25 @@ def test_prefix_attention_bf16_equals_rows_holding_copies(shape, lanes, monkeypa
     close_bf16(out[~free], ref[~free], atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(8, 9, 3, 900, 700, 64), (2, 9, 3, 640, 600, 64), (6, 16, 2, 600, 520, 128)])
+@pytest.mark.parametrize("lanes", [8, 16], ids=["avx2", "avx512"])
+def test_bf16_rows_are_read_as_their_fp32_values(shape, lanes):
+    """kvc::prefix_attention / decode_attention over bf16 K/V give exactly (bitwise) what they give over the same
+    values widened to fp32, whether the bf16 rows are widened in registers (few query rows: a row's own slots, a
+    prefix read by one or two rows) or copied to fp32 once (>= 8 query rows: a prefix read by many rows)."""
+    from tests.test_shared_prefix import case
+    (q, k, v, visible, pk, pv, own_from), _, _ = case(*shape)
+    q = q[:, :, 0].contiguous()
+    kb, vb, pkb, pvb = (t.bfloat16() for t in (k, v, pk, pv))
+    scale = q.shape[-1] ** -0.5
+    got = torch.ops.kvc.prefix_attention(q, kb, vb, visible, pkb, pvb, own_from, scale, lanes)
+    want = torch.ops.kvc.prefix_attention(q, kb.float(), vb.float(), visible, pkb.float(), pvb.float(), own_from,
+                                          scale, lanes)
+    assert torch.equal(got, want)
+    got = torch.ops.kvc.decode_attention(q, kb, vb, visible, scale, lanes)
+    assert torch.equal(got, torch.ops.kvc.decode_attention(q, kb.float(), vb.float(), visible, scale, lanes))
+
+
 def ref_rows_holding_copies(q, k, v, visible, pk, pv, own_from):
     """tests.test_shared_prefix.case's oracle for given tensors: each sharing row's slots [0, P) overwritten by
     the prefix, grouped_attention over those copies (fp32)."""
