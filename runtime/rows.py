@@ -242,9 +242,10 @@ class RowBatch:
             return []
         if not self.rows:
             return self._prefill_group()
-        if not self.live():                             # (every one of a group cancelled: a new one)
+        live = self.live()
+        if not live:                                    # (every one of a group cancelled: a new one)
             self.group = []
-        p = self.live()[0][1] if self.group else self.pending[0]
+        p = live[0][1] if live else self.pending[0]
         try:
             agnostic = self.agnostic and p.agnostic and self.prefixes is not None and not p.started
             context = self._context(p) if agnostic else None
@@ -291,10 +292,11 @@ class RowBatch:
         held whole until p's answer starts (the contract's hold_question); None where none is shared, the rest and
         p's answer would not fit a row's room (decode_room), or the rest is longer than the context's
         question_room."""
-        n, context = self.prefixes.lookup(p.ids, self._shortest(p))
+        shortest = self._shortest(p)
+        n, context = self.prefixes.lookup(p.ids, shortest)
         at = self.prefixes.boundary(p.ids, [q.ids for q in self.pending if q is not p], p.prefix_len)
         reused = n
-        if context is None and at >= self._shortest(p):
+        if context is None and at >= shortest:
             n, context, reused = at, self._compress(p.ids[:at]), 0
         held = None if context is None else context.question_room(0)
         if context is None or (held is not None and len(p.ids) - n > held):
@@ -353,7 +355,7 @@ class RowBatch:
     def _chunk(self) -> Optional[torch.Tensor]:
         """Prefill the next chunk of the group's prompts in the scratch (a new group, `_begin`, when none is in
         progress) -> logits [G, V] of their prompts' last positions once complete, else None."""
-        model, device = self.model, self.model.output.weight.device
+        model = self.model
         if not self.group:
             self._begin()
         model.use_cache(self.scratch)
