@@ -67,7 +67,33 @@ class Job:
     agnostic: bool = True             # may its prompt take the question-agnostic protocol (kv_reuse "any")
 
     def send(self, *item) -> None:
+        """Deliver item now (from the HTTP side; the engine thread posts to its Outbox)."""
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+class Outbox:
+    """What the engine thread sends to the handlers during one iteration, delivered at its end with one wake-up of
+    each event loop: a wake-up per token of every row preempts the forwards on few cores (docs/serving.md, Threads)."""
+
+    def __init__(self):
+        self.items: list = []             # [(job, item)], in the order posted
+
+    def post(self, job: Job, *item) -> None:
+        self.items.append((job, item))
+
+    def flush(self) -> None:
+        items, self.items = self.items, []
+        by_loop: dict = {}
+        for job, item in items:
+            by_loop.setdefault(job.loop, []).append((job, item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(deliver, batch)
+
+
+def deliver(batch: list) -> None:
+    """(On a handler's event loop) put each posted item into its job's queue."""
+    for job, item in batch:
+        job.out.put_nowait(item)
 
 
 def failure(e: Exception, rids=()) -> str:
@@ -139,6 +165,7 @@ class Engine:
         self.wake = threading.Condition()           # guards the queues and the counters above
         self.stopping = False
         self.aborting: Optional[str] = None         # set by `abort`: every request fails with this (503)
+        self.outbox = Outbox()                      # the engine thread's sends, flushed once an iteration
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
         for lane in self.lanes.values():
             self.read_kv(lane)
@@ -241,8 +268,10 @@ class Engine:
                         waiting[lane.name] = []
                     if waiting[lane.name] or lane.starting or lane.rows:
                         self.run_lane(lane, waiting[lane.name])
+                self.outbox.flush()
         for lane in self.lanes.values():
             self.fail_lane(lane, "the server is shutting down")
+        self.outbox.flush()
 
     def fail_lane(self, lane: Lane, message: str) -> None:
         """Every request of the lane (in a row, prefilling or waiting) fails with 503 (`message`): the server stops."""
@@ -254,7 +283,7 @@ class Engine:
         for job in [j for j in lane.waiting if j.cancelled]:
             lane.waiting.remove(job)
             self.count(lane.name, "cancelled")
-            job.send("done", "cancelled")
+            self.outbox.post(job, "done", "cancelled")
         return list(lane.waiting)
 
     def run_lane(self, lane: Lane, waiting: list) -> None:
@@ -280,7 +309,7 @@ class Engine:
             lane.starting.remove(job)
             with self.wake:
                 self.count(lane.name, "cancelled")
-            job.send("done", "cancelled")
+            self.outbox.post(job, "done", "cancelled")
         self.admit(lane, waiting)
         if lane.batch.active:
             self.decode(lane)
@@ -337,7 +366,7 @@ class Engine:
         lane.rows[job.row] = job
         with self.wake:
             self.tokens[lane.name, "prompt"] += len(job.ids)
-        job.send("start", job.pending.protocol)
+        self.outbox.post(job, "start", job.pending.protocol)
         self.emit(lane, job, logits)
 
     def emit(self, lane: Lane, job: Job, logits: torch.Tensor, token: Optional[int] = None) -> None:
@@ -363,7 +392,7 @@ class Engine:
             return self.finish(lane, job, "length", text)
         end = len(text) - hold_back(text, job.stop)
         if end > job.sent:
-            job.send("text", text[job.sent:end])
+            self.outbox.post(job, "text", text[job.sent:end])
             job.sent = end
 
     def observe(self, lane: Lane, job: Job, generated: bool) -> None:
@@ -385,8 +414,8 @@ class Engine:
         with self.wake:
             self.count(lane.name, reason)
         if len(text) > job.sent:
-            job.send("text", text[job.sent:])
-        job.send("done", reason)
+            self.outbox.post(job, "text", text[job.sent:])
+        self.outbox.post(job, "done", reason)
 
     def fail_job(self, lane: Lane, job: Job, message: str, status: int = 500) -> None:
         """One request failed: free its row or its staged admission, count it, send it the error (`status`)."""
@@ -422,7 +451,7 @@ class Engine:
                 del lane.rows[job.row]
             if job in lane.starting:
                 lane.starting.remove(job)
-            job.send("error" if status == 500 else "unavailable", message)
+            self.outbox.post(job, "error" if status == 500 else "unavailable", message)
 
     def read_kv(self, lane: Lane) -> None:
         """Refresh the lane's kept-prefix counters and KV byte counts for /metrics (here, on the engine thread: the

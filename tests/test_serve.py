@@ -1,4 +1,5 @@
 """serve.py on the tiny random checkpoint: a real uvicorn server on a free 127.0.0.1 port, driven over HTTP."""
+import asyncio
 import contextlib
 import json
 import os
@@ -517,6 +518,30 @@ def test_hold_back_keeps_partial_characters_and_stop_prefixes():
     assert loop.hold_back("xab", ["abc", "zz"]) == 2           # may become the stop string "abc"
     assert loop.hold_back("abc", ["xy"]) == 0
 
+
+def test_outbox_wakes_each_event_loop_once_per_flush():
+    """The engine thread's sends of one iteration reach the handlers' queues in order, with one wake-up of each
+    event loop (call_soon_threadsafe) for all of them."""
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    calls = []
+    for ev in loops:
+        ev.call_soon_threadsafe = lambda *a, ev=ev, wake=ev.call_soon_threadsafe: (calls.append(ev), wake(*a))[1]
+    job = lambda ev: loop.Job([1], 4, Sampler(), [], "full", ev)
+    a, b, c = job(loops[0]), job(loops[0]), job(loops[1])
+    box = loop.Outbox()
+    for item in [(a, "text", "x"), (b, "text", "y"), (a, "text", "z"), (c, "done", "stop"), (a, "done", "length")]:
+        box.post(item[0], *item[1:])
+    assert calls == []
+    box.flush()
+    assert calls == loops and box.items == []
+    for ev in loops:
+        ev.run_until_complete(asyncio.sleep(0))
+        ev.close()
+    drain = lambda j: [j.out.get_nowait() for _ in range(j.out.qsize())]
+    assert drain(a) == [("text", "x"), ("text", "z"), ("done", "length")]
+    assert drain(b) == [("text", "y")] and drain(c) == [("done", "stop")]
+    box.flush()
+    assert len(calls) == 2                                      # nothing posted: no wake-up
 
 @contextlib.contextmanager
 def cli(tiny_dir, *flags):
