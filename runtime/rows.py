@@ -59,7 +59,9 @@ class RowBatch:
     `prefill_context` / `generate(context=)`): a shared prefix is prefilled and compressed once alone, a prompt
     starting with it has its row adopt it and appends the rest of its prompt one decode step each (`step` feeds
     them; `joined` lists the rows whose prompt the latest step completed), protocol "agnostic"; where its
-    question and answer do not fit a row's room (max_new_tokens), its whole prompt is prefilled ("aware").
+    question and answer do not fit a row's room (max_new_tokens), or its question is longer than max_question
+    tokens (appended one a step, it would hold back its first token that many steps), its whole prompt is
+    prefilled ("aware").
     `reuse_off` says why a batch keeps no prefixes.  With share_prefix (exact reuse; off for a compiled decode
     step, which would recompile when rows start and stop sharing) a request's row reads the kept prefix its
     prompt started with in place instead of a copy (DenseCache.adopt(prefix=)): many questions about one
@@ -82,11 +84,14 @@ class RowBatch:
     def __init__(self, model: Transformer, make_policy, max_batch: int, max_seq_length: int, max_new_tokens: int,
                  prefill=prefill_step, decode=decode_step, prefill_chunk: int = 1024, prefix_bytes: int = 0,
                  min_prefix: int = 32, agnostic: bool = False, share_prefix: bool = True,
-                 kv_memory: Optional[int] = None, prefill_batch: int = 1):
+                 kv_memory: Optional[int] = None, prefill_batch: int = 1, max_question: int = 64):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         if prefill_batch < 1:
             raise ValueError(f"prefill_batch must be at least 1, got {prefill_batch}")
+        if max_question < 1:
+            raise ValueError(f"max_question must be at least 1, got {max_question}")
+        self.max_question = max_question
         self.model, self.make_policy = model, make_policy
         self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
         self.prefill, self.decode, self.prefill_chunk, self.prefill_batch = prefill, decode, prefill_chunk, prefill_batch
@@ -305,9 +310,10 @@ class RowBatch:
         return context
 
     def _shortest(self, p: Pending) -> int:
-        """The agnostic protocol's shortest shared prefix for p: its question and answer must fit a row's room."""
+        """The agnostic protocol's shortest shared prefix for p: its question and answer must fit a row's room, and
+        its question, appended one token a step, be at most max_question tokens."""
         room = self.max_new_tokens - (self.max_new_tokens if p.new_tokens is None else p.new_tokens)
-        return max(len(p.ids) - room, 1)
+        return max(len(p.ids) - min(room, self.max_question), 1)
 
     def _compress(self, ids: list[int]):
         """ids prefilled and compressed alone in a one-row instance set up as the rows are (prefill_context's

@@ -492,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and appends each request's question (the question-agnostic protocol; responses say "
                         "kv_protocol 'agnostic'); --no-agnostic-reuse: every prompt is compressed with its question "
                         "('aware'). Within --prefix-cache-mb")
+    p.add_argument("--agnostic-max-question", type=int, default=64,
+                   help="the longest question (the prompt after its shared prefix) a request may append one token a "
+                        "decode step under --agnostic-reuse; a longer one is compressed with its prompt ('aware')")
     p.add_argument("--max-body-bytes", type=int, default=2**20,
                    help="the largest request body (bytes); a larger one is answered 413 before it is read")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
@@ -531,7 +534,8 @@ def build_engine(args) -> Engine:
         kv_memory = None if args.kv_memory is None else parse_size(args.kv_memory)
     except ValueError as e:
         raise UsageError(f"--kv-memory: {e}") from None
-    for flag in ("max_batch", "max_queue", "max_new_tokens_limit", "prefill_chunk", "prefill_batch", "max_body_bytes"):
+    for flag in ("max_batch", "max_queue", "max_new_tokens_limit", "prefill_chunk", "prefill_batch", "max_body_bytes",
+                 "agnostic_max_question"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.tp != 1:
@@ -559,7 +563,8 @@ def build_engine(args) -> Engine:
     try:
         srv = Engine(model, tokenizer, {spec.variant: (str(spec), maker(spec)) for spec in specs}, args.max_batch,
                      args.max_queue, max_seq_length, args.max_new_tokens_limit, steps, args.prefill_chunk,
-                     int(args.prefix_cache_mb * 2 ** 20), args.agnostic_reuse, kv_memory, args.prefill_batch)
+                     int(args.prefix_cache_mb * 2 ** 20), args.agnostic_reuse, kv_memory, args.prefill_batch,
+                     args.agnostic_max_question)
     except ValueError as e:
         if kv_memory is None:
             raise

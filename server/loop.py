@@ -141,17 +141,18 @@ class Engine:
     def __init__(self, model, tokenizer, policies: dict, max_batch: int, max_queue: int, max_seq_length: int,
                  max_new_tokens: int, steps=(prefill_step, decode_step), prefill_chunk: int = 256,
                  prefix_bytes: int = 0, agnostic: bool = True, kv_memory: Optional[int] = None,
-                 prefill_batch: int = 1):
+                 prefill_batch: int = 1, max_question: int = 64):
         """policies: {name: (spec text, a function making a fresh policy instance)}, the first the default;
         steps: the (prefill, decode) step functions (runtime.steps.compiled_steps for --compile); prefill_chunk: prompt
         tokens prefilled between two decode steps; prefix_bytes: kept prefixes per lane (runtime/prefix_cache.py);
         agnostic: compressing policies keep compressed prefixes (RowBatch's agnostic protocol); kv_memory: K/V
         bytes of all the lanes' rows (--kv-memory; None: --max-batch rows each), split in equal shares;
-        prefill_batch: prompts prefilled together (RowBatch)."""
+        prefill_batch: prompts prefilled together (RowBatch); max_question: the longest question appended under the
+        agnostic protocol (RowBatch)."""
         self.model, self.tokenizer = model, tokenizer
         self.kv_memory, self.kv_share = kv_memory, None if kv_memory is None else kv_memory // len(policies)
         self.prefill_chunk, self.prefix_bytes, self.agnostic = prefill_chunk, prefix_bytes, agnostic
-        self.prefill_batch = prefill_batch
+        self.prefill_batch, self.max_question = prefill_batch, max_question
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_seq_length, self.max_new_tokens = max_seq_length, max_new_tokens
         self.steps = steps
@@ -176,7 +177,8 @@ class Engine:
                         prefill=prefill, decode=decode, prefill_chunk=self.prefill_chunk,
                         prefix_bytes=self.prefix_bytes, agnostic=self.agnostic,
                         share_prefix=decode is decode_step,        # not under --compile
-                        kv_memory=self.kv_share, prefill_batch=self.prefill_batch)
+                        kv_memory=self.kv_share, prefill_batch=self.prefill_batch,
+                        max_question=self.max_question)
 
     def submit(self, job: Job) -> None:
         """Queue job for its lane: QueueFull when it would wait for a row (no free row takes it at the next

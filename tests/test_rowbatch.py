@@ -260,6 +260,24 @@ def test_agnostic_reuse_compresses_a_shared_prefix_once(model, spec):  # noqa: F
             torch.testing.assert_close(got[n], torch.stack(logits), atol=1e-5, rtol=1e-5)
 
 
+def test_a_question_longer_than_max_question_is_compressed_with_its_prompt(model):  # noqa: F811
+    """agnostic=True, max_question=10: of three questions on one shared 150-token document, the 7-token one
+    appends to the document compressed alone (agnostic); the 12- and 20-token ones, which would hold back their
+    first token that many decode steps, are compressed with their prompt (aware)."""
+    prompts = prompts_of({"q1": 12, "q2": 20, "q3": 7}, shared=150)
+    room = NEW + 24
+    batch = RowBatch(model, lambda: make_policy("snapkv:budget=40,obs_window=8"), 4, 400 + room, room,
+                     prefix_bytes=1 << 30, min_prefix=16, agnostic=True, max_question=10)
+    with torch.inference_mode():
+        started = {n: batch.start(ids, new_tokens=NEW) for n, ids in prompts.items()}
+        while batch.pending:
+            batch.advance()
+    assert {n: p.protocol for n, p in started.items()} == {"q1": "aware", "q2": "aware", "q3": "agnostic"}
+    assert batch.prefixes.stats()["entries"] == 1
+    with pytest.raises(ValueError, match="max_question"):
+        RowBatch(model, lambda: make_policy("snapkv"), 4, 400, 16, max_question=0)
+
+
 def test_prefix_cache_is_a_byte_bounded_lru():
     cache = PrefixCache(max_bytes=100, min_tokens=3)
     assert cache.insert((1, 2, 3), "a", 40) and cache.insert((1, 2, 3, 4, 5), "b", 40)
