@@ -7,7 +7,8 @@
 Rows: one per (side, context).  Sides: `ours:CHECKPOINT[:k=v,...]` (options: compile=1 [compile_prefill=1], policy=NAME,
 policy_args=k=v;k=v, kv_bits=4 or 2 (KIVI storage at the engine's default G 32, R 128),
 weights=auto|float, dtype=bfloat16, qlinear_arith=int|avx2|vnni (the instructions of the quantized layers'
-one arithmetic: KVC_QLINEAR_ARITH in the side's process)), `llama.cpp` (llama-cpp-python on the GGUF, --gguf), `hf`
+one arithmetic: KVC_QLINEAR_ARITH in the side's process)), `llama.cpp` (llama-cpp-python on the GGUF, --gguf),
+`llama-server` (llama.cpp's C++ server, --llama-server, one slot: one completion, timed by its own report), `hf`
 (transformers LlamaForCausalLM on the float directory, --hf).  Every side gets the same prompt token
 ids (random ids of --seed, or --text FILE tokenized), the same thread count (torch.set_num_threads /
 llama.cpp n_threads and n_threads_batch, and OMP_NUM_THREADS) and the environment's OMP_WAIT_POLICY;
@@ -92,6 +93,46 @@ def run_llama_cpp(opts: dict, ids: list[int], steps: int, warmup: int, threads: 
     return {"tok_s": timed_decode(step, last_argmax(), steps, warmup), "prefill_s": prefill}
 
 
+def run_llama_server(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) -> dict:
+    """llama.cpp's C++ llama-server (opts["binary"]) on the GGUF, one slot, 127.0.0.1 on a free port: one greedy
+    completion of warmup + steps tokens (EOS ignored) after the prompt ids, timed by the server's own report
+    (timings: its decode tok/s over every generated token, its prompt time); peak RSS the server's."""
+    import socket
+    import urllib.request
+    binary = Path(opts["binary"] or "")
+    if not binary.is_file():
+        raise SystemExit(json.dumps({"error": f"no llama-server at {str(binary)!r}: give --llama-server "
+                                              f"(scripts/setup_peers.sh builds one)"}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(binary), "-m", opts["path"], "-t", str(threads), "-tb", str(threads), "-np", "1",
+                               "-c", str(len(ids) + steps + warmup + 8), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(json.dumps({"error": f"llama-server did not start (exit {server.poll()})"}))
+                time.sleep(0.5)
+        body = json.dumps({"prompt": ids, "n_predict": warmup + steps, "ignore_eos": True, "temperature": 0,
+                           "cache_prompt": False}).encode()
+        request = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+        timings = json.load(urllib.request.urlopen(request, timeout=1800))["timings"]
+        hwm = next(int(line.split()[1]) * 1024 for line in open(f"/proc/{server.pid}/status")
+                   if line.startswith("VmHWM"))
+    finally:
+        server.kill()
+        server.wait()
+    return {"tok_s": timings["predicted_per_second"], "prefill_s": timings["prompt_ms"] / 1000,
+            "peak_rss": hwm, "model_rss": hwm}
+
+
 def run_hf(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) -> dict:
     import torch
     try:
@@ -156,15 +197,16 @@ def run_ours(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) 
                 "compile_s": compile_s}
 
 
-WORKERS = {"llama.cpp": run_llama_cpp, "hf": run_hf, "ours": run_ours}
+WORKERS = {"llama.cpp": run_llama_cpp, "llama-server": run_llama_server, "hf": run_hf, "ours": run_ours}
 
 
 def worker_main(spec: dict) -> int:
     """Subprocess entry: run one side, print one JSON line."""
     ids = json.loads(Path(spec["ids_file"]).read_text())
     out = WORKERS[spec["kind"]](spec["opts"], ids, spec["steps"], spec["warmup"], spec["threads"])
-    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out["model_rss"] = out["peak_rss"] - _runtime_rss
+    if "peak_rss" not in out:                  # (llama-server reports its own process's)
+        out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out["model_rss"] = out["peak_rss"] - _runtime_rss
     print(json.dumps(out), flush=True)
     return 0
 
@@ -174,13 +216,15 @@ def worker_main(spec: dict) -> int:
 SIDE_OPTIONS = ("compile", "compile_prefill", "policy", "policy_args", "kv_bits", "weights", "dtype", "qlinear_arith")
 
 
-def parse_side(text: str, gguf: Path, hf: Path) -> dict:
-    """'llama.cpp' | 'hf' | 'ours:PATH[:k=v,...]' -> {"kind", "label", "opts"}."""
+def parse_side(text: str, gguf: Path, hf: Path, llama_server: Optional[Path] = None) -> dict:
+    """'llama.cpp' | 'llama-server' | 'hf' | 'ours:PATH[:k=v,...]' -> {"kind", "label", "opts"}."""
     if text in ("llama.cpp", "hf"):
         return {"kind": text, "label": text, "opts": {"path": str(gguf if text == "llama.cpp" else hf)}}
+    if text == "llama-server":
+        return {"kind": text, "label": text, "opts": {"path": str(gguf), "binary": llama_server and str(llama_server)}}
     kind, _, rest = text.partition(":")
     if kind != "ours" or not rest:
-        raise ValueError(f"unknown side {text!r}: use llama.cpp, hf or ours:CHECKPOINT[:k=v,...]")
+        raise ValueError(f"unknown side {text!r}: use llama.cpp, llama-server, hf or ours:CHECKPOINT[:k=v,...]")
     path, _, extra = rest.partition(":")
     opts = {"path": path}
     for item in filter(None, extra.split(",")):
@@ -240,7 +284,7 @@ def prompt_ids(args, vocab_from: Path) -> list[int]:
 
 def run(args) -> list[dict]:
     sides = [parse_side("ours:" + s, args.gguf, args.hf) for s in args.ours] + \
-        [parse_side(p, args.gguf, args.hf) for p in filter(None, args.peers.split(","))]
+        [parse_side(p, args.gguf, args.hf, args.llama_server) for p in filter(None, args.peers.split(","))]
     ids = prompt_ids(args, args.gguf if args.gguf.exists() else args.hf)
     samples = {(s["label"], c): [] for s in sides for c in args.contexts}
     results = {}
@@ -342,8 +386,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--ours", action="append", default=[], metavar="CHECKPOINT[:k=v,...]",
                    help="a side of this engine (repeatable), e.g. ckpt.gguf:compile=1,policy=snapkv,"
                         "policy_args=budget=256")
-    p.add_argument("--peers", default="llama.cpp,hf", help="comma-separated: llama.cpp, hf ('' for none)")
-    p.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the GGUF llama.cpp runs")
+    p.add_argument("--peers", default="llama.cpp,hf",
+                   help="comma-separated: llama.cpp, llama-server (--llama-server), hf ('' for none)")
+    p.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the GGUF llama.cpp and llama-server run")
+    p.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (the llama-server side)")
     p.add_argument("--hf", type=Path, default=DEFAULT_HF, help="the float directory (or GGUF) transformers runs")
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 4096])
     p.add_argument("--steps", type=int, default=32, help="timed decode steps")
@@ -363,7 +409,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"# threads {args.threads}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, batch 1, "
           f"{args.steps} timed decode steps (+{args.warmup}), {args.repeats} round(s), prompt "
           f"{args.text or f'random ids (seed {args.seed})'}")
-    print_table(rows, [s for s in ("llama.cpp", "hf") if s in args.peers.split(",")] +
+    print_table(rows, [s for s in ("llama.cpp", "llama-server", "hf") if s in args.peers.split(",")] +
                 ([sides[0]["label"]] if sides else []))
     if args.json:
         atomic_io.write_json(args.json, rows, indent=2)

@@ -42,6 +42,46 @@ def test_missing_llama_cpp_names_the_install_command(tmp_path, monkeypatch):
     assert "llama-cpp-python is not installed" in res["error"] and "pip install -e '.[peers]'" in res["error"]
 
 
+FAKE_LLAMA_SERVER = """#!{python}
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+open({log!r}, "w").write(json.dumps(args))
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        out = {{"timings": {{"predicted_per_second": 40.0 + body["n_predict"], "prompt_ms": 10.0 * len(body["prompt"])}},
+               "request": body}}
+        self.send_response(200); self.end_headers(); self.wfile.write(json.dumps(out).encode())
+
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_llama_server_side_runs_the_binary_and_reads_its_timings(tmp_path):
+    """The llama-server side starts the given binary on the GGUF (one slot, the threads, a context for the prompt
+    and the tokens) on a free 127.0.0.1 port, sends the prompt ids for warmup + steps tokens, and reports the
+    server's own timings; a missing binary is a row naming --llama-server."""
+    binary, log = tmp_path / "llama-server", tmp_path / "args.json"
+    binary.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable, log=str(log)))
+    binary.chmod(0o755)
+    side = peers.parse_side("llama-server", tmp_path / "m.gguf", tmp_path, binary)
+    res = peers.decode_tps(side, [5, 6, 7], steps=3, threads=2, warmup=1, timeout=120)
+    assert res["tok_s"] == 44.0 and res["prefill_s"] == 0.03 and res["peak_rss"] > 0, res
+    args = json.loads(log.read_text())
+    assert args[:2] == ["-m", str(tmp_path / "m.gguf")] and args[args.index("-t") + 1] == "2"
+    assert args[args.index("-np") + 1] == "1" and args[args.index("-c") + 1] == str(3 + 3 + 1 + 8)
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+    missing = peers.decode_tps(peers.parse_side("llama-server", tmp_path / "m.gguf", tmp_path, None), [1], steps=1,
+                               threads=1, warmup=0, timeout=120)
+    assert "--llama-server" in missing["error"]
+
+
 def test_a_failing_side_is_a_row(tmp_path):
     res = peers.decode_tps(peers.parse_side(f"ours:{tmp_path / 'missing'}", tmp_path, tmp_path), [1, 2, 3],
                            steps=1, threads=1, warmup=0, timeout=300)
