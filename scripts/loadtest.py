@@ -413,7 +413,7 @@ def run_offline(label: str, what: dict, args, knobs: sides.Knobs, prompts: list[
             "max_new_tokens": knobs.max_new_tokens}
     if what["kind"] == "ours":
         spec.update(checkpoint=args.server or args.gguf, policy=what["policy"], prefill_chunk=256, prefill_batch=4,
-                    prefix_cache_mb=256)          # (serve.py's defaults)
+                    prefix_cache_mb=256, dtype=args.offline_dtype)          # (serve.py's defaults)
         cmd = [sys.executable, str(ROOT / "scripts" / "loadtest_sides.py")]
     else:
         spec.update(model_dir=args.openvino_model, eviction=what["eviction"], cache_gib=(
@@ -449,6 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-flags", default="", help="more flags for the peers' servers, one string")
     p.add_argument("--offline", action="store_true", help="no servers: ours through RowBatch, and --peer openvino")
     p.add_argument("--offline-policies", default="full; snapkv:budget=256", help="--offline: our policy specs")
+    p.add_argument("--offline-dtype", choices=["float32", "bfloat16"],
+                   help="--offline: the compute dtype of our side (as serve.py --dtype; default the checkpoint's: "
+                        "float32 for a directory on the CPU)")
     p.add_argument("--workload", choices=list(WORKLOADS), default="docs")
     p.add_argument("--requests", type=int, help="default: the workload's (docs 16, crowd 64, long-gen 32)")
     p.add_argument("--concurrency", type=int, help="requests in flight (default: the workload's, 8 or 32)")

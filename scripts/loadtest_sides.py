@@ -212,7 +212,8 @@ def ours_offline(spec: dict) -> dict:
     from cache import make_policy
     from runtime.rows import RowBatch
     torch.set_num_threads(spec["threads"])
-    model, tok = engine.load_model(spec["checkpoint"])
+    dtype = spec.get("dtype")
+    model, tok = engine.load_model(spec["checkpoint"], dtype=dtype and engine.DTYPES[dtype])
     prompts = [tok.encode(p, add_special_tokens=False) for p in spec["prompts"]]
     batch = RowBatch(model, lambda: make_policy(spec["policy"]), spec["max_batch"], spec["max_seq_length"],
                      spec["max_new_tokens"], prefill_chunk=spec["prefill_chunk"], prefill_batch=spec["prefill_batch"],

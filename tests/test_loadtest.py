@@ -222,6 +222,30 @@ def test_offline_run_writes_rows_and_a_renderable_table(tiny_dir, tmp_path):
     assert "| ours snapkv:budget=64 | crowd | 3 / 0 |" in text and "--offline" in text
 
 
+def test_offline_dtype_reaches_our_side(tiny_dir, monkeypatch):
+    """--offline-dtype bfloat16: our offline side loads the checkpoint in that dtype (as serve.py --dtype), and
+    runs its requests; without it, the checkpoint's own (None to load_model)."""
+    import engine
+    import torch
+    sides = loadtest.sides
+    args = loadtest.build_parser().parse_args(["--offline", "--server", str(tiny_dir), "--offline-dtype", "bfloat16",
+                                               "--max-batch", "2", "--concurrency", "2", "--threads", "1"])
+    sent = []
+    monkeypatch.setattr(sides, "run_worker", lambda cmd, spec, env, timeout: sent.append(spec) or {"error": "x"})
+    knobs = loadtest.knobs_of(args, [3, 3])
+    loadtest.run_offline("ours full", {"kind": "ours", "policy": "full"}, args, knobs, ["a b c", "d e"], [3, 3])
+    assert sent[0]["dtype"] == "bfloat16" and sent[0]["checkpoint"] == str(tiny_dir)
+    loaded, real = [], engine.load_model
+    monkeypatch.setattr(engine, "load_model", lambda path, **kw: loaded.append(kw.get("dtype")) or real(path, **kw))
+    spec = {**sent[0], "max_seq_length": 256, "max_new_tokens": 3}
+    out = sides.ours_offline(spec)
+    assert loaded == [torch.bfloat16] and [r["output_tokens"] for r in out["results"]] == [3, 3], out
+    sides.ours_offline({**spec, "dtype": None})
+    assert loaded[-1] is None
+    with pytest.raises(SystemExit):
+        loadtest.build_parser().parse_args(["--offline", "--offline-dtype", "float16"])
+
+
 FAKE_OV = '''"""A stand-in for openvino_genai (its ContinuousBatchingPipeline's step API): each step gives every running
 request one token; what the pipeline was given is written to log.json beside this file."""
 import enum, json, os
