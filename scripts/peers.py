@@ -94,41 +94,33 @@ def run_llama_cpp(opts: dict, ids: list[int], steps: int, warmup: int, threads: 
 
 
 def run_llama_server(opts: dict, ids: list[int], steps: int, warmup: int, threads: int) -> dict:
-    """llama.cpp's C++ llama-server (opts["binary"]) on the GGUF, one slot, 127.0.0.1 on a free port: one greedy
-    completion of warmup + steps tokens (EOS ignored) after the prompt ids, timed by the server's own report
-    (timings: its decode tok/s over every generated token, its prompt time); peak RSS the server's."""
-    import socket
+    """llama.cpp's C++ llama-server (opts["binary"]) on the GGUF, one slot, started and stopped as
+    scripts/loadtest.py starts its servers (loadtest.Started): one greedy completion of warmup + steps tokens (EOS
+    ignored) after the prompt ids, timed by the server's own report (timings: its decode tok/s over every generated
+    token, its prompt time); peak RSS the server's."""
     import urllib.request
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from loadtest import Started, free_port
     binary = Path(opts["binary"] or "")
     if not binary.is_file():
         raise SystemExit(json.dumps({"error": f"no llama-server at {str(binary)!r}: give --llama-server "
                                               f"(scripts/setup_peers.sh builds one)"}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([str(binary), "-m", opts["path"], "-t", str(threads), "-tb", str(threads), "-np", "1",
-                               "-c", str(len(ids) + steps + warmup + 8), "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    port = free_port()
+    command = [str(binary), "-m", opts["path"], "-t", str(threads), "-tb", str(threads), "-np", "1",
+               "-c", str(len(ids) + steps + warmup + 8), "--host", "127.0.0.1", "--port", str(port)]
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=5)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(json.dumps({"error": f"llama-server did not start (exit {server.poll()})"}))
-                time.sleep(0.5)
+        server = Started("llama-server", command, dict(os.environ), port, 300)
+    except RuntimeError as e:
+        raise SystemExit(json.dumps({"error": str(e)}))
+    try:
         body = json.dumps({"prompt": ids, "n_predict": warmup + steps, "ignore_eos": True, "temperature": 0,
                            "cache_prompt": False}).encode()
-        request = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+        request = urllib.request.Request(server.url + "/completion", body, {"Content-Type": "application/json"})
         timings = json.load(urllib.request.urlopen(request, timeout=1800))["timings"]
-        hwm = next(int(line.split()[1]) * 1024 for line in open(f"/proc/{server.pid}/status")
+        hwm = next(int(line.split()[1]) * 1024 for line in open(f"/proc/{server.proc.pid}/status")
                    if line.startswith("VmHWM"))
     finally:
-        server.kill()
-        server.wait()
+        server.stop()
     return {"tok_s": timings["predicted_per_second"], "prefill_s": timings["prompt_ms"] / 1000,
             "peak_rss": hwm, "model_rss": hwm}
 
