@@ -134,10 +134,14 @@ def test_cli_stops_on_sigterm_after_the_requests_in_flight(tiny_dir):
     assert bad.returncode == 2 and "--max-batch must be at least 1" in bad.stderr
     for flags, message in ((["--tp", "2"], "serve.py does not support --tp"),
                            (["--prefill-batch", "0"], "--prefill-batch must be at least 1"),
+                           (["--agnostic-max-question", "0"], "--agnostic-max-question must be at least 1"),
                            (["--policies", "full; nope"], "unknown policy 'nope'"),
                            (["--policies", "full; full:kv_bits=4"], "'full' is listed twice")):
         with pytest.raises((UsageError, PolicyError), match=message):
             build_engine(build_parser().parse_args(["--checkpoint", str(tiny_dir), *flags]))
+    srv = build_engine(build_parser().parse_args(["--checkpoint", str(tiny_dir), "--policies", "snapkv",
+                                                  "--agnostic-max-question", "7"]))
+    assert srv.lanes["snapkv"].batch.max_question == 7                  # the flag reaches every lane's RowBatch
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
