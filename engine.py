@@ -29,8 +29,8 @@ from checkpoint import WEIGHTS, CheckpointError, build_model, read_checkpoint, r
 from model import Transformer
 from runtime.context import SENTINEL, Context, answer_questions, chat_pieces, prefill_context
 from runtime.stats import GenerationResult, format_stats, generation_stats
-from runtime.steps import (Sampler, UsageError, compiled_steps, decode_step, left_pad, prefill_step, run_decode,
-                           run_prefill, until_eos, warm_up, warmup_length)
+from runtime.steps import (Sampler, UsageError, compiled_steps, decode_step, graph_report, left_pad, prefill_step,
+                           run_decode, run_prefill, until_eos, warm_up, warmup_length)
 from tokenizer import TextStream, Tokenizer
 import tp as tensor_parallel
 from tp import TPError
@@ -209,7 +209,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompts: Sequence, max_ne
         sync()
         t2 = time.perf_counter()
     generated = [until_eos(row, tokenizer) for row in out[:, :steps + 1].tolist()]
-    stats = generation_stats(model.cache, lengths, steps, t1 - t0, t2 - t1, device)
+    stats = generation_stats(model.cache, lengths, steps, t1 - t0, t2 - t1, device, graph_report(decode))
     return GenerationResult([tokenizer.decode(g) for g in generated], generated, lengths, stats)
 
 

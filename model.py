@@ -236,6 +236,8 @@ class DenseCache:
     """
 
     n_filled = 0                    # tokens held (prompt + generated), a host int
+    n_read = 0                      # slots this forward's attention reads: n_filled, or a static step's bound
+    static_decode = False           # a decode step with device-side lengths (cache/full.py's FullCache: begin_static)
     aligned = True                  # every row's next slot is n_filled (cache/full.py's rows: each its own)
     prefill_in_one_pass = False     # a prompt may come in chunks (forwards of T >= 1 tokens before decode)
     # decode() is this class's own: write k, v at slot `start` of k[layer], v[layer], attend over slots
@@ -271,7 +273,7 @@ class DenseCache:
 
     def reset(self) -> None:
         self.pos.fill_(-1)
-        self.n_filled = 0
+        self.n_filled = self.n_read = 0
         self.start = 0          # the first slot this forward writes
         self.mask = self.bias = None
 
@@ -289,8 +291,12 @@ class DenseCache:
             raise ValueError(f"batch {B} does not match the cache's batch {self.pos.shape[0]}")
         self.claim(input_pos, end)
         self.n_filled = end
-        # one mask per forward, shared by all layers
-        self.mask = attention_mask(input_pos, self.pos[:, :end], self.group, self.sliding_window)
+        self.read_slots(input_pos, end)
+
+    def read_slots(self, input_pos: Tensor, n: int) -> None:
+        """This forward's attention reads slots [0, n): its mask, one per forward, shared by all layers."""
+        self.n_read = n
+        self.mask = attention_mask(input_pos, self.pos[:, :n], self.group, self.sliding_window)
         # the decode kernels' [B, 1, n]: a free row (position -1) reads nothing (the mask lets it see every slot,
         # for a finite softmax in grouped_attention; a kernel reading nothing gives that row anything finite)
         self.decode_visible = self.mask[:, :1] & (input_pos[:, :1, None] >= 0)
@@ -310,7 +316,7 @@ class DenseCache:
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [B, H_q, T, D], k/v [B, H_kv, T, D] (RoPE applied) -> attention output [B, H_q, T, D]."""
         self.store(layer, k, v)
-        n = self.n_filled
+        n = self.n_read
         if self.bias is None:           # the mask as an additive bias, once per forward (SDPA converts a bool
             self.bias = torch.zeros(self.mask.shape, dtype=q.dtype, device=q.device)  # mask at every call)
             self.bias.masked_fill_(~self.mask, float("-inf"))
@@ -321,12 +327,12 @@ class DenseCache:
         if self.decode_kernel is None:
             return self.prefill(layer, q, k, v)
         self.store(layer, k, v)
-        n = self.n_filled
+        n = self.n_read
         return self.decode_kernel(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.decode_visible)
 
     def storage(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        """(k, v [B, H_kv, n, D], visible [B, 1, n]) over the filled slots, for sparse readers."""
-        n = self.n_filled
+        """(k, v [B, H_kv, n, D], visible [B, 1, n]) over the slots this forward reads, for sparse readers."""
+        n = self.n_read
         return self.k[layer][:, :, :n], self.v[layer][:, :, :n], (self.pos[:, None, :n] >= 0)
 
     def before_prefill(self, input_pos: Tensor) -> None:
@@ -598,12 +604,13 @@ class Transformer(nn.Module):
         self.cache.reset()
 
     def forward(self, tokens: Tensor, input_pos: Tensor, last_only: bool = False, decode: bool = False,
-                n_filled: Optional[int] = None) -> Tensor:
+                n_filled: Optional[int] = None, n_read: Optional[int] = None) -> Tensor:
         """tokens [B, T], input_pos [T] or [B, T] -> logits [B, T, V] (or [B, 1, V] if last_only).
 
         decode=True: a decode step (T = 1, after the prompt): the cache's decode hook, else its prefill hook (a
         prompt or a chunk of it).  n_filled: the tokens the cache holds before this forward, passed by a compiled
-        step so that the compiler sees a dynamic int (None: the cache's own count)."""
+        step so that the compiler sees a dynamic int (None: the cache's own count).  n_read: a static decode
+        step (a cache with static_decode, its host count already advanced): the slots it reads, its only int."""
         if self.cache is None:
             raise RuntimeError("call model.setup_caches(...) before the forward pass")
         B, T = tokens.shape
@@ -611,7 +618,12 @@ class Transformer(nn.Module):
             raise ValueError(f"a decode step takes one token per row, got {T}")
         if input_pos.dim() == 1:
             input_pos = input_pos[None].expand(B, T)
-        self.cache.begin(input_pos, n_filled)
+        if n_read is None:
+            self.cache.begin(input_pos, n_filled)
+        elif decode and self.cache.static_decode:
+            self.cache.begin_static(input_pos, n_read)
+        else:
+            raise ValueError("n_read is for a decode step over a cache with static_decode")
         rope_idx = input_pos.clamp(min=0)
         cos, sin = self.rope_cos[rope_idx][:, None], self.rope_sin[rope_idx][:, None]
         x = self.tok_embeddings(tokens)

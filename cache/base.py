@@ -65,6 +65,7 @@ class EvictionPolicy(RowAdmission, ChunkStaging):
     ratio = None                   # or the share of each prompt removed (the Budget parameter)
     is_sparse_reader = False
     storage_kind = "slots"         # per-layer slot tables; their K/V format is `slots` (cache/contract.py)
+    static_decode = False          # no static decode step yet (cache/contract.py): GraphDecode runs the dynamic one
     decode_attention = False       # decode needs the step's attention probabilities
     head_agg = "mean"              # how the query heads of a KV head score a token (the HeadAgg parameter)
     head_aggs = HEAD_AGG           # the values head_agg may take

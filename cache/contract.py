@@ -18,6 +18,13 @@ When each member is called, for one request:
                                      a decode step (model.forward's decode=True) and may pass n_filled
     reset()                          the next request reuses the storage
 
+A policy whose `static_decode` is True (cache/full.py's FullCache today) may instead take *static* decode steps,
+the ones a CUDA graph replays (runtime.steps.GraphDecode): the live lengths stay on the device and the step's
+one int is a bucketed read bound, so one graph serves every step inside a bucket:
+
+    n_read = begin_static_step()     host side, before the step: the host count advances; the bound to read
+    begin_static(input_pos, n_read)  instead of begin, then decode(...) every layer, with no host count read
+
 Requests that join and leave a running batch (runtime.rows.RowBatch, the server's continuous batching), for a
 policy whose `admission` is "row":
 
@@ -128,6 +135,7 @@ class CachePolicy(Protocol):
     renamed: dict                   # old parameter name -> new one (refused with a message naming it)
     n_filled: int                   # tokens seen so far (prompt + generated; the longest row), a host int
     storage_kind: str               # "dense", "dense_dtype", "kivi", "slots", "reader" or "own" (module docstring)
+    static_decode: bool             # decode steps may run static (module docstring): begin_static_step, begin_static
 
     def prepare(self, model, tokenizer) -> None:
         """Host side: make per-checkpoint side data that is missing (calibration files beside

@@ -20,6 +20,14 @@ from torch import Tensor
 from model import DenseCache, ModelArgs, prefix_attention
 
 
+def read_bound(n: int, capacity: int) -> int:
+    """The slots a static decode step reads when its longest row holds n tokens: n rounded up to a bucket, a
+    multiple of 64 or of 1/32 of the power of two at or below n (at most 64 tokens or ~3% more than n; 32
+    buckets per doubling), and at most capacity.  One CUDA graph serves every step inside a bucket."""
+    grain = max(64, (1 << max(n.bit_length() - 1, 0)) // 32)
+    return min(capacity, -(-n // grain) * grain)
+
+
 class FullCache(DenseCache):
     """The `full` policy (cache/contract.py's capabilities; the storage hooks are model.DenseCache's)."""
 
@@ -92,7 +100,7 @@ class FullCache(DenseCache):
         if not self.groups:
             return super().decode(layer, q, k, v)
         self.store(layer, k, v)                           # rows read kept prefixes in place (adopt)
-        n, attend, out = self.n_filled, self.prefix_kernel or prefix_attention, None
+        n, attend, out = self.n_read, self.prefix_kernel or prefix_attention, None
         k, v = self.k[layer][:, :, :n], self.v[layer][:, :, :n]
         for prefix, own_from, rows in self.groups:       # one call per prefix; each row keeps its own prefix's
             P = prefix.n_filled
@@ -113,16 +121,50 @@ class FullCache(DenseCache):
             self.groups.append((prefix, torch.tensor(own, dtype=torch.long, device=device),
                                 torch.tensor(mine, device=device)[:, None, None, None]))
 
+    # ----------------------------------------------------------------- the static decode step
+    @property
+    def static_decode(self) -> bool:
+        """Whether a decode step may run with device-side lengths (begin_static): the compute-dtype storage (its
+        subclasses' decode hooks read the host count) with no prefix read in place (each prefix's length is a
+        shape)."""
+        return self.storage_kind == "dense" and not self.groups
+
+    def begin_static_step(self) -> int:
+        """Host side, before a static decode step (runtime.steps.static_decode_step): every row goes on at its
+        own next slot (`length`, on the device), n_filled counts the step's token, and the step reads the
+        bucket of slots read_bound gives -> that bound (the step's one shape int)."""
+        if not self.static_decode:
+            raise ValueError(f"the {self.name!r} cache over {self.storage_kind!r} storage"
+                             f"{' with a prefix read in place' if self.groups else ''} has no static decode step")
+        self.own_lengths()
+        self.n_filled += 1
+        return read_bound(self.n_filled, self.capacity)
+
+    def static_tensors(self) -> list[Tensor]:
+        """The buffers a static step reads and writes in place (a CUDA graph keeps their addresses)."""
+        return self.k + self.v + [self.pos, self.length, self.rows, self.own_from]
+
+    def begin_static(self, input_pos: Tensor, n_read: int) -> None:
+        """A static decode step's begin (input_pos [B, 1]): each row's token at its own next slot, attention over
+        slots [0, n_read), a bucket whose unfilled slots are masked.  Reads no host count: what a CUDA graph
+        replays."""
+        self.claim(input_pos, n_read)
+        self.read_slots(input_pos, n_read)
+
     # ----------------------------------------------------------------- rows that join and leave
     def row_tensors(self, row: int, n: int) -> list[Tensor]:
         """What row `row` holds in its first n slots (k, v of every layer, positions)."""
         return [t[row, :, :n] for t in self.k + self.v] + [self.pos[row, :n]]
 
-    def release(self, row: int) -> None:
-        """Forget row `row`'s request (host side): its slots become empty; the other rows go on."""
-        if self.aligned:                # each row held n_filled slots
+    def own_lengths(self) -> None:
+        """Rows at their own lengths (`length`) from now on; aligned rows each held n_filled slots."""
+        if self.aligned:
             self.length.fill_(self.n_filled)
             self.aligned = False
+
+    def release(self, row: int) -> None:
+        """Forget row `row`'s request (host side): its slots become empty; the other rows go on."""
+        self.own_lengths()
         self.pos[row] = -1
         self.length[row] = 0
         self.n_filled = int(self.length.max())

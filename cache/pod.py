@@ -133,6 +133,7 @@ class PODPolicy:
     decode_attention = False
     reader_composable = False    # keeps storage of its own (ring + distant store)
     storage_kind = "own"         # a proximal ring and a distant store (module doc)
+    static_decode = False        # no static decode step yet (cache/contract.py): GraphDecode runs the dynamic one
     kv_bits, kv_group = 16, 0
     n_filled = 0
 

@@ -248,6 +248,7 @@ class SparseReader(HeadAgg):
     renamed = {}
     is_sparse_reader = True
     storage_kind = "reader"        # reads its inner policy's storage (`inner.storage_kind`)
+    static_decode = False          # no static decode step yet (cache/contract.py): GraphDecode runs the dynamic one
     decode_attention = False
     reader_composable = False       # one reader per policy
     prefix_reuse = False            # adopt builds the index of a complete prompt

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import resource
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -15,7 +16,9 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
 
-def generation_stats(cache, lengths: list[int], steps: int, prefill_s: float, decode_s: float, device) -> dict:
+def generation_stats(cache, lengths: list[int], steps: int, prefill_s: float, decode_s: float, device,
+                     graphs: Optional[dict] = None) -> dict:
+    """graphs: runtime.steps.graph_report of the decode step (CUDA graphs), or None."""
     B, kv = len(lengths), cache.kv_bytes()
     return {
         "batch_size": B,
@@ -30,6 +33,7 @@ def generation_stats(cache, lengths: list[int], steps: int, prefill_s: float, de
         "kv_bytes_live": kv["live"],
         "peak_memory_bytes": peak_memory_bytes(device),
         "policy": cache.describe(),
+        "cuda_graphs": graphs,
     }
 
 
@@ -51,4 +55,15 @@ def format_stats(s: dict) -> str:
     return (f"prompt tokens {s['prompt_tokens']} | prefill {s['prefill_tokens_per_s']:.1f} tok/s | "
             f"decode {s['decode_tokens_per_s_per_seq']:.2f} tok/s/seq, {s['decode_tokens_per_s']:.2f} tok/s "
             f"aggregate ({s['decode_steps']} steps) | KV cache {format_bytes(s['kv_bytes_allocated'])} allocated, "
-            f"{format_bytes(s['kv_bytes_live'])} live | peak memory {format_bytes(s['peak_memory_bytes'])}")
+            f"{format_bytes(s['kv_bytes_live'])} live | peak memory {format_bytes(s['peak_memory_bytes'])}"
+            + format_graphs(s.get("cuda_graphs")))
+
+
+def format_graphs(g: Optional[dict]) -> str:
+    """The stats line's CUDA-graph part (runtime.steps.graph_report), or "" without graphs."""
+    if g is None:
+        return ""
+    dynamic = ""
+    if g["dynamic_steps"]:
+        dynamic = f", {g['dynamic_steps']} dynamic ({'; '.join(g['dynamic_caches'])}: no static step)"
+    return f" | CUDA graphs {g['graphs']} (batch x bucket), {g['static_steps']} static steps{dynamic}"

@@ -2,6 +2,7 @@
 warm-up, sampling, and the errors the runtime reports (UsageError, CacheFull)."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -73,6 +74,55 @@ def decode_step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor
     return model(token, input_pos, decode=True, n_filled=n_filled)[:, -1]
 
 
+def static_decode_step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, n_read: int) -> torch.Tensor:
+    """One static decode forward over a cache with static_decode whose host count begin_static_step advanced:
+    token, input_pos [B, 1] -> logits [B, V].  Its one int is the read bound n_read (a bucket), so a CUDA graph
+    captured at one bound replays for every step inside that bucket."""
+    return model(token, input_pos, decode=True, n_read=n_read)[:, -1]
+
+
+class GraphDecode:
+    """A decode step with decode_step's signature over two compiled steps: `static` (static_decode_step; on CUDA
+    compiled with mode="reduce-overhead": one CUDA graph per batch size and read bucket, replayed) where the
+    cache has a static decode step, else `dynamic` (decode_step, plain Inductor, no graphs).  `dynamic_caches`
+    names the caches that took the dynamic step (the stats line says so)."""
+
+    def __init__(self, static, dynamic):
+        self.static, self.dynamic = static, dynamic
+        self.dynamic_caches: set[str] = set()
+        self.marked = weakref.WeakSet()     # caches whose buffers are marked static (mark_static_address)
+        self.shapes: set[tuple[int, int]] = set()   # (batch, read bound) of the static steps: a graph each
+        self.static_steps = self.dynamic_steps = 0
+
+    def __call__(self, model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, n_filled: int):
+        cache = model.cache
+        if not cache.static_decode:
+            name = getattr(cache, "name", type(cache).__name__)      # (model.py's DenseCache has no name)
+            self.dynamic_caches.add(f"{name} ({getattr(cache, 'storage_kind', 'dense')} storage)")
+            self.dynamic_steps += 1
+            return self.dynamic(model, token, input_pos, n_filled)
+        if cache not in self.marked:        # a graph reads and writes them in place: never copied in
+            for t in cache.static_tensors() + [model.rope_cos, model.rope_sin]:
+                torch._dynamo.mark_static_address(t)
+            self.marked.add(cache)
+        n_read = cache.begin_static_step()
+        self.shapes.add((token.shape[0], n_read))
+        self.static_steps += 1
+        # a copy: the next replay overwrites a graph's output, and callers may keep logits past the next step
+        return self.static(model, token, input_pos, n_read).clone()
+
+    def report(self) -> dict:
+        """{"graphs": (batch, bucket) shapes met (one CUDA graph each), "static_steps", "dynamic_steps",
+        "dynamic_caches": why steps were dynamic}."""
+        return {"graphs": len(self.shapes), "static_steps": self.static_steps, "dynamic_steps": self.dynamic_steps,
+                "dynamic_caches": sorted(self.dynamic_caches)}
+
+
+def graph_report(decode) -> Optional[dict]:
+    """GraphDecode.report() of a decode step that is one (compiled_steps on CUDA), else None."""
+    return decode.report() if isinstance(decode, GraphDecode) else None
+
+
 def prefill_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, n_filled: int) -> torch.Tensor:
     """One prefill chunk: tokens [B, T] -> last-position logits [B, V]."""
     return model(tokens, input_pos, last_only=True, n_filled=n_filled)[:, -1]
@@ -133,12 +183,12 @@ _compiled: dict = {}
 
 
 def compiled_steps(device: torch.device, prefill: bool = False):
-    """(prefill, decode) steps with decode compiled once per process (Inductor, on CPU and CUDA); the
-    prefill step too with prefill=True, else the eager one.  Prefill is compiled only on request: on CPU
-    a compiled prefill ran 1.8x slower than eager at 512 tokens and doubled the compile time
-    (docs/results.md section 10).  No CUDA graphs (mode="reduce-overhead"): the live length n_filled is a
-    dynamic size, so cudagraph trees record a new graph for every new length and a request never replays
-    one (on an H100: no faster than eager; plain Inductor 2.25x faster, docs/results.md section 14)."""
+    """(prefill, decode) steps with decode compiled once per process (Inductor); the prefill step too with
+    prefill=True, else the eager one.  Prefill is compiled only on request: on CPU a compiled prefill ran 1.8x
+    slower than eager at 512 tokens and doubled the compile time (docs/results.md section 10).  On CUDA the
+    decode step is a GraphDecode: CUDA graphs (mode="reduce-overhead") over caches with a static decode step,
+    one per batch size and read bucket, replayed; plain Inductor over the others (their live length is a
+    dynamic size: cudagraph trees would record a graph for every length and never replay one)."""
     if device.type not in _compiled:
         # no "duck sizing": two buffers that happen to share a length (a layer's capacity and
         # max_seq_length, say) must not be assumed equal, or the next request recompiles
@@ -146,7 +196,10 @@ def compiled_steps(device: torch.device, prefill: bool = False):
         # the model's floats (norm eps, embedding norm_type) are constants: traced as symbolic inputs,
         # Inductor's scalar pass specializes them and restarts the whole trace (a third of a cold compile)
         torch._dynamo.config.specialize_float = True
-        _compiled[device.type] = {"decode": torch.compile(decode_step, dynamic=True)}
+        decode = torch.compile(decode_step, dynamic=True)
+        if device.type == "cuda":
+            decode = GraphDecode(torch.compile(static_decode_step, dynamic=True, mode="reduce-overhead"), decode)
+        _compiled[device.type] = {"decode": decode}
     steps = _compiled[device.type]
     if prefill and "prefill" not in steps:
         steps["prefill"] = torch.compile(prefill_step, dynamic=True)

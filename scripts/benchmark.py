@@ -51,12 +51,14 @@ Measurement:
     streaming reads; --bandwidth-gbs overrides).  bandwidth_bound_tokens_per_s = B * bw / bytes.
   * Peak memory per row: CPU = peak RSS of the process during the row (VmHWM, reset per run by
     writing 5 to /proc/self/clear_refs; it includes weights and the runtime), CUDA = max allocated.
-  * --compile: the decode step from runtime.steps.compiled_steps (Inductor, on CPU and CUDA; no CUDA
-    graphs: runtime.steps.compiled_steps says why); --compile-prefill compiles the prefill step too.
-    `--compile both` runs eager and compiled rows side by side and adds compile_speedup.  decode_recompiles counts graphs compiled during timed decode
-    loops (torch._dynamo counters); it must be 0.  On CUDA, cuda_graphs_recorded counts CUDA
-    graphs recorded inside the timed loops (cudagraph trees); runtime.steps.compiled_steps records none (its
-    live length changes every step, so each step would be a new graph), so it must be 0.
+  * --compile: the decode step from runtime.steps.compiled_steps (Inductor; on CUDA a GraphDecode: CUDA graphs
+    replayed over a cache with a static decode step, one per batch size and read bucket, captured in the
+    full-size warm-up); --compile-prefill compiles the prefill step too.  `--compile both` runs eager and
+    compiled rows side by side and adds compile_speedup.  decode_recompiles counts graphs compiled during timed
+    decode loops (torch._dynamo counters); it must be 0.  On CUDA, cuda_graphs_recorded counts CUDA graphs
+    recorded inside the timed loops (cudagraph trees): it must be 0 (a capture inside a timed loop is a
+    failure), and static_decode_steps the timed steps that replayed one (the others ran plain Inductor: a
+    policy without a static step).
   * Memory-limit model: total(B) = base + state_fixed + B * state_per_seq + workspace_fixed +
     B * workspace_per_seq, where base = process RSS (CUDA: allocated bytes) with the model loaded and
     warmed up and no cache; state = bytes of every tensor the policy object holds after
@@ -83,7 +85,8 @@ finished row, so an interrupted run (Ctrl-C: exit status 130) keeps every finish
   decode_tokens_per_s_per_seq, decode_step_ms, decode_tokens_per_s_samples (one per repeat),
   kv_bytes_allocated, kv_bytes_live (end of the run), kv_bytes_read_per_step, weight_bytes,
   bytes_per_step, read_bandwidth_gbs, bandwidth_bound_tokens_per_s, fraction_of_bound,
-  peak_memory_bytes, peak_memory_kind, decode_recompiles, device, dtype, torch_version,
+  peak_memory_bytes, peak_memory_kind, decode_recompiles, cuda_graphs_recorded and static_decode_steps (null off
+  CUDA), device, dtype, torch_version,
   compile (bool), compile_mode, omp_wait_policy, num_threads, cpu, prompt, status ("ok"|"skipped"|
   "error"), error (the reason, or null), and with --speedup-vs NAME: speedup_vs_NAME (decode tok/s
   over NAME's in the same run, same batch/context/kv-bits/compile), with --compile both:

@@ -53,6 +53,17 @@ def tiny_hf_model(kind: str, tmp_path):
     return hf, build_model(args, tensors, "cpu", torch.float32)
 
 
+def random_llama(args, seed: int = 0):
+    """A model.Transformer of `args` with random weights (0.15 N(0, 1), norms near 1), in eval mode."""
+    from model import Transformer
+    torch.manual_seed(seed)
+    m = Transformer(args).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.15 + (1.0 if p.dim() == 1 else 0.0))   # norms near 1
+    return m
+
+
 def kept(policy, layer=0):
     """Kept positions per (batch row, head) as sorted lists, empty slots dropped."""
     pos = policy.kept_positions(layer)

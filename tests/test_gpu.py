@@ -11,6 +11,7 @@ from cache import make_policy
 from cache.kv_dtype import kv_storage
 from kernels import approx_scores, sparse_decode_attention
 from tests import test_kernels, test_kivi_int_triton, test_kivi_kernels, test_qlinear
+from tests.helpers import random_llama
 
 pytestmark = pytest.mark.gpu
 
@@ -110,3 +111,44 @@ def test_policies_answer_in_bfloat16_on_cuda(default_dir, spec, kv_bits):
     prompts = ["What is the capital of France?", "Name the capital city of France, in one word."]
     r = engine.generate(model, tokenizer, prompts, max_new_tokens=16, chat=True, policy=policy)
     assert all("Paris" in t for t in r.texts), r.texts
+
+
+def cuda_graph_count() -> int:
+    """CUDA graphs cudagraph trees has recorded in this process (its next graph's id)."""
+    import re
+    from torch._inductor.cudagraph_trees import get_container
+    manager = get_container(0).tree_manager
+    return 0 if manager is None else int(re.search(r"\d+", repr(manager.graph_counter)).group())
+
+
+def test_static_decode_replays_cuda_graphs():
+    """`full` under compiled_steps on CUDA (GraphDecode, mode="reduce-overhead"): 200 steps over two left-padded
+    rows give eager's logits, every step static, and graphs are recorded per read bucket, not per step."""
+    from runtime.steps import compiled_steps, decode_step, graph_report
+    from tests import test_graph_ready as g
+    model = random_llama(g.ARGS).cuda()
+    eager = g.decode_run(model, make_policy("full"), decode_step, g.STEPS)
+    _, decode = compiled_steps(torch.device("cuda"))
+    before = cuda_graph_count()
+    compiled = g.decode_run(model, make_policy("full"), decode, g.STEPS)
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+    report = graph_report(decode)
+    assert report["static_steps"] >= g.STEPS and report["dynamic_steps"] == 0
+    assert 0 < cuda_graph_count() - before <= 2 * report["graphs"]
+
+
+def test_rows_join_and_leave_between_replays_on_cuda():
+    """RowBatch on CUDA over the compiled GraphDecode: rows admitted and released between replays give the
+    eager logits, and no bucket needs more than its graph."""
+    from runtime.steps import compiled_steps, graph_report
+    from tests import test_rowbatch as r
+    model = random_llama(r.ARGS).cuda()
+    prompts = r.prompts_of({0: 90, 1: 40, 2: 130, 3: 70})
+    arrivals = {0: 0, 1: 0, 2: 3, 3: 9}
+    want, _ = r.drive(r.row_batch(model, "full", share_prefix=False), prompts, arrivals, staged=True)
+    _, decode = compiled_steps(torch.device("cuda"))
+    before = cuda_graph_count()
+    got, _ = r.drive(r.row_batch(model, "full", share_prefix=False, decode=decode), prompts, arrivals, staged=True)
+    for n in prompts:
+        torch.testing.assert_close(got[n], want[n], atol=1e-4, rtol=1e-4)
+    assert cuda_graph_count() - before <= 2 * graph_report(decode)["graphs"]

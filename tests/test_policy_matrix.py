@@ -36,10 +36,10 @@ from cache.quantized import with_kv_bits
 from cache.base import EvictionPolicy
 from cache.knorm import KnormPolicy
 from cache.scored import ScoredEviction
-from model import DenseCache, ModelArgs, Transformer
+from model import DenseCache, ModelArgs
 from runtime.rows import RowBatch
 from runtime.steps import run_decode, run_prefill
-from tests.helpers import kept, left_padded
+from tests.helpers import kept, left_padded, random_llama
 
 ARGS = ModelArgs(vocab_size=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, intermediate_size=128,
                  max_position_embeddings=2048)
@@ -77,12 +77,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    m = Transformer(ARGS).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn_like(p) * 0.15 + (1.0 if p.dim() == 1 else 0.0))   # norms near 1
-    return m
+    return random_llama(ARGS)
 
 
 def build(name: str, storage: str, args: dict | str | None = None):

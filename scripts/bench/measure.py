@@ -149,6 +149,12 @@ def cuda_graphs_recorded(device: torch.device) -> Optional[int]:
         return None
 
 
+def static_steps(decode) -> Optional[int]:
+    """Static (CUDA-graph) decode steps a GraphDecode step has run so far (runtime.steps.graph_report), or None."""
+    report = runtime.steps.graph_report(decode)
+    return None if report is None else report["static_steps"]
+
+
 # --------------------------------------------------------------------------- runs
 
 def steps_for(cfg: Config, device: torch.device) -> tuple[Callable, Callable]:
@@ -201,7 +207,7 @@ def measure_e2e(model, cfg: Config, tokens: torch.Tensor, steps: int, warmup_ste
         cache = model.cache
         token, pos = run_decode(model, decode, token, pos, warmup_steps)
         kv0 = cache.kv_bytes()
-        graphs, cuda_graphs = unique_graphs(), cuda_graphs_recorded(device)
+        graphs, cuda_graphs, static = unique_graphs(), cuda_graphs_recorded(device), static_steps(decode)
         sync(device)
         t0 = time.perf_counter()
         run_decode(model, decode, token, pos, steps, first=warmup_steps)
@@ -209,10 +215,11 @@ def measure_e2e(model, cfg: Config, tokens: torch.Tensor, steps: int, warmup_ste
         decode_s = time.perf_counter() - t0
         recompiles = unique_graphs() - graphs
         cuda_graphs = None if cuda_graphs is None else cuda_graphs_recorded(device) - cuda_graphs
+        static = None if static is None else static_steps(decode) - static
         kv1 = cache.kv_bytes()
     return {"prefill_s": prefill_s, "decode_s": decode_s, "kv_allocated": kv1["allocated"], "kv_live": kv1["live"],
             "kv_read": (kv0["read_per_step"] + kv1["read_per_step"]) / 2, "peak": meter.peak(),
-            "decode_recompiles": recompiles, "cuda_graphs_recorded": cuda_graphs,
+            "decode_recompiles": recompiles, "cuda_graphs_recorded": cuda_graphs, "static_steps": static,
             "policy_config": cache.describe()}
 
 

@@ -1,0 +1,198 @@
+"""Graph-readiness of the decode step, for every registered policy x KV storage (the cells are made from the
+registry, as in test_policy_matrix.py; KIVI 4-bit stands for both packed formats): what a CUDA graph needs, checked
+on the CPU.
+
+  - the decode step compiles with fullgraph=True (no graph break) and runs STEPS steps after the prompt with
+    no recompile after its warm-up (dynamo's own tracing, backend="eager": graph breaks and recompiles are
+    decided there; Inductor's code is compared with eager elsewhere, test_policies.py and test_model.py);
+  - the eager decode step makes no host synchronization: Tensor.item, tolist, __bool__, __int__, __float__
+    and nonzero raise inside it (the host hook before_decode_step runs outside it, and may);
+  - the static step (runtime/steps.py static_decode_step, the one a CUDA graph replays) passes one int, the
+    read bound, that stays the same inside a bucket, and gives the dynamic step's logits.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from cache import POLICIES, PolicyError, make_policy
+from cache.quantized import with_kv_bits
+from model import ModelArgs
+from cache.full import read_bound
+from runtime.steps import GraphDecode, decode_step, run_decode, run_prefill, static_decode_step
+from tests.helpers import fresh_compiles, left_padded, random_llama
+
+ARGS = ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
+                 max_position_embeddings=2048)     # 2 layers: a second layer's code (sharing, lazy layers) traced
+# 16-bit and KIVI 4-bit: KIVI 2-bit runs 4-bit's code with other constants (test_policy_matrix.py runs its steps);
+# tracing a cell costs 2-12 s at 16 bits and 10-50 s over KIVI (dynamo's symbolic shapes), so 2-bit is left out
+STORAGES = {"kv16": 16, "kv4": 4}
+LENGTHS = [600, 420]            # two rows, left-padded, longer than every default budget
+STEPS = 200
+SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero")
+
+
+def policy_for(name: str, bits: int):
+    """The policy at its defaults over `bits` storage (KIVI G 8, R 16), or None where it has no such storage."""
+    try:
+        return with_kv_bits(make_policy(name), bits, 8, 16)
+    except (ValueError, PolicyError):
+        return None
+
+
+def pytest_generate_tests(metafunc):
+    if "cell" in metafunc.fixturenames:
+        cells = [(n, s) for n in sorted(POLICIES) for s, bits in STORAGES.items() if policy_for(n, bits) is not None]
+        metafunc.parametrize("cell", cells, ids=[f"{n}-{s}" for n, s in cells])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_llama(ARGS)
+
+
+def decode_run(model, policy, step, steps: int, on_step=None) -> torch.Tensor:
+    """Prefill LENGTHS under `policy`, then `steps` decode steps through `step` -> logits [steps, B, V]."""
+    device = model.output.weight.device         # (tests/test_gpu.py runs it on CUDA)
+    tokens, pos = (t.to(device) for t in left_padded(LENGTHS, vocab=ARGS.vocab_size))
+    follow = torch.randint(0, ARGS.vocab_size, (len(LENGTHS), steps), generator=torch.Generator().manual_seed(1))
+    follow = follow.to(device)
+    out = []
+    with torch.inference_mode():
+        model.setup_caches(len(LENGTHS), max(LENGTHS) + steps + 8, policy)
+        run_prefill(model, tokens, pos)
+        for s in range(steps):
+            out.append(run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s, step))
+            if on_step:
+                on_step(s)
+    return torch.stack(out)
+
+
+@contextlib.contextmanager
+def host_syncs_raise():
+    """Inside: reading a tensor's value on the host raises (SYNCS)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("host synchronization inside the decode step")
+    saved = {name: getattr(torch.Tensor, name) for name in SYNCS}
+    for name in SYNCS:
+        setattr(torch.Tensor, name, refuse)
+    try:
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(torch.Tensor, name, f)
+
+
+def test_decode_compiles_whole_without_recompiles(model, cell):
+    """fullgraph=True: a graph break raises; unique_graphs after warm-up (step 4) never grows."""
+    name, storage = cell
+    counters = fresh_compiles()
+    step = torch.compile(decode_step, dynamic=True, fullgraph=True, backend="eager")
+    seen = {}
+
+    def count(s):
+        if s == 3:
+            seen["warm"] = counters["stats"]["unique_graphs"]
+    decode_run(model, policy_for(name, STORAGES[storage]), step, STEPS, count)
+    assert counters["stats"]["unique_graphs"] == seen["warm"], f"{name} over {storage} recompiled in decode"
+
+
+def test_decode_step_makes_no_host_sync(model, cell):
+    name, storage = cell
+
+    def guarded(*args):
+        with host_syncs_raise():
+            return decode_step(*args)
+    logits = decode_run(model, policy_for(name, STORAGES[storage]), guarded, 24)
+    assert torch.isfinite(logits).all()
+
+
+def test_host_syncs_raise_catches_a_sync():
+    """The guard is live: a step that reads a value on the host fails under it."""
+    with host_syncs_raise(), pytest.raises(AssertionError, match="host synchronization"):
+        torch.ones(2).sum().item()
+    assert torch.ones(2).sum().item() == 2.0
+
+
+# --------------------------------------------------------------------------- the static step (CUDA graphs)
+
+def recording(step, reads: list):
+    """`step` (static_decode_step's signature), recording each call's read bound in `reads`."""
+    def call(model, token, input_pos, n_read):
+        reads.append((model.cache.n_filled, n_read))
+        return step(model, token, input_pos, n_read)
+    return call
+
+
+def test_read_bound_buckets():
+    """At least n, at most 64 or ~3% more, never past capacity, and few distinct bounds."""
+    bounds = [read_bound(n, 10**6) for n in range(1, 40000)]
+    for n, b in enumerate(bounds, 1):
+        assert n <= b <= n + max(63, n // 32 + 1), (n, b)
+    assert bounds == sorted(bounds)
+    assert len(set(bounds)) < 200                         # 32 per doubling past 2048
+    assert read_bound(700, 650) == 650
+
+
+def test_static_step_equals_the_dynamic_step_and_reads_buckets(model):
+    """`full` over GraphDecode's static step (eager): the dynamic step's logits, every read bound a bucket
+    at or past the tokens held, each bound kept for many steps."""
+    dynamic = decode_run(model, make_policy("full"), decode_step, STEPS)
+    reads = []
+    static = decode_run(model, make_policy("full"), GraphDecode(recording(static_decode_step, reads), decode_step),
+                        STEPS)
+    torch.testing.assert_close(static, dynamic, atol=1e-5, rtol=1e-5)     # (masked slots: another summation order)
+    assert len(reads) == STEPS
+    capacity = max(LENGTHS) + STEPS + 8                   # decode_run's max_seq_length
+    assert all(bound == read_bound(n, capacity) for n, bound in reads)
+    assert len({bound for _, bound in reads}) <= 4        # 600..800 tokens: buckets of 64
+
+
+def test_static_step_compiles_once_for_every_bucket(model):
+    """fullgraph=True, dynamic: one graph serves every bucket below the capacity (a CUDA graph is then captured
+    per bucket, and replayed inside it)."""
+    counters = fresh_compiles()
+    reads = []
+    step = torch.compile(static_decode_step, dynamic=True, fullgraph=True, backend="eager")
+    graph = GraphDecode(recording(step, reads), decode_step)
+    tokens, pos = left_padded(LENGTHS, vocab=ARGS.vocab_size)
+    with torch.inference_mode():
+        model.setup_caches(len(LENGTHS), 2 * max(LENGTHS), make_policy("full"))
+        run_prefill(model, tokens, pos)
+        for s in range(STEPS):
+            run_decode(model, tokens[:, s:s + 1], pos[:, -1:] + 1 + s, s, graph)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len({bound for _, bound in reads}) == 4 and not graph.dynamic_caches
+
+
+def test_rows_that_join_and_leave_take_the_static_step(model):
+    """RowBatch's rows (admitted, released, prompts of other lengths) over GraphDecode: the dynamic step's
+    logits; a policy without a static step runs the dynamic one, and says so."""
+    from tests.test_rowbatch import drive, prompts_of, row_batch
+    prompts = prompts_of({0: 90, 1: 40, 2: 130, 3: 70})
+    arrivals = {0: 0, 1: 0, 2: 3, 3: 9}
+    want, _ = drive(row_batch(model, "full", share_prefix=False), prompts, arrivals, staged=True)
+    graph = GraphDecode(static_decode_step, decode_step)
+    got, _ = drive(row_batch(model, "full", share_prefix=False, decode=graph), prompts, arrivals, staged=True)
+    for n in prompts:
+        torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-5)
+    assert not graph.dynamic_caches
+    drive(row_batch(model, "snapkv", decode=graph), prompts, arrivals, staged=True)
+    assert graph.dynamic_caches == {"snapkv (slots storage)"}
+
+
+def test_rows_reading_a_prefix_in_place_switch_to_the_dynamic_step(model):
+    """Rows reading a kept prefix in place (each prefix's length a shape) take the dynamic step from the step
+    they join at, and the static one again once they have left: the dynamic step's logits throughout."""
+    from tests.test_rowbatch import drive, prompts_of, row_batch
+    prompts = prompts_of({0: 40, 1: 30, 2: 50}, shared=64)
+    arrivals = {0: 0, 1: 20, 2: 21}
+    want, _ = drive(row_batch(model, "full", prefix_bytes=1 << 24), prompts, arrivals, staged=True)
+    reads = []
+    graph = GraphDecode(recording(static_decode_step, reads), decode_step)
+    got, _ = drive(row_batch(model, "full", prefix_bytes=1 << 24, decode=graph), prompts, arrivals, staged=True)
+    for n in prompts:
+        torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-5)
+    assert graph.dynamic_caches == {"full (dense storage)"} and reads
