@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from cache.full import FullCache
+from cache.full import FullCache, read_bound
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -216,7 +216,10 @@ def warm_up(model: Transformer, prefill, decode, tokens: torch.Tensor, policy=No
     """Run the compiled steps once on a short prompt (tokens [B, T>=2]) so compilation happens
     before timing; the graphs are dynamic in lengths, so the real request reuses them."""
     B, T = tokens.shape
-    model.setup_caches(B, T + steps + 16, policy if policy is not None else FullCache())  # never full: a special shape
+    # never full (a special shape), and room past a static step's read bound, as a real request has: Dynamo
+    # specializes a slice to the whole buffer, so a warm-up that read every slot would recompile for the request
+    capacity = max(T + steps + 16, read_bound(T + steps, 1 << 30) + 1)
+    model.setup_caches(B, capacity, policy if policy is not None else FullCache())
     pos = torch.arange(T, device=tokens.device).repeat(B, 1)  # made like generate()'s inputs
     with torch.inference_mode():
         run_prefill(model, tokens, pos, prefill)

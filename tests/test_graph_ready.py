@@ -21,7 +21,8 @@ from cache import POLICIES, PolicyError, make_policy
 from cache.quantized import with_kv_bits
 from model import ModelArgs
 from cache.full import read_bound
-from runtime.steps import GraphDecode, decode_step, run_decode, run_prefill, static_decode_step
+from runtime.steps import (GraphDecode, decode_step, prefill_step, run_decode, run_prefill, static_decode_step,
+                           warm_up)
 from tests.helpers import fresh_compiles, left_padded, random_llama
 
 ARGS = ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
@@ -53,18 +54,19 @@ def model():
     return random_llama(ARGS)
 
 
-def decode_run(model, policy, step, steps: int, on_step=None) -> torch.Tensor:
-    """Prefill LENGTHS under `policy`, then `steps` decode steps through `step` -> logits [steps, B, V]."""
+def decode_run(model, policy, step, steps: int, on_step=None, capacity=None) -> torch.Tensor:
+    """Prefill LENGTHS under `policy`, then `steps` decode steps through `step` -> logits [steps, B, V].
+    capacity: the cache's max_seq_length (default: just enough, 8 to spare)."""
     device = model.output.weight.device         # (tests/test_gpu.py runs it on CUDA)
-    tokens, pos = (t.to(device) for t in left_padded(LENGTHS, vocab=ARGS.vocab_size))
-    follow = torch.randint(0, ARGS.vocab_size, (len(LENGTHS), steps), generator=torch.Generator().manual_seed(1))
-    follow = follow.to(device)
     out = []
-    with torch.inference_mode():
-        model.setup_caches(len(LENGTHS), max(LENGTHS) + steps + 8, policy)
+    model.setup_caches(len(LENGTHS), capacity or max(LENGTHS) + steps + 8, policy)  # as engine.generate: cache,
+    with torch.inference_mode():                                            # then inference tensors
+        tokens, pos = (t.to(device) for t in left_padded(LENGTHS, vocab=ARGS.vocab_size))
+        follow = torch.randint(0, ARGS.vocab_size, (len(LENGTHS), steps), generator=torch.Generator().manual_seed(1))
+        follow = follow.to(device)
         run_prefill(model, tokens, pos)
         for s in range(steps):
-            out.append(run_decode(model, follow[:, s:s + 1], pos[:, -1:] + 1 + s, s, step))
+            out.append(run_decode(model, follow[:, s:s + 1].contiguous(), pos[:, -1:] + 1 + s, s, step))
             if on_step:
                 on_step(s)
     return torch.stack(out)
@@ -196,3 +198,16 @@ def test_rows_reading_a_prefix_in_place_switch_to_the_dynamic_step(model):
     for n in prompts:
         torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-5)
     assert graph.dynamic_caches == {"full (dense storage)"} and reads
+
+
+def test_a_warmed_up_static_step_serves_a_longer_request(model):
+    """runtime.steps.warm_up leaves room past its read bound, so the graph it compiles serves a real request whose
+    buckets stay below its capacity (a warm-up reading its whole buffer would specialize the slice, and such a
+    request would recompile; a request whose last bucket is clipped to its capacity compiles that variant once)."""
+    counters = fresh_compiles()
+    graph = GraphDecode(torch.compile(static_decode_step, dynamic=True, fullgraph=True, backend="eager"), decode_step)
+    tokens, _ = left_padded(LENGTHS, vocab=ARGS.vocab_size)
+    warm_up(model, prefill_step, graph, tokens[:, -4:].clone())
+    warm = counters["stats"]["unique_graphs"]
+    decode_run(model, make_policy("full"), graph, 20, capacity=700)
+    assert counters["stats"]["unique_graphs"] == warm == 1
