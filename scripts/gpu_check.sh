@@ -33,7 +33,8 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=1 ;;
         --parts) PARTS=$2; shift ;;
-        --fetch) FETCH=${2:-https://github.com/pytorch-labs/gpt-fast}; [ $# -gt 1 ] && shift ;;
+        --fetch) FETCH=https://github.com/pytorch-labs/gpt-fast
+                 if [ $# -gt 1 ] && [[ $2 != --* ]]; then FETCH=$2; shift; fi ;;
         -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac

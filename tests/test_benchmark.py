@@ -477,6 +477,30 @@ def test_random_checkpoint_script(default_dir, tmp_path, capsys):
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.model  # copies the default model's tokenizer
+def test_random_checkpoint_of_a_config_without_weights(default_dir, tmp_path, capsys):
+    """--like data/configs/llama-3.1-8b (a config.json only) --tokenizer DIR --dtype bfloat16: its untied output
+    head written as lm_head.weight, bfloat16 weights, the tokenizer of DIR; without --tokenizer it says which
+    directory lacks the tokenizer files."""
+    import random_checkpoint
+    from checkpoint import read_hf_dir
+    from safetensors import safe_open
+    like, out = Path(__file__).resolve().parent.parent / "data" / "configs" / "llama-3.1-8b", tmp_path / "rnd"
+    small = ["--set", "num_hidden_layers=2", "--set", "hidden_size=128", "--set", "intermediate_size=256",
+             "--set", "num_attention_heads=4", "--set", "num_key_value_heads=2", "--set", "head_dim=32",
+             "--set", "vocab_size=49152"]
+    assert random_checkpoint.main(["--like", str(like), "--tokenizer", str(default_dir), "--dtype", "bfloat16",
+                                   "--out", str(out), *small]) == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" in f.keys() and f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+    args, _ = read_hf_dir(out)
+    assert not args.tie_word_embeddings and args.n_layers == 2 and args.rope_scaling
+    assert (out / "tokenizer.json").read_bytes() == (default_dir / "tokenizer.json").read_bytes()
+    with pytest.raises(SystemExit) as e:
+        random_checkpoint.main(["--like", str(like), "--out", str(tmp_path / "x"), *small])
+    assert e.value.code == 2 and "no tokenizer.json" in capsys.readouterr().err
+
+
 @pytest.mark.model  # tiny_dir copies the default model's tokenizer
 def test_compile_ab_script(tiny_dir, capsys):
     """scripts/compile_ab.py on the tiny model: the compiled step compiles, both steps alternate over one

@@ -21,8 +21,9 @@ from cache import POLICIES, PolicyError, make_policy
 from cache.quantized import with_kv_bits
 from model import ModelArgs
 from cache.full import read_bound
-from runtime.steps import (GraphDecode, decode_step, prefill_step, run_decode, run_prefill, static_decode_step,
-                           warm_up)
+from runtime.stats import format_graphs
+from runtime.steps import (GraphDecode, decode_step, graph_report, prefill_step, run_decode, run_prefill,
+                           static_decode_step, warm_up)
 from tests.helpers import fresh_compiles, left_padded, random_llama
 
 ARGS = ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
@@ -183,6 +184,12 @@ def test_rows_that_join_and_leave_take_the_static_step(model):
     assert not graph.dynamic_caches
     drive(row_batch(model, "snapkv", decode=graph), prompts, arrivals, staged=True)
     assert graph.dynamic_caches == {"snapkv (slots storage)"}
+    report = graph_report(graph)
+    assert report["static_steps"] > 0 and report["dynamic_steps"] > 0 and report["graphs"] >= 1
+    assert format_graphs(report) == (f" | CUDA graphs {report['graphs']} (batch x bucket), {report['static_steps']} "
+                                     f"static steps, {report['dynamic_steps']} dynamic (snapkv (slots storage): no "
+                                     f"static step)")
+    assert graph_report(decode_step) is None and format_graphs(None) == ""
 
 
 def test_rows_reading_a_prefix_in_place_switch_to_the_dynamic_step(model):
