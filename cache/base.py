@@ -65,7 +65,7 @@ class EvictionPolicy(RowAdmission, ChunkStaging):
     ratio = None                   # or the share of each prompt removed (the Budget parameter)
     is_sparse_reader = False
     storage_kind = "slots"         # per-layer slot tables; their K/V format is `slots` (cache/contract.py)
-    static_decode = False          # no static decode step yet (cache/contract.py): GraphDecode runs the dynamic one
+    static_decode = True           # a decode step reads no host count (static_tensors; cache/contract.py)
     decode_attention = False       # decode needs the step's attention probabilities
     head_agg = "mean"              # how the query heads of a KV head score a token (the HeadAgg parameter)
     head_aggs = HEAD_AGG           # the values head_agg may take
@@ -320,6 +320,28 @@ class EvictionPolicy(RowAdmission, ChunkStaging):
 
     def before_decode_step(self, step: int) -> None:
         pass
+
+    # ----------------------------------------------------------------- the static decode step
+    def begin_static_step(self) -> int:
+        """Host side, before a static decode step: what `begin` does on the host for a decode token (a prompt that
+        went through model(...) directly is compressed, the room checked, n_filled advanced) -> 0: every layer's
+        storage has a fixed capacity and its decode reads all of it (empty slots masked), so no bound is needed."""
+        if self.pending:
+            self.end_prefill()
+        self.check_chunk(1)
+        self.n_filled += 1
+        return 0
+
+    def begin_static(self, input_pos: Tensor, n_read: int) -> None:
+        """A static decode step's begin (input_pos [B, 1]): the positions are the step's only new input."""
+        self.q_pos = input_pos
+
+    def static_tensors(self) -> list[Tensor]:
+        """Every buffer a decode step reads or writes in place (a CUDA graph keeps their addresses): the K/V
+        format's, the slot tables and scores, each row's budgets, window, question and newest position."""
+        tables = [t for t in self.pos + self.score if t is not None]
+        return self.slots.static_tensors() + tables + [self.row_budget, self.row_window, self.row_question,
+                                                       self.row_now]
 
     def capacity(self, layer: int) -> int:
         """Slots layer `layer` allocates: its budget, plus room for every generated token when

@@ -18,11 +18,13 @@ When each member is called, for one request:
                                      a decode step (model.forward's decode=True) and may pass n_filled
     reset()                          the next request reuses the storage
 
-A policy whose `static_decode` is True (cache/full.py's FullCache today) may instead take *static* decode steps,
-the ones a CUDA graph replays (runtime.steps.GraphDecode): the live lengths stay on the device and the step's
-one int is a bucketed read bound, so one graph serves every step inside a bucket:
+A policy whose `static_decode` is True (every registered one) may instead take *static* decode steps, the ones a
+CUDA graph replays (runtime.steps.GraphDecode): the live lengths stay on the device and the step's one int is a
+bucketed read bound (cache.full.read_bound; 0 where the storage's shapes are fixed), so one graph serves every step
+inside a bucket:
 
     n_read = begin_static_step()     host side, before the step: the host count advances; the bound to read
+    static_tensors()                 every tensor the step reads or writes in place (marked static: never copied)
     begin_static(input_pos, n_read)  instead of begin, then decode(...) every layer, with no host count read
 
 Requests that join and leave a running batch (runtime.rows.RowBatch, the server's continuous batching), for a

@@ -45,6 +45,7 @@ class FullCache(DenseCache):
 
     row_capacity = None             # slots per row when set before setup (at most max_seq_length; None: that)
     max_prefixes = 4                # kept prefixes read in place at once (each: one more attention call per layer)
+    static_decode = True            # begin_static_step / begin_static (cache/contract.py)
 
     length = rows = own_from = None     # per row [B]: slots held, index, first own slot (setup)
     row_prefix = None                   # per row: the kept prefix it reads in place (adopt(prefix=)), or None
@@ -122,27 +123,23 @@ class FullCache(DenseCache):
                                 torch.tensor(mine, device=device)[:, None, None, None]))
 
     # ----------------------------------------------------------------- the static decode step
-    @property
-    def static_decode(self) -> bool:
-        """Whether a decode step may run with device-side lengths (begin_static): the compute-dtype storage (its
-        subclasses' decode hooks read the host count) with no prefix read in place (each prefix's length is a
-        shape)."""
-        return self.storage_kind == "dense" and not self.groups
-
     def begin_static_step(self) -> int:
         """Host side, before a static decode step (runtime.steps.static_decode_step): every row goes on at its
         own next slot (`length`, on the device), n_filled counts the step's token, and the step reads the
         bucket of slots read_bound gives -> that bound (the step's one shape int)."""
-        if not self.static_decode:
-            raise ValueError(f"the {self.name!r} cache over {self.storage_kind!r} storage"
-                             f"{' with a prefix read in place' if self.groups else ''} has no static decode step")
         self.own_lengths()
         self.n_filled += 1
         return read_bound(self.n_filled, self.capacity)
 
     def static_tensors(self) -> list[Tensor]:
-        """The buffers a static step reads and writes in place (a CUDA graph keeps their addresses)."""
-        return self.k + self.v + [self.pos, self.length, self.rows, self.own_from]
+        """The buffers a static step reads and writes in place (a CUDA graph keeps their addresses), the prefixes
+        read in place and their rows included (a prefix's length is a shape: one graph per prefix length)."""
+        groups = [t for prefix, own_from, rows in self.groups for t in prefix.kv_buffers() + [own_from, rows]]
+        return self.kv_buffers() + [self.pos, self.length, self.rows, self.own_from] + groups
+
+    def kv_buffers(self) -> list[Tensor]:
+        """The K/V storage's tensors (a storage subclass: its own)."""
+        return self.k + self.v
 
     def begin_static(self, input_pos: Tensor, n_read: int) -> None:
         """A static decode step's begin (input_pos [B, 1]): each row's token at its own next slot, attention over

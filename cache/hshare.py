@@ -300,6 +300,12 @@ class HSharePolicy(LabelReader):
         return table
 
     # ----------------------------------------------------------------- decode
+    def index_static_tensors(self) -> list[Tensor]:
+        """The label cache's, the per-layer configuration tensors and the index caches (fixed at configure)."""
+        caches = (self.idx_cache, self.ok_cache, self.pos_cache, self.sel_cache, self.tail_slot, self.tail_ok)
+        per_layer = (self.is_source_t, self.root_t, self.perm, self.head_map, self.slot_of or [])
+        return super().index_static_tensors() + [t for t in caches if t is not None] + [t for ts in per_layer for t in ts]
+
     def before_decode_step(self, step: int) -> None:
         super().before_decode_step(step)
         self.selecting = step % self.a == 0
@@ -370,7 +376,10 @@ class HSharePolicy(LabelReader):
         if not self.layer_sharing:
             return self.own_selection(layer, q)
         caches = (self.pos_cache, self.sel_cache) if self.slot_of is not None else (self.idx_cache, self.ok_cache)
-        if torch.compiler.is_compiling():       # configuration as data: one graph for every configuration
+        # compiled, the configuration is data (torch.cond): one graph for every configuration; but a CUDA graph replays
+        # no control flow (Inductor disables cudagraphs around torch.cond), so the static step branches on the host's
+        # copy: one graph per configuration, i.e. per batch (docs/design.md, CUDA graphs)
+        if torch.compiler.is_compiling() and not self.static_step:
             def dense(pair):        # cond wants both branches' outputs with plain contiguous strides
                 return tuple(t.contiguous() for t in pair)
             return torch.cond(self.is_source_t[layer], lambda q, *c: dense(self.own_selection(layer, q)),

@@ -55,9 +55,14 @@ class StoredDenseCache(FullCache):
         super().reset()
         self.dense_ok = False
 
+    def begin_static_step(self) -> int:
+        """FullCache's, and the masked read from now on: a static step reads a bucket whose last slots are empty."""
+        self.dense_ok = False
+        return super().begin_static_step()
+
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.store(layer, k, v)
-        kc, vc, n = self.k[layer], self.v[layer], self.n_filled
+        kc, vc, n = self.k[layer], self.v[layer], self.n_read
         if self.kv_dtype == q.dtype:
             return grouped_attention(q, kc[:, :, :n], vc[:, :, :n], self.mask)
         if q.shape[2] == 1 and self.dense_ok and use_cpu_kernel("auto", dense_supported(q, kc)):

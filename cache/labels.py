@@ -211,6 +211,10 @@ class LabelReader(SparseReader):
         return [t[layer][row] for t in (self.labels.labels, self.labels.scale, self.labels.minimum)
                 if t[layer] is not None]
 
+    def index_static_tensors(self) -> list[Tensor]:
+        return [t for store in (self.labels.labels, self.labels.scale, self.labels.minimum) for t in store
+                if t is not None] + list(self.label_channels)
+
     def update(self, layer: int, k: Tensor, slot) -> None:
         self.labels.write(layer, k, self.label_channels[layer], slot, self.backend)
 
@@ -234,7 +238,7 @@ class LabelReader(SparseReader):
         if sliced:
             channels = channels[:heads]
             q = q[:, :heads * self.group]
-        lab, sc, mn = self.labels.view(layer, self.readable_length(layer), heads if sliced else None)
+        lab, sc, mn = self.labels.view(layer, self.step_length(layer), heads if sliced else None)
         q_label = self.query_labels(layer, q, channels)
         if self.head_agg == "mean":     # the group's summed query against each label: the same ranking
             s = approx_scores(q_label, lab, sc, mn, group="kv", backend=self.backend)

@@ -57,7 +57,8 @@ budget - R of them, so shared logits and per-layer values stay aligned slot for 
 Decode is sync-free and shape-stable: the configuration (which layer starts a block for which
 head) is host data fixed after prefill; every step reads the ring (R slots, masked) and the
 distant prefix that can hold tokens (a dynamic int from n_filled, at least 2 so compiled graphs
-never hit a size-0/1 specialization).
+never hit a size-0/1 specialization; a static step, the one a CUDA graph replays, reads it rounded up to
+a bucket, cache.full.read_bound, its empty slots masked).
 
 KIVI (--kv-bits): not wired yet.  The hook is the distant store: `dist_logits` (keys of the first
 layers, q . K) and `dist_read` (probabilities x values, with its log-sum-exp) are the only reads
@@ -78,6 +79,7 @@ import torch
 from torch import Tensor
 
 from cache.base import EvictionPolicy
+from cache.full import read_bound
 from cache.slots import scatter_into
 from cache.scoring import NEVER, column_scores, pool1d, select_top
 from cache.calibration import (POD_FILE, attention_rows, ensure_pod, group_heads, key_saving, pod_path, read_pod_file,
@@ -133,7 +135,7 @@ class PODPolicy:
     decode_attention = False
     reader_composable = False    # keeps storage of its own (ring + distant store)
     storage_kind = "own"         # a proximal ring and a distant store (module doc)
-    static_decode = False        # no static decode step yet (cache/contract.py): GraphDecode runs the dynamic one
+    static_decode = True         # a static step's one int is its distant read bound (begin_static_step)
     kv_bits, kv_group = 16, 0
     n_filled = 0
 
@@ -281,7 +283,23 @@ class PODPolicy:
         one-pass prompt, n_filled, q_pos, the prompt's mask); a decode step then places its token."""
         EvictionPolicy.begin(self, input_pos, n_filled)
         if self.n_filled > input_pos.shape[1]:
-            self.begin_step(input_pos[:, 0])
+            self.begin_step(input_pos[:, 0], torch.sym_min(self.C_D, self.dist_live()))
+
+    def begin_static_step(self) -> int:
+        """Host side, before a static decode step: EvictionPolicy's (n_filled advanced) -> the distant slots the
+        step reads: those any row may have filled, rounded up to cache.full.read_bound's bucket, at most C_D."""
+        EvictionPolicy.begin_static_step(self)
+        return read_bound(self.dist_live(), self.C_D)
+
+    def begin_static(self, input_pos: Tensor, n_read: int) -> None:
+        self.q_pos = input_pos
+        self.begin_step(input_pos[:, 0], n_read)
+
+    def static_tensors(self) -> list[Tensor]:
+        """The ring and distant store, the slot bookkeeping, the followers' masks and the gate counters."""
+        per_layer = [t for ts in (self.ring_k, self.ring_v, self.dist_k, self.dist_v, self.sel_pos, self.follower)
+                     for t in ts if t is not None]
+        return per_layer + [self.ring_pos, self.offset, self.skipped, self.gated]
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = grouped_attention(q, k, v, self.mask)
@@ -342,9 +360,10 @@ class PODPolicy:
         return idx
 
     # ----------------------------------------------------------------- decode
-    def begin_step(self, p: Tensor) -> None:
+    def begin_step(self, p: Tensor, n) -> None:
         """Per decode step (all layers): the new token's ring slot, the token it pushes into the
-        distant store and that store's slot, and the visibility of both parts.  p [B] positions."""
+        distant store and that store's slot, and the visibility of both parts.  p [B] positions; n the
+        distant slots read (its empty ones masked)."""
         ns, nr = self.n_sink, self.n_r
         slot = torch.where(p < ns, p, ns + (p - ns) % nr).clamp(max=self.R_alloc - 1)
         leaving = self.ring_pos.gather(1, slot[:, None])[:, 0]
@@ -359,7 +378,6 @@ class PODPolicy:
             ring_vis &= p[:, None] - rp < self.sliding_window
         self.ring_vis = ring_vis[:, None, None]                                  # [B, 1, 1, R]
         if self.C_D:
-            n = self.dist_read_length()
             j = torch.arange(n, device=p.device)
             dpos = j + self.offset[:, None]                                      # decode-exit positions
             vis = (dpos <= p[:, None] - nr) & (j >= (self.C_sel if self.budget else 0))
@@ -367,13 +385,13 @@ class PODPolicy:
                 vis &= p[:, None] - dpos < self.sliding_window
             self.dist_vis = vis[:, None, None]                                   # [B, 1, 1, n]
 
-    def dist_read_length(self):
-        """Distant slots a step reads: those any row may have filled (a dynamic int under compile),
-        at least 2 (compiled graphs specialize sizes 0 and 1) and at most C_D."""
+    def dist_live(self):
+        """Distant slots any row may have filled (a dynamic int under compile), at least 2 (compiled graphs
+        specialize sizes 0 and 1); a step reads them up to C_D."""
         live = self.n_filled - self.n_r - self.offset_long
         if self.budget:
             live = torch.sym_max(live, self.C_sel)
-        return torch.sym_min(self.C_D, torch.sym_max(live, 2))
+        return torch.sym_max(live, 2)
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         B, Hq, _, D = q.shape

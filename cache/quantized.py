@@ -159,6 +159,11 @@ class SlotStore:
                 self.v_packed[row, :, :c], self.v_scale[row, :, :c], self.v_min[row, :, :c],
                 self.k_ring[row], self.v_ring[row]]
 
+    def static_tensors(self) -> list[Tensor]:
+        """Every buffer, the slot-major copy included (what a CUDA graph reads and writes in place)."""
+        return [self.k_packed, self.k_scale, self.k_min, self.v_packed, self.v_scale, self.v_min, self.k_ring,
+                self.v_ring, *(self.slot_words or ())]
+
     @property
     def buffers(self) -> KIVIBuffers:
         return KIVIBuffers(self.k_packed, self.k_scale, self.k_min, self.v_packed, self.v_scale, self.v_min,
@@ -427,7 +432,15 @@ class KIVIDenseCache(FullCache):
 
     def begin(self, input_pos: Tensor, n_filled: Optional[int] = None) -> None:
         super().begin(input_pos, n_filled)
-        self.now = input_pos.amax(-1)       # [B] the newest position: the ring holds (now - R, now]
+        self.now.copy_(input_pos.amax(-1))      # [B] the newest position: the ring holds (now - R, now]
+
+    def begin_static(self, input_pos: Tensor, n_read: int) -> None:
+        super().begin_static(input_pos, n_read)
+        self.now.copy_(input_pos.amax(-1))
+
+    def kv_buffers(self) -> list[Tensor]:
+        """Every layer's packed buffers and ring, and `now` (the ring's rule reads it)."""
+        return [t for store in self.stores for t in store.static_tensors()] + [self.now]
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         store, pos = self.stores[layer], self.pos[:, None]
@@ -449,7 +462,7 @@ class KIVIDenseCache(FullCache):
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.store(layer, k, v)
-        return self.stores[layer].attend(q, self.mask[:, :1], self.pos[:, None], self.now, self.n_filled)
+        return self.stores[layer].attend(q, self.mask[:, :1], self.pos[:, None], self.now, self.n_read)
 
     def storage(self, layer: int):
         raise NotImplementedError(STORAGE_ERROR.format(bits=self.kv_bits))
@@ -466,8 +479,9 @@ class KIVIDenseCache(FullCache):
         self.now[row] = other.now[other_row]
 
     def kv_store(self, layer: int) -> tuple[SlotStore, Tensor, Tensor]:
-        """(store, pos [B, 1, n], now [B]): the packed slots a reader would gather from."""
-        return self.stores[layer], self.pos[:, None, :self.n_filled], self.now
+        """(store, pos [B, 1, n], now [B]): the packed slots a reader gathers from, n the slots this step reads
+        (n_read)."""
+        return self.stores[layer], self.pos[:, None, :self.n_read], self.now
 
     def kept_positions(self, layer: int) -> Tensor:
         return self.pos[:, None, :self.n_filled].expand(-1, self.stores[layer].heads, -1)
@@ -528,6 +542,10 @@ class KIVISlots:
         """A dequantized copy in the compute dtype (host-side one-offs only)."""
         k, v = self.k[layer].dequantized(pos, q_pos.amax(-1), pos.shape[2])
         return k.to(self.dtype), v.to(self.dtype)
+
+    def static_tensors(self) -> list[Tensor]:
+        """Every allocated layer's packed buffers and ring (a static decode step's)."""
+        return [t for store in self.k if store is not None for t in store.static_tensors()]
 
     def tensors(self, layer: int):
         raise NotImplementedError(STORAGE_ERROR.format(bits=self.bits))

@@ -68,6 +68,9 @@ class QuestPolicy(SparseReader):
     def index_tensors(self, layer: int, row: int) -> list[Tensor]:
         return [self.kmin[layer][row], self.kmax[layer][row]]
 
+    def index_static_tensors(self) -> list[Tensor]:
+        return self.kmin + self.kmax
+
     def update(self, layer: int, k: Tensor, slot) -> None:
         """Recompute the bounds of the page holding the new token's slot (int: the full cache's, the
         same for every row and head; else [B, H])."""
@@ -87,7 +90,7 @@ class QuestPolicy(SparseReader):
     def scores(self, layer: int, q: Tensor) -> Tensor:
         """Upper-bound scores [B, H_kv, S]: each slot takes its page's bound (summed over the group)."""
         ps = self.page_size
-        S = self.readable_length(layer)
+        S = self.step_length(layer)
         kmin, kmax = self.kmin[layer], self.kmax[layer]
         n_pages = (S + ps - 1) // ps
         kmin, kmax = kmin[:, :, :n_pages], kmax[:, :, :n_pages]

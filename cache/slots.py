@@ -89,6 +89,10 @@ class DenseSlots:
         """(k, v) [B, H, C, D]: the buffers a sparse reader reads in place (`storage`)."""
         return self.k[layer], self.v[layer]
 
+    def static_tensors(self) -> list[Tensor]:
+        """The allocated layers' buffers (a static decode step's, cache.base.EvictionPolicy.static_tensors)."""
+        return [t for t in self.k + self.v if t is not None]
+
     def kv_store(self, layer: int, pos: Tensor, q_pos: Tensor):
         raise NotImplementedError("compute-dtype slots have no packed store: read them through storage(layer)")
 

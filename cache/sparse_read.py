@@ -78,7 +78,8 @@ class InnerStorage:
     """Uniform access to the storage of the policy a reader wraps.
 
     DenseCache ("uniform": every layer and KV head holds the same tokens in the same slots, slot
-    order = arrival order; the readable length is the host int n_filled) or an EvictionPolicy
+    order = arrival order; a decode step reads its first n_read slots: n_filled, or a static step's bound, the
+    slots past n_filled empty) or an EvictionPolicy
     (per layer and head slot tables, fixed capacity, `store` returns the slot).  Either may keep
     KIVI-packed slots (`--kv-bits`, cache/quantized.py: `packed`): then the reader never sees K/V
     tensors; attention reads the N selected rows through the packed storage's own op (`attend`), each
@@ -113,10 +114,10 @@ class InnerStorage:
                     store.refresh_slot_major(row)
 
     def positions(self, layer: int) -> tuple[Tensor, Tensor]:
-        """(visible [B, 1 or H_kv, S], pos [B, 1 or H_kv, S]) of the slots readable now."""
+        """(visible [B, 1 or H_kv, S], pos [B, 1 or H_kv, S]) of the slots this decode step reads."""
         inner = self.inner
         if self.uniform:
-            pos = inner.pos[:, None, :inner.n_filled]
+            pos = inner.pos[:, None, :inner.n_read]
             return pos >= 0, pos
         return inner.visible(layer), inner.pos[layer]
 
@@ -132,7 +133,7 @@ class InnerStorage:
             return kivi_attention(q, store.reader_buffers, pos, None, now, pos.shape[2], None, idx, valid,
                                   backend=backend)
         if self.uniform:
-            n = inner.n_filled
+            n = inner.n_read
             k, v = inner.k[layer][:, :, :n], inner.v[layer][:, :, :n]
         else:
             k, v = inner.k[layer], inner.v[layer]
@@ -248,7 +249,6 @@ class SparseReader(HeadAgg):
     renamed = {}
     is_sparse_reader = True
     storage_kind = "reader"        # reads its inner policy's storage (`inner.storage_kind`)
-    static_decode = False          # no static decode step yet (cache/contract.py): GraphDecode runs the dynamic one
     decode_attention = False
     reader_composable = False       # one reader per policy
     prefix_reuse = False            # adopt builds the index of a complete prompt
@@ -342,6 +342,7 @@ class SparseReader(HeadAgg):
         self.built = False
         self.q_pos = None
         self.decoding = False
+        self.static_step = False        # this forward is a static decode step (begin_static)
         self.last_read: dict = {}
         self.steps_read: list = []     # entries read per layer at the last step (host ints, for kv_bytes)
 
@@ -356,12 +357,39 @@ class SparseReader(HeadAgg):
         if self.decoding and not self.built:      # the prompt came through model(...) directly
             self.end_prefill()
         self.inner.begin(input_pos)
-        self.q_pos = input_pos
-        if self.decoding and self.storage_.uniform:
+        self.q_pos, self.static_step = input_pos, False
+        if self.decoding:
+            self.begin_read(input_pos)
+
+    def begin_read(self, input_pos: Tensor) -> None:
+        """A decode step's reader state, once the inner storage has begun the step (input_pos [B, 1])."""
+        if self.storage_.uniform:
             # one bias per step shared by all layers (same slots, same positions)
             visible, pos = self.storage_.positions(0)
             self.step_bias = read_bias(pos, visible, input_pos, self.n_sink, self.n_recent, self.n_slots(),
                                        self.sliding_window)
+
+    # ----------------------------------------------------------------- the static decode step
+    @property
+    def static_decode(self) -> bool:
+        """A static step where the inner storage has one (the reader's own state has fixed shapes)."""
+        return self.inner.static_decode
+
+    def begin_static_step(self) -> int:
+        """Host side: the index is built (a prompt that went through model(...) directly), then the inner
+        storage's begin_static_step -> its read bound."""
+        if not self.built:
+            self.end_prefill()
+        return self.inner.begin_static_step()
+
+    def begin_static(self, input_pos: Tensor, n_read: int) -> None:
+        self.inner.begin_static(input_pos, n_read)
+        self.q_pos, self.decoding, self.static_step = input_pos, True, True
+        self.begin_read(input_pos)
+
+    def static_tensors(self) -> list[Tensor]:
+        """The inner storage's buffers and the reader's index (what a decode step reads and writes in place)."""
+        return self.inner.static_tensors() + self.index_static_tensors()
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = self.inner.prefill(layer, q, k, v)
@@ -460,8 +488,13 @@ class SparseReader(HeadAgg):
         return self.n_critical
 
     def readable_length(self, layer: int):
-        """Slots the selection scores cover: n_filled (uniform) or the layer's capacity."""
+        """Slots that may hold tokens now: n_filled (uniform) or the layer's capacity (host side)."""
         return self.inner.n_filled if self.storage_.uniform else self.storage_.capacity(layer)
+
+    def step_length(self, layer: int):
+        """Slots a decode step's selection scores cover: the inner storage's n_read (uniform: n_filled, or a
+        static step's bound, its slots past n_filled empty and never selected) or the layer's capacity."""
+        return self.inner.n_read if self.storage_.uniform else self.storage_.capacity(layer)
 
     def attend(self, layer: int, q: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
         """Exact attention of q [B, H_q, 1, D] over the slots idx/valid [B, H_kv, N]."""
@@ -491,6 +524,10 @@ class SparseReader(HeadAgg):
 
     def index_tensors(self, layer: int, row: int) -> list[Tensor]:
         """Row `row` of the layer's index structures (what build made and update keeps current)."""
+        return []
+
+    def index_static_tensors(self) -> list[Tensor]:
+        """Every tensor of the reader's own that a decode step reads or writes (static_tensors)."""
         return []
 
     def adopt_decisions(self, other: "SparseReader") -> None:

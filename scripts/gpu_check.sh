@@ -10,12 +10,17 @@
 #                                              tokenizer files)
 #   bash scripts/gpu_check.sh --dry-run        every step up to its first CUDA call (checks, the tests' collection,
 #                                              the peers' configurations), and the commands it would run
-#   bash scripts/gpu_check.sh [--parts tests,small,large,policies]   the run (default: tests,small,large)
+#   bash scripts/gpu_check.sh [--parts tests,small,large,policies,table3,kivi]   the run (default: tests,small,large)
 #
 # Parts: tests (pytest -m 'gpu and not model' tests/test_gpu.py), small (the default model's configuration,
 # batch 1 x 4096: ours eager and compiled, gpt-fast, HF), large (Llama-3.1-8B's, bf16, batch 1 x 4096: ours
 # compiled, gpt-fast, HF; the benchmark's read bandwidth and fraction of it), policies (Llama-3.1-8B's: full, ds
-# and hshare 1/2-1/2-1/2 at batch 16 x 4096, compiled).  Each part's commands are bounded by `timeout`.
+# and hshare 1/2-1/2-1/2 at batch 16 x 4096, compiled), table3 (D2O's Table 3, first row, at equal KV memory:
+# full at batch 8 for 256 + 1024 tokens, 10240 token slots; d2o and snapkv with the paper's budget, the prompt's
+# 256 tokens, at 4x the batch: d2o holds 32 x 256 = 8192 slots, snapkv appends its 1024 generated tokens, so the
+# same batch over-runs the memory full had: a run that fits the card, reported as such), kivi (full over 16-bit
+# and KIVI 4-bit storage at batch 16 x 32768, the largest batch of the issue's 32k row whose 16-bit cache fits
+# an H200's 141 GB beside 16 GB of weights).  Each part's commands are bounded by `timeout`.
 # The device tool's call: carry ["gpu"], command `bash scripts/gpu_check.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +40,7 @@ while [ $# -gt 0 ]; do
         --parts) PARTS=$2; shift ;;
         --fetch) FETCH=https://github.com/pytorch-labs/gpt-fast
                  if [ $# -gt 1 ] && [[ $2 != --* ]]; then FETCH=$2; shift; fi ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -102,7 +107,7 @@ if has small; then
         --json "$RESULTS/gpu_small.json"
     step small-peers 400 $PEERS --config "$GPU_DIR/smollm2/config.json" --batch 1 --context 4096 --json "$RESULTS/gpu_peers_small.json"
 fi
-if has large || has policies; then
+if has large || has policies || has table3 || has kivi; then
     step large-checkpoint 300 $PY scripts/random_checkpoint.py --like data/configs/llama-3.1-8b --tokenizer "$GPU_DIR/smollm2" \
         --dtype bfloat16 --device cuda --out $LARGE
 fi
@@ -115,6 +120,17 @@ fi
 if has policies; then
     step policies 600 $BENCH --checkpoint $LARGE --policies 'full; ds; hshare:ratios=1/2-1/2-1/2' --batch-sizes 16 \
         --context-lengths 4096 --compile on --speedup-vs full --json "$RESULTS/gpu_policies.json"
+fi
+if has table3; then
+    step table3-full 600 $BENCH --checkpoint $LARGE --policies full --batch-sizes 8 --context-lengths 256 \
+        --decode-steps 1024 --repeats 1 --compile on --json "$RESULTS/gpu_table3_full.json"
+    step table3-compressed 600 $BENCH --checkpoint $LARGE --policies 'd2o:budget=256; snapkv:budget=256' \
+        --batch-sizes 32 --context-lengths 256 --decode-steps 1024 --repeats 1 --compile on \
+        --json "$RESULTS/gpu_table3_compressed.json"
+fi
+if has kivi; then
+    step kivi 600 $BENCH --checkpoint $LARGE --policies full --kv-bits 16,4 --batch-sizes 16 --context-lengths 32768 \
+        --repeats 1 --compile on --json "$RESULTS/gpu_kivi.json"
 fi
 
 if [ $DRY = 1 ]; then echo "dry run: stopped before the first CUDA call"; exit 0; fi

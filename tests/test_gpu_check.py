@@ -53,7 +53,7 @@ def run_check(*args, gpu: Path) -> subprocess.CompletedProcess:
 
 
 def test_dry_run_stops_before_cuda_and_prints_every_step(tmp_path):
-    r = run_check("--dry-run", "--parts", "tests,small,large,policies", gpu=gpu_dir(tmp_path))
+    r = run_check("--dry-run", "--parts", "tests,small,large,policies,table3,kivi", gpu=gpu_dir(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tests collected" in r.stdout
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
@@ -63,7 +63,7 @@ def test_dry_run_stops_before_cuda_and_prints_every_step(tmp_path):
     assert "32 layers, dim 4096, 8 KV heads" in r.stdout
     steps = [line.split(":")[0][3:] for line in r.stdout.splitlines() if line.startswith("== ")]
     assert steps == ["tests", "small-checkpoint", "small-ours", "small-peers", "large-checkpoint", "large-ours",
-                     "large-peers", "policies"]
+                     "large-peers", "policies", "table3-full", "table3-compressed", "kivi"]
     assert "stopped before the first CUDA call" in r.stdout
     assert not list((ROOT / "results").glob("gpu_*.json.tmp*"))
 

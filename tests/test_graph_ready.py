@@ -44,9 +44,14 @@ def policy_for(name: str, bits: int):
         return None
 
 
+# specs whose decode runs code the defaults skip on ARGS' 2 layers x 2 KV heads: HShare's layer and head sharing
+EXTRA = [("hshare:ratios=1/2-1/2-1/2", "kv16")]
+
+
 def pytest_generate_tests(metafunc):
     if "cell" in metafunc.fixturenames:
         cells = [(n, s) for n in sorted(POLICIES) for s, bits in STORAGES.items() if policy_for(n, bits) is not None]
+        cells += EXTRA
         metafunc.parametrize("cell", cells, ids=[f"{n}-{s}" for n, s in cells])
 
 
@@ -88,27 +93,77 @@ def host_syncs_raise():
             setattr(torch.Tensor, name, f)
 
 
-def test_decode_compiles_whole_without_recompiles(model, cell):
-    """fullgraph=True: a graph break raises; unique_graphs after warm-up (step 4) never grows."""
-    name, storage = cell
-    counters = fresh_compiles()
-    step = torch.compile(decode_step, dynamic=True, fullgraph=True, backend="eager")
-    seen = {}
+def graph_blockers(seen: list):
+    """A dynamo backend (runs the graph eagerly) that appends to `seen` what would keep a captured graph from
+    replaying as one CUDA graph (torch/_inductor's cudagraph checks): every tensor input not at a static address,
+    apart from the step's token and positions (a CUDA graph copies such an input in at every replay, and
+    cudagraph trees skip a graph that writes one in place; empty tensors, the CPU kernels' placeholders for absent
+    arguments, have nothing to copy), control flow (torch.cond, while_loop: Inductor disables cudagraphs) and
+    data-dependent sizes (unbacked symbols)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    def count(s):
-        if s == 3:
-            seen["warm"] = counters["stats"]["unique_graphs"]
-    decode_run(model, policy_for(name, STORAGES[storage]), step, STEPS, count)
+    def backend(gm, example_inputs):
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        seen.extend(f"input {name} not static" for name, t in zip(names, example_inputs)
+                    if isinstance(t, torch.Tensor) and t.numel() and name not in ("l_token_", "l_input_pos_")
+                    and getattr(t, "_dynamo_static_input_type", None) is None)
+        for node in gm.graph.nodes:
+            if node.target in (torch.ops.higher_order.cond, torch.ops.higher_order.while_loop):
+                seen.append(f"control flow {node.name}")
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor) and free_unbacked_symbols(value):
+                seen.append(f"data-dependent size {node.name}")
+        return gm.forward
+    return backend
+
+
+def test_decode_compiles_whole_without_recompiles(model, cell):
+    """GraphDecode over the static step where the policy has one (else the dynamic step), each compiled with
+    fullgraph=True (a graph break raises): unique_graphs after warm-up (step 4) never grows, and the static step's
+    graph would replay as one CUDA graph (graph_blockers)."""
+    name, storage = cell
+    policy = policy_for(name, STORAGES[storage])
+    counters, seen = fresh_compiles(), {}
+    moving = []
+    with torch._dynamo.config.patch(specialize_float=True):      # as compiled_steps
+        graph = GraphDecode(torch.compile(static_decode_step, dynamic=True, fullgraph=True,
+                                          backend=graph_blockers(moving)),
+                            torch.compile(decode_step, dynamic=True, fullgraph=True, backend="eager"))
+
+        def count(s):
+            if s == 3:
+                seen["warm"] = counters["stats"]["unique_graphs"]
+        # room past the last read bound: a bound clipped to the capacity is another graph (a slice of the whole buffer)
+        decode_run(model, policy, graph, STEPS, count, capacity=max(LENGTHS) + STEPS + 72)
     assert counters["stats"]["unique_graphs"] == seen["warm"], f"{name} over {storage} recompiled in decode"
+    assert (graph.static_steps == STEPS) == policy.static_decode, graph.report()
+    assert not moving, f"{name} over {storage}: the static step would not replay as one CUDA graph: {moving}"
+
+
+def test_static_step_equals_the_dynamic_step(model, cell):
+    """Eager, 60 steps: the static step (where the policy has one) gives the dynamic step's logits; a policy without
+    one takes the dynamic step, and GraphDecode names it."""
+    name, storage = cell
+    dynamic = decode_run(model, policy_for(name, STORAGES[storage]), decode_step, 60)
+    policy = policy_for(name, STORAGES[storage])
+    graph = GraphDecode(static_decode_step, decode_step)
+    static = decode_run(model, policy, graph, 60)
+    torch.testing.assert_close(static, dynamic, atol=1e-5, rtol=1e-5)
+    assert graph.static_steps == (60 if policy.static_decode else 0)
+    assert bool(graph.dynamic_caches) != policy.static_decode
 
 
 def test_decode_step_makes_no_host_sync(model, cell):
+    """Inside the step (the static one where the policy has one), reading a value on the host raises."""
     name, storage = cell
 
-    def guarded(*args):
-        with host_syncs_raise():
-            return decode_step(*args)
-    logits = decode_run(model, policy_for(name, STORAGES[storage]), guarded, 24)
+    def guarded(step):
+        def call(*args):
+            with host_syncs_raise():
+                return step(*args)
+        return call
+    logits = decode_run(model, policy_for(name, STORAGES[storage]),
+                        GraphDecode(guarded(static_decode_step), guarded(decode_step)), 24)
     assert torch.isfinite(logits).all()
 
 
@@ -170,41 +225,56 @@ def test_static_step_compiles_once_for_every_bucket(model):
     assert len({bound for _, bound in reads}) == 4 and not graph.dynamic_caches
 
 
-def test_rows_that_join_and_leave_take_the_static_step(model):
-    """RowBatch's rows (admitted, released, prompts of other lengths) over GraphDecode: the dynamic step's
-    logits; a policy without a static step runs the dynamic one, and says so."""
+@pytest.mark.parametrize("name", ["full", "snapkv", "h2o"])
+def test_rows_that_join_and_leave_take_the_static_step(model, name):
+    """RowBatch's rows (admitted, released, prompts of other lengths) over GraphDecode's static step: the dynamic
+    step's logits (an appending and an evicting policy beside `full`)."""
     from tests.test_rowbatch import drive, prompts_of, row_batch
     prompts = prompts_of({0: 90, 1: 40, 2: 130, 3: 70})
     arrivals = {0: 0, 1: 0, 2: 3, 3: 9}
-    want, _ = drive(row_batch(model, "full", share_prefix=False), prompts, arrivals, staged=True)
+    want, _ = drive(row_batch(model, name, share_prefix=False), prompts, arrivals, staged=True)
     graph = GraphDecode(static_decode_step, decode_step)
-    got, _ = drive(row_batch(model, "full", share_prefix=False, decode=graph), prompts, arrivals, staged=True)
+    got, _ = drive(row_batch(model, name, share_prefix=False, decode=graph), prompts, arrivals, staged=True)
     for n in prompts:
         torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-5)
-    assert not graph.dynamic_caches
-    drive(row_batch(model, "snapkv", decode=graph), prompts, arrivals, staged=True)
-    assert graph.dynamic_caches == {"snapkv (slots storage)"}
-    report = graph_report(graph)
-    assert report["static_steps"] > 0 and report["dynamic_steps"] > 0 and report["graphs"] >= 1
-    assert format_graphs(report) == (f" | CUDA graphs {report['graphs']} (batch x bucket), {report['static_steps']} "
-                                     f"static steps, {report['dynamic_steps']} dynamic (snapkv (slots storage): no "
-                                     f"static step)")
-    assert graph_report(decode_step) is None and format_graphs(None) == ""
+    assert not graph.dynamic_caches and graph.static_steps > 0
 
 
-def test_rows_reading_a_prefix_in_place_switch_to_the_dynamic_step(model):
-    """Rows reading a kept prefix in place (each prefix's length a shape) take the dynamic step from the step
-    they join at, and the static one again once they have left: the dynamic step's logits throughout."""
+def test_rows_reading_a_prefix_in_place_take_the_static_step(model):
+    """Rows reading a kept prefix in place (its buffers and the rows' prefix bookkeeping marked static; its length a
+    shape, fixed while it is kept): the static step throughout, with the dynamic step's logits."""
     from tests.test_rowbatch import drive, prompts_of, row_batch
     prompts = prompts_of({0: 40, 1: 30, 2: 50}, shared=64)
     arrivals = {0: 0, 1: 20, 2: 21}
     want, _ = drive(row_batch(model, "full", prefix_bytes=1 << 24), prompts, arrivals, staged=True)
-    reads = []
-    graph = GraphDecode(recording(static_decode_step, reads), decode_step)
+    groups = []
+
+    def step(model, *args):
+        groups.append(len(model.cache.groups))
+        return static_decode_step(model, *args)
+    graph = GraphDecode(step, decode_step)
     got, _ = drive(row_batch(model, "full", prefix_bytes=1 << 24, decode=graph), prompts, arrivals, staged=True)
     for n in prompts:
         torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-5)
-    assert graph.dynamic_caches == {"full (dense storage)"} and reads
+    assert max(groups) >= 1, "no row read a prefix in place"
+    assert graph.static_steps > 0 and graph.dynamic_steps == 0
+
+
+def test_graph_report_names_the_caches_without_a_static_step(model):
+    """A cache without a static step (model.py's plain DenseCache) takes the dynamic step; the stats line says so."""
+    graph = GraphDecode(static_decode_step, decode_step)
+    tokens, pos = left_padded(LENGTHS, vocab=ARGS.vocab_size)
+    with torch.inference_mode():
+        for policy in (None, make_policy("full")):
+            model.setup_caches(len(LENGTHS), 700, policy)
+            run_prefill(model, tokens, pos)
+            for s in range(3):
+                run_decode(model, tokens[:, s:s + 1], pos[:, -1:] + 1 + s, s, graph)
+    report = graph_report(graph)
+    assert (report["static_steps"], report["dynamic_steps"], report["graphs"]) == (3, 3, 1)
+    assert format_graphs(report) == (" | CUDA graphs 1 (batch x bucket), 3 static steps, 3 dynamic (DenseCache "
+                                     "(dense storage): no static step)")
+    assert graph_report(decode_step) is None and format_graphs(None) == ""
 
 
 def test_a_warmed_up_static_step_serves_a_longer_request(model):
@@ -218,3 +288,24 @@ def test_a_warmed_up_static_step_serves_a_longer_request(model):
     warm = counters["stats"]["unique_graphs"]
     decode_run(model, make_policy("full"), graph, 20, capacity=700)
     assert counters["stats"]["unique_graphs"] == warm == 1
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv", "ds"])
+def test_compiled_static_step_over_rows_that_join_and_leave(model, name):
+    """RowBatch over the compiled static step (fullgraph=True): rows join and leave, `full`'s rows read a kept
+    prefix in place: every buffer at a static address, the eager dynamic step's logits, and few graphs (a graph
+    per number of prefixes read and per bucket shape, never per step)."""
+    from tests.test_rowbatch import drive, prompts_of, row_batch
+    prompts = prompts_of({0: 40, 1: 30, 2: 50}, shared=64)
+    arrivals = {0: 0, 1: 20, 2: 21}
+    kw = {"prefix_bytes": 1 << 24} if name == "full" else {}
+    want, _ = drive(row_batch(model, name, **kw), prompts, arrivals, staged=True)
+    counters, moving = fresh_compiles(), []
+    with torch._dynamo.config.patch(specialize_float=True):
+        graph = GraphDecode(torch.compile(static_decode_step, dynamic=True, fullgraph=True,
+                                          backend=graph_blockers(moving)), decode_step)
+        got, _ = drive(row_batch(model, name, decode=graph, **kw), prompts, arrivals, staged=True)
+    for n in prompts:
+        torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-5)
+    assert not moving and graph.dynamic_steps == 0 and graph.static_steps > 30
+    assert counters["stats"]["unique_graphs"] <= 2
