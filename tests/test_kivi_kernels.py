@@ -276,12 +276,13 @@ def triton_worst_error(device: str) -> float:
 def triton_decode_error(device: str) -> float:
     """A tiny model's prefill + 8 greedy decode steps of two left-padded rows over KIVI 4-bit storage with
     backend "triton" (the CUDA decode path: kivi_write_triton, the Triton attention, kivi_merge) against
-    backend "torch" -> the largest |logits difference|.  Run with KVC_KIVI_ARITH=fp32 (the fp32-arithmetic
-    kernel, whose twin the torch path is)."""
+    backend "torch" -> the largest |logits difference|; "triton" both through the dynamic step and through the static
+    one (runtime.steps.GraphDecode, eager: the CUDA-graph step, reading a bucket of slots whose last ones are
+    empty).  Run with KVC_KIVI_ARITH=fp32 (the fp32-arithmetic kernel, whose twin the torch path is)."""
     from cache import make_policy
     from cache.quantized import with_kv_bits
     from model import Transformer
-    from runtime.steps import run_decode, run_prefill
+    from runtime.steps import GraphDecode, decode_step, run_decode, run_prefill, static_decode_step
     from tests.helpers import left_padded
     args = ModelArgs(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64, head_dim=32)
     torch.manual_seed(0)
@@ -292,16 +293,17 @@ def triton_decode_error(device: str) -> float:
     model = model.to(device)
     tokens, pos = left_padded([70, 45], vocab=64, seed=1)
     runs = []
-    for backend in ("triton", "torch"):
+    for backend, step in (("torch", decode_step), ("triton", decode_step),
+                          ("triton", GraphDecode(static_decode_step, decode_step))):
         model.setup_caches(2, 90, with_kv_bits(make_policy("full"), 4, 16, 32, backend=backend))
         with torch.inference_mode():
             logits = [run_prefill(model, tokens.to(device), pos.to(device))]
             token, p = logits[0].argmax(-1, keepdim=True), pos[:, -1:].to(device) + 1
             for i in range(8):
-                logits.append(run_decode(model, token, p + i, i))
+                logits.append(run_decode(model, token, p + i, i, step))
                 token = logits[-1].argmax(-1, keepdim=True)
         runs.append(torch.stack(logits).float().cpu())
-    return (runs[0] - runs[1]).abs().max().item()
+    return max((run - runs[0]).abs().max().item() for run in runs[1:])
 
 
 def interpreted(check: str, **env: str) -> str:
