@@ -203,9 +203,8 @@ class FullCache(DenseCache):
         else:
             for d, t in zip(dst, src):
                 d.copy_(t)
-        n = m
-        self.length[row] = n
-        self.n_filled = max(self.n_filled, n)
+        self.length[row] = m
+        self.n_filled = max(self.n_filled, m)
         # every row's next slot n_filled (one row, or a prefill scratch whose rows all took one kept prefix): a
         # prompt may go on (not while rows read a prefix in place: decode only)
         self.aligned = bool((self.length == self.n_filled).all()) and not self.groups

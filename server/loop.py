@@ -87,7 +87,10 @@ class Outbox:
         for job, item in items:
             by_loop.setdefault(job.loop, []).append((job, item))
         for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(deliver, batch)
+            try:
+                loop.call_soon_threadsafe(deliver, batch)
+            except RuntimeError:        # its event loop is closed: nobody listens for these requests any more
+                log.debug("dropped %d items for a closed event loop", len(batch))
 
 
 def deliver(batch: list) -> None:

@@ -543,6 +543,21 @@ def test_outbox_wakes_each_event_loop_once_per_flush():
     box.flush()
     assert len(calls) == 2                                      # nothing posted: no wake-up
 
+
+def test_outbox_drops_what_a_closed_event_loop_would_get():
+    """A handler's event loop closed before the engine thread flushes (a server shutting down): its items are
+    dropped, the other loop's still arrive, and the engine thread goes on (no RuntimeError out of flush)."""
+    closed, live = asyncio.new_event_loop(), asyncio.new_event_loop()
+    closed.close()
+    a, b = (loop.Job([1], 4, Sampler(), [], "full", ev) for ev in (closed, live))
+    box = loop.Outbox()
+    box.post(a, "text", "x")
+    box.post(b, "text", "y")
+    box.flush()
+    live.run_until_complete(asyncio.sleep(0))
+    live.close()
+    assert b.out.get_nowait() == ("text", "y") and box.items == []
+
 @contextlib.contextmanager
 def cli(tiny_dir, *flags):
     """python serve.py on a free port (torch twins, one thread) -> (process, base URL, its stderr lines queue, a
