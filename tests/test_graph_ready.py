@@ -1,14 +1,18 @@
 """Graph-readiness of the decode step, for every registered policy x KV storage (the cells are made from the
-registry, as in test_policy_matrix.py; KIVI 4-bit stands for both packed formats): what a CUDA graph needs, checked
-on the CPU.
+registry, as in test_policy_matrix.py; KIVI 4-bit stands for both packed formats; EXTRA adds specs whose decode
+runs code the defaults skip here): what a CUDA graph needs, checked on the CPU.
 
-  - the decode step compiles with fullgraph=True (no graph break) and runs STEPS steps after the prompt with
-    no recompile after its warm-up (dynamo's own tracing, backend="eager": graph breaks and recompiles are
-    decided there; Inductor's code is compared with eager elsewhere, test_policies.py and test_model.py);
-  - the eager decode step makes no host synchronization: Tensor.item, tolist, __bool__, __int__, __float__
-    and nonzero raise inside it (the host hook before_decode_step runs outside it, and may);
-  - the static step (runtime/steps.py static_decode_step, the one a CUDA graph replays) passes one int, the
-    read bound, that stays the same inside a bucket, and gives the dynamic step's logits.
+  - the static step (runtime/steps.py static_decode_step through GraphDecode, the one a CUDA graph replays)
+    compiles with fullgraph=True (no graph break) and runs STEPS steps after the prompt with no recompile after
+    its warm-up (dynamo's own tracing, backend="eager": graph breaks and recompiles are decided there; Inductor's
+    code is compared with eager elsewhere, test_policies.py and test_model.py), and each graph it captures would
+    replay as one CUDA graph (graph_blockers: static inputs, no control flow, no data-dependent sizes);
+  - the dynamic step (CPU --compile's) compiles whole too, at 16 bits;
+  - both steps make no host synchronization: Tensor.item, tolist, __bool__, __int__, __float__ and nonzero
+    raise inside them (the host hooks before the step run outside it, and may), and the static step gives the
+    dynamic step's logits;
+  - `full`'s static step passes one int, the read bound, that stays the same inside a bucket; rows that join
+    and leave (RowBatch) and rows reading a kept prefix in place take it too.
 """
 from __future__ import annotations
 
@@ -53,6 +57,9 @@ def pytest_generate_tests(metafunc):
         cells = [(n, s) for n in sorted(POLICIES) for s, bits in STORAGES.items() if policy_for(n, bits) is not None]
         cells += EXTRA
         metafunc.parametrize("cell", cells, ids=[f"{n}-{s}" for n, s in cells])
+    if "cell16" in metafunc.fixturenames:
+        cells = [(n, "kv16") for n in sorted(POLICIES)] + [c for c in EXTRA if c[1] == "kv16"]
+        metafunc.parametrize("cell16", cells, ids=[f"{n}-{s}" for n, s in cells])
 
 
 @pytest.fixture(scope="module")
@@ -140,31 +147,42 @@ def test_decode_compiles_whole_without_recompiles(model, cell):
     assert not moving, f"{name} over {storage}: the static step would not replay as one CUDA graph: {moving}"
 
 
-def test_static_step_equals_the_dynamic_step(model, cell):
-    """Eager, 60 steps: the static step (where the policy has one) gives the dynamic step's logits; a policy without
-    one takes the dynamic step, and GraphDecode names it."""
+def test_dynamic_decode_compiles_whole_without_recompiles(model, cell16):
+    """The dynamic step too (CPU --compile's, and CUDA's for a cache without a static step), fullgraph=True, 40 steps:
+    no recompile after warm-up.  16-bit cells only: the decode hooks are the static step's (above), the dynamic
+    `begin` of KIVI storage compiles in test_policies.py and test_kivi_kernels.py (a KIVI trace costs 8-21 s)."""
+    name, storage = cell16
+    counters, seen = fresh_compiles(), {}
+    step = torch.compile(decode_step, dynamic=True, fullgraph=True, backend="eager")
+
+    def count(s):
+        if s == 3:
+            seen["warm"] = counters["stats"]["unique_graphs"]
+    decode_run(model, policy_for(name, STORAGES[storage]), step, 40, count)
+    assert counters["stats"]["unique_graphs"] == seen["warm"], f"{name}'s dynamic step recompiled in decode"
+
+
+def no_sync(step):
+    """`step`, run with host syncs raising inside it (host_syncs_raise)."""
+    def call(*args):
+        with host_syncs_raise():
+            return step(*args)
+    return call
+
+
+def test_static_step_equals_the_dynamic_step_and_makes_no_host_sync(model, cell):
+    """Eager, 60 steps, each made with host syncs raising inside the step (the host hooks before it may sync): the
+    static step (where the policy has one) gives the dynamic step's logits; a policy without one takes the dynamic
+    step, and GraphDecode names it."""
     name, storage = cell
-    dynamic = decode_run(model, policy_for(name, STORAGES[storage]), decode_step, 60)
+    dynamic = decode_run(model, policy_for(name, STORAGES[storage]), no_sync(decode_step), 60)
     policy = policy_for(name, STORAGES[storage])
-    graph = GraphDecode(static_decode_step, decode_step)
+    graph = GraphDecode(no_sync(static_decode_step), no_sync(decode_step))
     static = decode_run(model, policy, graph, 60)
     torch.testing.assert_close(static, dynamic, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(static).all()
     assert graph.static_steps == (60 if policy.static_decode else 0)
     assert bool(graph.dynamic_caches) != policy.static_decode
-
-
-def test_decode_step_makes_no_host_sync(model, cell):
-    """Inside the step (the static one where the policy has one), reading a value on the host raises."""
-    name, storage = cell
-
-    def guarded(step):
-        def call(*args):
-            with host_syncs_raise():
-                return step(*args)
-        return call
-    logits = decode_run(model, policy_for(name, STORAGES[storage]),
-                        GraphDecode(guarded(static_decode_step), guarded(decode_step)), 24)
-    assert torch.isfinite(logits).all()
 
 
 def test_host_syncs_raise_catches_a_sync():
