@@ -430,12 +430,10 @@ class KIVIDenseCache(FullCache):
                        for _ in range(args.n_layers)]
         return self.stores, self.stores
 
-    def begin(self, input_pos: Tensor, n_filled: Optional[int] = None) -> None:
-        super().begin(input_pos, n_filled)
-        self.now.copy_(input_pos.amax(-1))      # [B] the newest position: the ring holds (now - R, now]
-
-    def begin_static(self, input_pos: Tensor, n_read: int) -> None:
-        super().begin_static(input_pos, n_read)
+    def read_slots(self, input_pos: Tensor, n: int) -> None:
+        """FullCache's, once per forward (begin and begin_static), and `now` in place: [B] the newest position,
+        the ring holds (now - R, now]."""
+        super().read_slots(input_pos, n)
         self.now.copy_(input_pos.amax(-1))
 
     def kv_buffers(self) -> list[Tensor]:
